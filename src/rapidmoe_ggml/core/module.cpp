@@ -1,0 +1,27 @@
+// rapidmoe._core: the nanobind extension module. Thin bindings only; Python owns the policy.
+// Linked against the same libllama/libggml files that llama_cpp's ctypes layer loads.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "llama.h"
+#include "rapidmoe-llama.h"
+
+#include "backends.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_core, m) {
+    m.doc() = "RapidMoE native core (bindings to our build of llama.cpp/ggml)";
+
+    m.def("build_info", &rapidmoe_llama_build_info,
+          "Build string of our libllama; only our build exports it.");
+    m.def("probe_add", &rapidmoe_llama_probe_add, "delta"_a,
+          "Add delta to a counter inside libllama and return the new value (library-identity probe).");
+    m.def("system_info", []() { return std::string(llama_print_system_info()); },
+          "llama.cpp's system info line (backends and CPU features compiled in).");
+    m.def("buffer_types", &rapidmoe::buffer_types,
+          "Buffer types of every ggml device: list of (name, address) usable as tensor_buft_overrides.");
+}

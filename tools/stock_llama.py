@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Build STOCK llama.cpp (the same pinned tarball, none of our patches) for tests and benchmarks.
+
+Stock is the reference our numbers are compared against in the same run. The build lives in
+build/stock/ (git-ignored) and is reused; only the requested targets are built.
+Usage: python tools/stock_llama.py [TARGET ...]   (default: llama; prints the bin folder)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STOCK = ROOT / "build" / "stock"
+
+
+def _fetch_module():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("fetch_upstream", ROOT / "src" / "rapidmoe_ggml" / "fetch_upstream.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def build_stock(targets: list[str], jobs: int | None = None, quiet: bool = True) -> Path:
+    """Configure (once) and build the given targets of unpatched llama.cpp; returns the folder with binaries/libs."""
+    fetch = _fetch_module()
+    src = STOCK / "src"
+    build = STOCK / "build"
+    if not (src / "llama.cpp" / "CMakeLists.txt").exists():
+        sdist = fetch.ensure_sdist(ROOT / "vendor")
+        fetch.extract_pristine(sdist, src)
+    out = subprocess.DEVNULL if quiet else None
+    if not (build / "build.ninja").exists() and not (build / "Makefile").exists():
+        gen = ["-G", "Ninja"] if subprocess.run(["ninja", "--version"], capture_output=True).returncode == 0 else []
+        subprocess.run(["cmake", "-S", str(src / "llama.cpp"), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release",
+                        "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
+                        "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF"],
+                       check=True, stdout=out)
+    cmd = ["cmake", "--build", str(build), "--config", "Release", "-j", str(jobs or os.cpu_count() or 2),
+           "--target", *targets]
+    subprocess.run(cmd, check=True, stdout=out)
+    return build / "bin"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("targets", nargs="*", default=["llama"])
+    ap.add_argument("-j", "--jobs", type=int, default=None)
+    args = ap.parse_args()
+    print(build_stock(args.targets, args.jobs, quiet=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

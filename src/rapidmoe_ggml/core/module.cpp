@@ -9,6 +9,7 @@
 #include "rapidmoe-llama.h"
 
 #include "backends.h"
+#include "quant.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -24,4 +25,5 @@ NB_MODULE(_core, m) {
           "llama.cpp's system info line (backends and CPU features compiled in).");
     m.def("buffer_types", &rapidmoe::buffer_types,
           "Buffer types of every ggml device: list of (name, address) usable as tensor_buft_overrides.");
+    rapidmoe::bind_quant(m);
 }

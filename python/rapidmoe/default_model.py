@@ -1,0 +1,33 @@
+"""The embedded default model: a tiny synthetic qwen3moe GGUF, made on first use and cached.
+
+`rapidmoe-cli run` without a model argument runs on it, so a fresh install can generate text offline.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from .paths import cache_dir, vocab_dir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ARCH = "qwen3moe"
+DEFAULT_SIZE = "tiny"
+DEFAULT_SEED = 0
+
+
+def default_model_path() -> Path:
+    from .synthetic import GENERATOR_VERSION  # noqa: PLC0415
+
+    return cache_dir() / f"synthetic-{DEFAULT_ARCH}-{DEFAULT_SIZE}-s{DEFAULT_SEED}-g{GENERATOR_VERSION}.gguf"
+
+
+def ensure_default_model(progress: bool = True) -> Path:
+    """Path of the default model, writing it first if it is not cached yet (a few seconds)."""
+    from .synthetic import spec_for, write_model  # noqa: PLC0415
+
+    path = default_model_path()
+    if not path.exists():
+        log.warning("making the default model %s (once)", path)
+        write_model(spec_for(DEFAULT_ARCH, DEFAULT_SIZE, seed=DEFAULT_SEED), path, vocab_dir(), progress=progress)
+    return path

@@ -1,0 +1,76 @@
+"""`rapidmoe.Llama`: llama-cpp-python's `Llama` running on RapidMoE's libllama, plus MoE placement knobs.
+
+Everything llama_cpp.Llama offers (create_completion, create_chat_completion, streaming, tokenize, ...) is
+inherited unchanged; this class only adds arguments. Generation loops and sampling stay in llama_cpp.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._runtime import llama_cpp
+from .modelfile import read_model_info
+from .overrides import BufferOverrides, build_overrides
+
+
+@dataclass(frozen=True)
+class Timings:
+    """llama.cpp's performance counters for a context since the last reset."""
+
+    prompt_tokens: int  # tokens evaluated in prompt (prefill) batches
+    prompt_ms: float
+    decode_tokens: int  # tokens generated one at a time
+    decode_ms: float
+
+    @property
+    def prompt_tps(self) -> float:
+        return 1e3 * self.prompt_tokens / self.prompt_ms if self.prompt_ms > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return 1e3 * self.decode_tokens / self.decode_ms if self.decode_ms > 0 else 0.0
+
+
+class Llama(llama_cpp.Llama):
+    """Drop-in for `llama_cpp.Llama` (same arguments and methods) with MoE placement knobs:
+
+    n_cpu_moe: keep the routed experts of the first N layers in CPU memory (llama.cpp's `--n-cpu-moe`).
+    override_tensor: llama.cpp `-ot` overrides, "pattern=BUFT,..." or a list of them (e.g. "exps=CPU").
+    """
+
+    _buffer_overrides: BufferOverrides | None
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        n_cpu_moe: int = 0,
+        override_tensor: str | Sequence[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        read_model_info(model_path)  # a clear error for missing, truncated and non-GGUF files
+        self._buffer_overrides = build_overrides(n_cpu_moe, override_tensor)
+        super().__init__(os.fspath(model_path), **kwargs)
+
+    # llama_cpp.Llama.__init__ assigns self.model_params and loads the model right after; intercepting the
+    # assignment is how the override array reaches llama_model_load_from_file without copying that method.
+    @property
+    def model_params(self) -> llama_cpp.llama_model_params:
+        return self._model_params
+
+    @model_params.setter
+    def model_params(self, params: llama_cpp.llama_model_params) -> None:
+        overrides = getattr(self, "_buffer_overrides", None)
+        if overrides is not None:
+            params.tensor_buft_overrides = overrides.address
+        self._model_params = params
+
+    def reset_timings(self) -> None:
+        llama_cpp.llama_perf_context_reset(self.ctx)
+
+    def timings(self) -> Timings:
+        d = llama_cpp.llama_perf_context(self.ctx)
+        return Timings(prompt_tokens=int(d.n_p_eval), prompt_ms=float(d.t_p_eval_ms),
+                       decode_tokens=int(d.n_eval), decode_ms=float(d.t_eval_ms))

@@ -1,0 +1,82 @@
+"""Checks on model files at the boundary: exists, is a complete GGUF, and (where required) is an MoE model.
+
+Reads only the GGUF header and tensor table (memory-mapped); never loads weights into RAM.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ModelFileError
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a GGUF says about itself."""
+
+    path: Path
+    architecture: str
+    n_layer: int
+    n_expert: int  # 0 for a dense model
+    n_expert_used: int
+    n_tensors: int
+    file_size: int
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 1 and self.n_expert_used >= 1
+
+
+def _field(reader: object, key: str) -> object | None:
+    field = reader.fields.get(key)  # type: ignore[attr-defined]
+    if field is None:
+        return None
+    return field.contents()
+
+
+def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
+    """Open a GGUF's metadata; raise ModelFileError with a one-line reason if it is not a usable GGUF."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelFileError(f"model file not found: {p}")
+    if not p.is_file():
+        raise ModelFileError(f"not a file: {p}")
+    size = p.stat().st_size
+    try:
+        with p.open("rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelFileError(f"cannot read {p}: {e.strerror}") from e
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(f"{p} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    from gguf import GGUFReader  # noqa: PLC0415 - imported lazily: it is slow to import
+
+    try:
+        reader = GGUFReader(p, "r")
+    except Exception as e:  # the reader raises many types on corrupt headers
+        raise ModelFileError(f"{p} is a corrupt or truncated GGUF ({type(e).__name__}: {e})") from e
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise ModelFileError(f"{p} is truncated: tensor data needs {end} bytes, the file has {size}")
+    arch = _field(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise ModelFileError(f"{p} has no general.architecture: not a llama.cpp model")
+
+    def hparam(name: str) -> int:
+        v = _field(reader, f"{arch}.{name}")
+        return int(v) if isinstance(v, (int, float)) else 0
+
+    return ModelInfo(path=p, architecture=arch, n_layer=hparam("block_count"), n_expert=hparam("expert_count"),
+                     n_expert_used=hparam("expert_used_count"), n_tensors=len(reader.tensors), file_size=size)
+
+
+def require_moe(path: str | os.PathLike[str]) -> ModelInfo:
+    """read_model_info, and refuse a dense (non-MoE) model."""
+    info = read_model_info(path)
+    if not info.is_moe:
+        raise ModelFileError(
+            f"{info.path} is a dense {info.architecture} model (no routed experts); RapidMoE needs an MoE model")
+    return info

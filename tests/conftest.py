@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny synthetic models (made once per session) and the stock llama.cpp reference build."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ARCHS = ("qwen3moe", "deepseek2")
+
+
+@pytest.fixture(scope="session")
+def vocab_dir() -> Path:
+    from rapidmoe.paths import vocab_dir as find
+
+    try:
+        return find()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+def _make(model_dir: Path, vocab_dir: Path, arch: str, dtype: str) -> Path:
+    from rapidmoe.synthetic import spec_for, write_model
+
+    path = model_dir / f"tiny-{arch}-{dtype}.gguf"
+    if not path.exists():
+        write_model(spec_for(arch, "tiny", seed=0, dtype=dtype), path, vocab_dir)
+    return path
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def tiny_model(request: pytest.FixtureRequest, model_dir: Path, vocab_dir: Path) -> Path:
+    """The tiny F16 model of each architecture."""
+    return _make(model_dir, vocab_dir, request.param, "f16")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(model_dir: Path, vocab_dir: Path) -> Path:
+    return _make(model_dir, vocab_dir, "qwen3moe", "f16")
+
+
+@pytest.fixture(scope="session")
+def make_tiny(model_dir: Path, vocab_dir: Path):  # type: ignore[no-untyped-def]
+    """make_tiny(arch, dtype) -> path, cached for the session."""
+    return lambda arch, dtype="f16": _make(model_dir, vocab_dir, arch, dtype)
+
+
+@pytest.fixture(scope="session")
+def stock_bin() -> Path:
+    """Folder with STOCK (unpatched) libllama of the same pin; built on first use, reused after."""
+    from stock_llama import build_stock
+
+    return build_stock(["llama"])

@@ -1,0 +1,170 @@
+"""Write a SyntheticSpec as a GGUF file that stock llama.cpp loads: metadata, a copied tokenizer, streamed tensors.
+
+Tensors are generated and written one at a time into PATH.tmp, which replaces PATH only when complete.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from ..ggufio import GGUFFile
+from .spec import SyntheticSpec, TensorPlan, tensor_plan
+from .weights import GENERATOR_VERSION, generate
+
+log = logging.getLogger(__name__)
+
+KEY_SPEC = "rapidmoe.synthetic.spec"
+KEY_GENERATOR = "rapidmoe.synthetic.generator_version"
+
+
+@dataclasses.dataclass(frozen=True)
+class _KV:
+    key: str
+    value: Any
+    vtype: gguf.GGUFValueType
+    sub_type: gguf.GGUFValueType | None = None
+
+
+def vocab_file(vocab_dir: Path | None, vocab: str) -> Path:
+    """models/ggml-vocab-NAME.gguf inside vocab_dir, with clear errors."""
+    if vocab_dir is None:
+        raise ValueError("vocab_dir is required: the folder holding llama.cpp's models/ggml-vocab-*.gguf files")
+    path = Path(vocab_dir) / f"ggml-vocab-{vocab}.gguf"
+    if not path.is_file():
+        raise FileNotFoundError(f"vocab file {path} not found (vocab {vocab!r}; vocab_dir={vocab_dir})")
+    return path
+
+
+def read_tokenizer(path: Path) -> tuple[_KV, ...]:
+    """All tokenizer.* key/value pairs of a GGUF file with their exact GGUF types (cached per file version)."""
+    st = Path(path).stat()
+    return _read_tokenizer(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_tokenizer(path: str, size: int, mtime_ns: int) -> tuple[_KV, ...]:
+    del size, mtime_ns  # cache key only
+    reader = GGUFFile(path)
+    kvs = [_KV(key, f.value, f.vtype, f.sub_type) for key, f in reader.fields.items() if key.startswith("tokenizer.")]
+    if not any(kv.key == gguf.Keys.Tokenizer.LIST for kv in kvs):
+        raise ValueError(f"{path} has no {gguf.Keys.Tokenizer.LIST} array")
+    return tuple(kvs)
+
+
+def _spec_json(spec: SyntheticSpec) -> str:
+    return json.dumps(dataclasses.asdict(spec), sort_keys=True)
+
+
+def _add_hparams(w: gguf.GGUFWriter, spec: SyntheticSpec, n_vocab: int) -> None:
+    w.add_type("model")
+    w.add_name(spec.model_name)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if spec.dtype == "f16" else gguf.LlamaFileType.ALL_F32)
+    w.add_vocab_size(n_vocab)
+    w.add_context_length(spec.context_length)
+    w.add_embedding_length(spec.n_embd)
+    w.add_block_count(spec.n_layer)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(spec.n_head_kv)
+    w.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    assert spec.rope_freq_base is not None
+    w.add_rope_freq_base(spec.rope_freq_base)
+    w.add_expert_count(spec.n_expert)
+    w.add_expert_used_count(spec.n_expert_used)
+    w.add_expert_feed_forward_length(spec.n_ff_exp)
+    if spec.arch == "qwen3moe":
+        w.add_feed_forward_length(spec.n_ff_exp * spec.n_expert_used)  # unused by llama.cpp for qwen3moe
+        w.add_key_length(spec.head_dim)
+        w.add_value_length(spec.head_dim)
+        w.add_rope_dimension_count(spec.head_dim)
+        return
+    # deepseek2 (keys as convert_hf_to_gguf writes them for DeepSeek-V3)
+    w.add_feed_forward_length(spec.n_ff if spec.n_ff else spec.n_ff_exp)
+    w.add_leading_dense_block_count(spec.n_layer_dense_lead)
+    if spec.q_lora_rank > 0:
+        w.add_q_lora_rank(spec.q_lora_rank)
+    w.add_kv_lora_rank(spec.kv_lora_rank)
+    w.add_key_length(spec.kv_lora_rank + spec.qk_rope_head_dim)
+    w.add_value_length(spec.kv_lora_rank)
+    w.add_key_length_mla(spec.qk_nope_head_dim + spec.qk_rope_head_dim)
+    w.add_value_length_mla(spec.v_head_dim)
+    w.add_expert_shared_count(spec.n_expert_shared)
+    w.add_expert_weights_scale(spec.expert_weights_scale)
+    w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if spec.n_group > 1:
+        w.add_expert_group_count(spec.n_group)
+        w.add_expert_group_used_count(spec.n_group_used)
+    w.add_rope_dimension_count(spec.qk_rope_head_dim)
+    if spec.rope_scaling_factor > 1:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(spec.rope_scaling_factor)
+        w.add_rope_scaling_orig_ctx_len(int(spec.context_length // spec.rope_scaling_factor))
+        w.add_rope_scaling_yarn_log_mul(0.1)  # DeepSeek-V3: mscale_all_dim = 1 (the converter writes 0.1 * it)
+
+
+def _np_dtype(spec: SyntheticSpec, t: TensorPlan) -> type:
+    return np.float32 if t.f32 or spec.dtype == "f32" else np.float16
+
+
+def write_model(spec: SyntheticSpec, path: Path, vocab_dir: Path | None, *, progress: bool = False) -> Path:
+    """Write the model to `path` (atomically, via path + '.tmp'); returns `path`.
+
+    Same spec (and GENERATOR_VERSION) -> byte-identical file. Memory stays around one tensor.
+    """
+    path = Path(path)
+    tokenizer = read_tokenizer(vocab_file(vocab_dir, str(spec.vocab)))
+    n_vocab = len(next(kv.value for kv in tokenizer if kv.key == gguf.Keys.Tokenizer.LIST))
+    plan = tensor_plan(spec, n_vocab)
+    total = sum(t.nbytes(spec.dtype) for t in plan)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    log.info("writing %s: %s, %d tensors, %.1f MB", path, spec.arch, len(plan), total / 1e6)
+
+    writer = gguf.GGUFWriter(tmp, spec.arch)
+    bar = None
+    try:
+        _add_hparams(writer, spec, n_vocab)
+        for kv in tokenizer:
+            writer.add_key_value(kv.key, kv.value, kv.vtype, kv.sub_type)
+        writer.add_uint32(KEY_GENERATOR, GENERATOR_VERSION)
+        writer.add_string(KEY_SPEC, _spec_json(spec))
+        for t in plan:
+            dtype = _np_dtype(spec, t)
+            writer.add_tensor_info(t.name, t.shape, np.dtype(dtype), t.nbytes(spec.dtype))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        if progress:
+            from tqdm import tqdm  # noqa: PLC0415
+
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc=path.name)
+        for t in plan:
+            data = generate(spec, t)
+            assert data.shape == t.shape and data.dtype == _np_dtype(spec, t), t.name
+            writer.write_tensor_data(data)
+            if bar is not None:
+                bar.update(data.nbytes)
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    log.info("wrote %s (%.1f MB)", path, path.stat().st_size / 1e6)
+    return path
+
+
+def read_spec(path: Path) -> SyntheticSpec | None:
+    """The SyntheticSpec stored in a file this module wrote (None for other GGUF files)."""
+    value = GGUFFile(path).get(KEY_SPEC)
+    return None if value is None else SyntheticSpec(**json.loads(value))

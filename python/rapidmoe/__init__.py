@@ -1,14 +1,30 @@
 """RapidMoE: fast Mixture-of-Experts inference on llama.cpp for machines whose GPU memory is too small.
 
 Public API: `Llama` (a drop-in for llama_cpp.Llama on our patched libllama, with MoE placement knobs),
-synthetic model generation (`rapidmoe.synthetic`) and the `rapidmoe-cli` command line.
+RESplit conversion (`rapidmoe.resplit`), synthetic models (`rapidmoe.synthetic`) and `rapidmoe-cli`.
+The native libraries load on first use of `Llama`/`llama_cpp`/`_core`, so pure-Python parts import without them.
 """
 from __future__ import annotations
 
-from ._runtime import _core, llama_cpp
+from typing import TYPE_CHECKING, Any
+
 from .errors import ModelFileError, RapidMoEError
-from .llama import Llama, Timings
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from ._runtime import _core, llama_cpp
+    from .llama import Llama, Timings
+
+_LAZY = {"Llama": ".llama", "Timings": ".llama", "llama_cpp": "._runtime", "_core": "._runtime"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'rapidmoe' has no attribute {name!r}")
+
 
 __all__ = ["Llama", "Timings", "ModelFileError", "RapidMoEError", "llama_cpp", "_core", "__version__"]

@@ -5,6 +5,7 @@ inherited unchanged; this class only adds arguments. Generation loops and sampli
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ class Llama(llama_cpp.Llama):
 
     n_cpu_moe: keep the routed experts of the first N layers in CPU memory (llama.cpp's `--n-cpu-moe`).
     override_tensor: llama.cpp `-ot` overrides, "pattern=BUFT,..." or a list of them (e.g. "exps=CPU").
+    eval_callback: an object with `callback_address` and `user_data` (e.g. rapidmoe._core.ImatrixCollector)
+        installed as the context's ggml eval callback; it must outlive this Llama.
     """
 
     _buffer_overrides: BufferOverrides | None
@@ -48,10 +51,12 @@ class Llama(llama_cpp.Llama):
         *,
         n_cpu_moe: int = 0,
         override_tensor: str | Sequence[str] | None = None,
+        eval_callback: Any = None,
         **kwargs: Any,
     ) -> None:
         read_model_info(model_path)  # a clear error for missing, truncated and non-GGUF files
         self._buffer_overrides = build_overrides(n_cpu_moe, override_tensor)
+        self._eval_callback = eval_callback
         super().__init__(os.fspath(model_path), **kwargs)
 
     # llama_cpp.Llama.__init__ assigns self.model_params and loads the model right after; intercepting the
@@ -66,6 +71,18 @@ class Llama(llama_cpp.Llama):
         if overrides is not None:
             params.tensor_buft_overrides = overrides.address
         self._model_params = params
+
+    @property
+    def context_params(self) -> llama_cpp.llama_context_params:
+        return self._context_params
+
+    @context_params.setter
+    def context_params(self, params: llama_cpp.llama_context_params) -> None:
+        cb = getattr(self, "_eval_callback", None)
+        if cb is not None:
+            params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(cb.callback_address)
+            params.cb_eval_user_data = ctypes.c_void_p(cb.user_data)
+        self._context_params = params
 
     def reset_timings(self) -> None:
         llama_cpp.llama_perf_context_reset(self.ctx)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelFileError
+from .ggufio import GGUFFile, GGUFFormatError
 
 GGUF_MAGIC = b"GGUF"
 
@@ -30,13 +31,6 @@ class ModelInfo:
         return self.n_expert > 1 and self.n_expert_used >= 1
 
 
-def _field(reader: object, key: str) -> object | None:
-    field = reader.fields.get(key)  # type: ignore[attr-defined]
-    if field is None:
-        return None
-    return field.contents()
-
-
 def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
     """Open a GGUF's metadata; raise ModelFileError with a one-line reason if it is not a usable GGUF."""
     p = Path(path)
@@ -52,21 +46,19 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         raise ModelFileError(f"cannot read {p}: {e.strerror}") from e
     if magic != GGUF_MAGIC:
         raise ModelFileError(f"{p} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
-    from gguf import GGUFReader  # noqa: PLC0415 - imported lazily: it is slow to import
-
     try:
-        reader = GGUFReader(p, "r")
-    except Exception as e:  # the reader raises many types on corrupt headers
-        raise ModelFileError(f"{p} is a corrupt or truncated GGUF ({type(e).__name__}: {e})") from e
+        reader = GGUFFile(p)
+    except GGUFFormatError as e:
+        raise ModelFileError(f"{p} is a corrupt or truncated GGUF ({e})") from e
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > size:
         raise ModelFileError(f"{p} is truncated: tensor data needs {end} bytes, the file has {size}")
-    arch = _field(reader, "general.architecture")
+    arch = reader.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFileError(f"{p} has no general.architecture: not a llama.cpp model")
 
     def hparam(name: str) -> int:
-        v = _field(reader, f"{arch}.{name}")
+        v = reader.get(f"{arch}.{name}")
         return int(v) if isinstance(v, (int, float)) else 0
 
     return ModelInfo(path=p, architecture=arch, n_layer=hparam("block_count"), n_expert=hparam("expert_count"),

@@ -1,0 +1,4 @@
+"""`python -m rapidmoe.cli` runs rapidmoe-cli."""
+from .app import main
+
+main()

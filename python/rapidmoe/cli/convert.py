@@ -1,0 +1,57 @@
+"""`rapidmoe-cli convert`: RESplit a full-precision MoE GGUF into a `.wq.gguf` base and a `.wr.gguf` sidecar."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import RapidMoEError
+
+
+def convert(
+    model: Annotated[Path, typer.Argument(help="Full-precision MoE GGUF (F32/F16/BF16, or Q8_0).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output folder.")] = Path("."),
+    preset: Annotated[str, typer.Option("--preset", help="paper, paper-residual, iq2, cpu or dense.")] = "paper",
+    wq: Annotated[Optional[str], typer.Option("--wq", help="Override the WQ type (IQ1_M IQ2_XXS IQ2_XS Q2_K Q3_K).")] = None,
+    wr: Annotated[Optional[str], typer.Option("--wr", help="Override the WR type (Q2_K Q3_K Q4_K).")] = None,
+    down: Annotated[Optional[str], typer.Option("--down", help="Override down's sidecar form: copy or residual.")] = None,
+    other: Annotated[Optional[str], typer.Option("--other-type", help="Type for non-expert matrices (Q8_0 F16 F32).")] = None,
+    imatrix: Annotated[Optional[Path], typer.Option("--imatrix", help="llama.cpp importance matrix (GGUF or legacy .dat).")] = None,
+    calib_text: Annotated[Optional[Path], typer.Option("--calib-text", help="Text to compute an importance matrix from with our build.")] = None,
+    calib_ctx: Annotated[int, typer.Option("--calib-ctx", help="Tokens per calibration chunk.", min=16)] = 512,
+    calib_chunks: Annotated[int, typer.Option("--calib-chunks", help="At most this many chunks.", min=1)] = 16,
+    name: Annotated[Optional[str], typer.Option("--name", help="Output base name (default: the input's).")] = None,
+    report_experts: Annotated[int, typer.Option("--report-experts", help="Experts per tensor on which plain Q4_K/Q8_0 errors are measured (0: all).", min=0)] = 4,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite existing outputs.")] = False,
+) -> None:
+    """Split every routed expert into WQ (low-bit, in NAME.wq.gguf, which stock llama.cpp runs) and the quantized
+    residual WR (NAME.wr.gguf sidecar); print bits per weight and the reconstruction-error table."""
+    from ..resplit import collect_imatrix, convert as run_convert, get_preset, read_imatrix, write_imatrix  # noqa: PLC0415
+    from ..resplit.report import format_table  # noqa: PLC0415
+
+    try:
+        p = get_preset(preset, wq=wq, wr=wr, down_mode=down, other=other)
+    except ValueError as e:
+        raise RapidMoEError(str(e)) from e
+    if imatrix is not None and calib_text is not None:
+        raise RapidMoEError("give either --imatrix or --calib-text, not both")
+    im = read_imatrix(imatrix) if imatrix is not None else None
+    if calib_text is not None:
+        if not calib_text.is_file():
+            raise RapidMoEError(f"calibration text not found: {calib_text}")
+        im = collect_imatrix(model, calib_text.read_text(errors="replace"), n_ctx=calib_ctx, max_chunks=calib_chunks,
+                             dataset=calib_text.name)
+        output.mkdir(parents=True, exist_ok=True)
+        saved = write_imatrix(im, output / f"{name or model.name.removesuffix('.gguf')}.imatrix.gguf")
+        typer.echo(f"importance matrix: {saved}")
+    res = run_convert(model, output, p, imatrix=im, name=name, force=force,
+                      report_experts=None if report_experts == 0 else report_experts)
+    b = res.report["bits"]
+    typer.echo(f"preset {p.name}: WQ {p.wq} {b['wq']:.3f} bpw | sidecar gate/up {p.wr} {b['wr_gate_up']:.3f} bpw, "
+               f"down {p.down_hi} {p.down_mode} {b['down_sidecar']:.3f} bpw | critical path {b['critical']:.3f} bpw | "
+               f"total stored {b['total_stored']:.3f} bpw (routed experts)")
+    typer.echo(format_table(res.report))
+    f = res.report["files"]
+    typer.echo(f"wrote {res.wq_path} ({f['wq_bytes'] / 1e6:.1f} MB), {res.wr_path} ({f['wr_bytes'] / 1e6:.1f} MB), "
+               f"{res.report_path} in {res.seconds:.1f} s")

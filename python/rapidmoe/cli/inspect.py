@@ -1,0 +1,55 @@
+"""`rapidmoe-cli inspect`: a GGUF's MoE structure and, for RESplit files, the WQ/WR pairing and bits."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|wr|hi)$")
+
+
+def inspect(
+    model: Annotated[Path, typer.Argument(help="A GGUF: a model, a RESplit .wq.gguf or a .wr.gguf sidecar.")],
+    residual: Annotated[Optional[Path], typer.Option("--residual", help="Check this sidecar against MODEL.")] = None,
+) -> None:
+    """Show the MoE structure (layers, experts, top-k, expert tensor types and bits) and RESplit pairing."""
+    from ..ggufio import GGUFFile, field_value  # noqa: PLC0415
+    from ..modelfile import read_model_info  # noqa: PLC0415
+    from ..resplit.sidecar import SIDECAR_ARCH, check_pair  # noqa: PLC0415
+
+    info = read_model_info(model)
+    r = GGUFFile(model)
+    is_sidecar = info.architecture == SIDECAR_ARCH
+    typer.echo(f"{model}: {info.file_size / 1e6:.1f} MB, {info.n_tensors} tensors, architecture {info.architecture}")
+    if is_sidecar:
+        for k, f in r.fields.items():
+            if k.startswith("rapidmoe.residual."):
+                typer.echo(f"  {k[len('rapidmoe.residual.'):]}: {f.value}")
+    elif info.is_moe:
+        typer.echo(f"  MoE: {info.n_layer} layers, {info.n_expert} experts, top-{info.n_expert_used}")
+    else:
+        typer.echo("  dense model (no routed experts)")
+    kinds: Counter[tuple[str, str, str]] = Counter()
+    n_bytes: Counter[tuple[str, str, str]] = Counter()
+    n_elems: Counter[tuple[str, str, str]] = Counter()
+    for t in r.tensors:
+        m = EXPERT.match(t.name)
+        if m:
+            key = (m.group(2), m.group(3), t.tensor_type.name)
+            kinds[key] += 1
+            n_bytes[key] += int(t.n_bytes)
+            n_elems[key] += int(t.n_elements)
+    if kinds:
+        typer.echo("  expert tensors (role, form, type): layers, MB, bits/weight")
+        for key in sorted(kinds):
+            typer.echo(f"    {key[0]:8s} {key[1]:6s} {key[2]:8s} {kinds[key]:4d}  {n_bytes[key] / 1e6:9.2f}  "
+                       f"{8 * n_bytes[key] / n_elems[key]:.3f}")
+    pair = field_value(r, "rapidmoe.resplit.pair_id")
+    if pair is not None:
+        typer.echo(f"  RESplit base (WQ): preset {field_value(r, 'rapidmoe.resplit.preset')}, pair id {pair}")
+    if residual is not None:
+        meta = check_pair(model, residual)
+        typer.echo(f"  sidecar {residual} belongs to this base (pair id {meta['pair_id']}, sha256 verified)")

@@ -1,0 +1,60 @@
+"""`rapidmoe-cli run`: generate text from a prompt with streaming output, then report prefill/decode speed."""
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import ModelFileError
+from . import options
+
+
+def run(
+    model: options.ModelArg = None,
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt text.")] = "Once upon a time",
+    n_predict: Annotated[int, typer.Option("--n-predict", "-n", help="Tokens to generate.", min=0)] = 64,
+    ctx_size: options.CtxSize = 2048,
+    threads: options.Threads = None,
+    temp: Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy.", min=0.0)] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", min=0)] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)] = 0.95,
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", min=0.0)] = 1.0,
+    seed: Annotated[int, typer.Option("--seed", "-s", help="Sampling seed.")] = 0,
+    n_gpu_layers: options.GpuLayers = 0,
+    n_cpu_moe: options.NCpuMoe = 0,
+    override_tensor: options.OverrideTensor = None,
+    verbose: options.Verbose = False,
+) -> None:
+    """Generate text from PROMPT with MODEL, streaming tokens as they come, then print prefill and decode speed."""
+    from ..default_model import ensure_default_model  # noqa: PLC0415 - keep --help fast
+    from ..llama import Llama  # noqa: PLC0415
+    from ..modelfile import require_moe  # noqa: PLC0415
+
+    path = model if model is not None else ensure_default_model()
+    info = require_moe(path)
+    if n_predict + 8 > ctx_size:
+        raise ModelFileError(f"--n-predict {n_predict} does not fit in --ctx-size {ctx_size}")
+    try:
+        llm = Llama(path, n_ctx=ctx_size, n_threads=threads, n_threads_batch=threads, seed=seed,
+                    n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=override_tensor,
+                    verbose=verbose)
+    except ValueError as e:  # llama_cpp reports load failures as ValueError
+        raise ModelFileError(f"llama.cpp could not load {path} ({info.architecture}): {e}") from e
+    n_prompt = len(llm.tokenize(prompt.encode(), add_bos=True, special=False))
+    if n_prompt + n_predict > ctx_size:
+        raise ModelFileError(f"prompt ({n_prompt} tokens) + --n-predict {n_predict} exceed --ctx-size {ctx_size}")
+    llm.reset_timings()
+    out = sys.stdout
+    out.write(prompt)
+    for chunk in llm.create_completion(prompt, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p,
+                                       repeat_penalty=repeat_penalty, seed=seed, stream=True):
+        out.write(chunk["choices"][0]["text"])
+        out.flush()
+    out.write("\n")
+    t = llm.timings()
+    print(f"\nprefill: {t.prompt_tokens} tokens in {t.prompt_ms:.1f} ms = {t.prompt_tps:.2f} tokens/s\n"
+          f"decode:  {t.decode_tokens} tokens in {t.decode_ms:.1f} ms = {t.decode_tps:.2f} tokens/s\n"
+          f"model:   {path} ({info.architecture}, {info.n_expert} experts, top-{info.n_expert_used})",
+          file=sys.stderr)
+    llm.close()

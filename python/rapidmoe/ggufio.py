@@ -1,0 +1,194 @@
+"""GGUF reading for RapidMoE: a fast header parser (gguf-py's reader takes seconds on a 50k-token vocabulary),
+memory-mapped tensor data, metadata copy into a gguf-py writer, and tensors as float32 through ggml.
+
+Writing stays with gguf-py's GGUFWriter; (de)quantization goes through ggml (rapidmoe._core).
+"""
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+_SCALAR = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+_NP = {GGUFValueType.UINT8: np.uint8, GGUFValueType.INT8: np.int8, GGUFValueType.UINT16: np.uint16,
+       GGUFValueType.INT16: np.int16, GGUFValueType.UINT32: np.uint32, GGUFValueType.INT32: np.int32,
+       GGUFValueType.FLOAT32: np.float32, GGUFValueType.BOOL: np.bool_, GGUFValueType.UINT64: np.uint64,
+       GGUFValueType.INT64: np.int64, GGUFValueType.FLOAT64: np.float64}
+
+
+class GGUFFormatError(ValueError):
+    """The bytes are not a well-formed GGUF (truncated or corrupt header)."""
+
+
+@dataclass(frozen=True)
+class Field:
+    vtype: GGUFValueType
+    value: Any
+    sub_type: GGUFValueType | None = None  # element type of an array
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    shape: tuple[int, ...]  # ggml order: ne[0] (row length) first
+    tensor_type: GGMLQuantizationType
+    data_offset: int  # absolute offset in the file
+    n_bytes: int
+    _file: GGUFFile = field(repr=False, compare=False)
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def data(self) -> np.ndarray:
+        """Memory-mapped view: float32/float16 in numpy order, else raw bytes [..., row_bytes]."""
+        dims = tuple(reversed(self.shape))
+        mm = self._file.memmap()
+        raw = mm[self.data_offset: self.data_offset + self.n_bytes]
+        if self.tensor_type == GGMLQuantizationType.F32:
+            return raw.view(np.float32).reshape(dims)
+        if self.tensor_type == GGMLQuantizationType.F16:
+            return raw.view(np.float16).reshape(dims)
+        return raw.reshape(*dims[:-1], -1)
+
+
+class GGUFFile:
+    """A GGUF's metadata and tensor table, parsed from the header; tensor data memory-mapped on demand."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.fields: dict[str, Field] = {}
+        self.tensors: list[Tensor] = []
+        self._mm: np.memmap | None = None
+        size = self.path.stat().st_size
+        with self.path.open("rb") as f:
+            try:
+                self._parse(f, size)
+            except (struct.error, UnicodeDecodeError, ValueError, OverflowError, MemoryError) as e:
+                raise GGUFFormatError(f"bad GGUF header: {e}") from e
+
+    def _parse(self, f: BinaryIO, size: int) -> None:
+        def read(fmt: str) -> Any:
+            n = struct.calcsize(fmt)
+            b = f.read(n)
+            if len(b) != n:
+                raise GGUFFormatError("unexpected end of file in the header")
+            return struct.unpack(fmt, b)[0]
+
+        def read_str() -> str:
+            n = read("<Q")
+            if n > size:
+                raise GGUFFormatError("string length beyond the end of the file")
+            b = f.read(n)
+            if len(b) != n:
+                raise GGUFFormatError("unexpected end of file in the header")
+            return b.decode("utf-8")
+
+        def read_value(vt: GGUFValueType) -> Any:
+            if vt == GGUFValueType.STRING:
+                return read_str()
+            return read(_SCALAR[vt])
+
+        if f.read(4) != b"GGUF":
+            raise GGUFFormatError("not a GGUF file")
+        version = read("<I")
+        if version not in (2, 3):
+            raise GGUFFormatError(f"unsupported GGUF version {version}")
+        n_tensors, n_kv = read("<Q"), read("<Q")
+        for _ in range(n_kv):
+            key = read_str()
+            vt = GGUFValueType(read("<I"))
+            if vt == GGUFValueType.ARRAY:
+                st = GGUFValueType(read("<I"))
+                n = read("<Q")
+                if st == GGUFValueType.STRING:
+                    value: Any = [read_str() for _ in range(n)]
+                elif st == GGUFValueType.ARRAY:
+                    raise GGUFFormatError(f"nested arrays are not supported ({key})")
+                else:
+                    dt = np.dtype(_NP[st])
+                    b = f.read(n * dt.itemsize)
+                    if len(b) != n * dt.itemsize:
+                        raise GGUFFormatError("unexpected end of file in the header")
+                    value = np.frombuffer(b, dtype=dt).tolist()
+                self.fields[key] = Field(vt, value, st)
+            else:
+                self.fields[key] = Field(vt, read_value(vt))
+        infos = []
+        for _ in range(n_tensors):
+            name = read_str()
+            n_dims = read("<I")
+            shape = tuple(read("<Q") for _ in range(n_dims))
+            qt = GGMLQuantizationType(read("<I"))
+            offset = read("<Q")
+            infos.append((name, shape, qt, offset))
+        align = int(self.fields["general.alignment"].value) if "general.alignment" in self.fields else 32
+        start = f.tell()
+        start += (-start) % align
+        for name, shape, qt, offset in infos:
+            block, tsize = GGML_QUANT_SIZES[qt]
+            n = int(np.prod(shape, dtype=np.int64))
+            self.tensors.append(Tensor(name, shape, qt, start + offset, n // block * tsize, self))
+
+    def memmap(self) -> np.memmap:
+        if self._mm is None:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        return self._mm
+
+    def get(self, key: str, default: Any = None) -> Any:
+        f = self.fields.get(key)
+        return default if f is None else f.value
+
+    def tensor(self, name: str) -> Tensor:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+SKIP_KEYS = ("GGUF.", "general.architecture", "general.alignment")
+
+
+def field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.get(key, default)
+
+
+def copy_metadata(reader: GGUFFile, writer: GGUFWriter, *, skip_prefixes: tuple[str, ...] = ()) -> None:
+    """Copy every KV pair with its exact GGUF type (except the architecture, which the writer sets)."""
+    for key, f in reader.fields.items():
+        if key.startswith(SKIP_KEYS + skip_prefixes):
+            continue
+        writer.add_key_value(key, f.value, f.vtype, f.sub_type)
+
+
+def n_rows(t: Tensor) -> int:
+    return int(np.prod([int(x) for x in t.shape[1:]], dtype=np.int64)) if len(t.shape) > 1 else 1
+
+
+def tensor_f32(t: Tensor) -> np.ndarray:
+    """The tensor as float32 in numpy order ([..., n_out, n_in]); other types are converted by ggml."""
+    return tensor_rows(t, 0, n_rows(t)).reshape(tuple(int(x) for x in reversed(t.shape)))
+
+
+def tensor_rows(t: Tensor, first: int, count: int) -> np.ndarray:
+    """Rows [first, first+count) of the tensor's 2-D view ([rows, n_per_row]) as float32, reading only those."""
+    from ._runtime import _core  # noqa: PLC0415
+
+    qt = GGMLQuantizationType(int(t.tensor_type))
+    n_per_row = int(t.shape[0])
+    if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        flat = np.asarray(t.data).reshape(-1, n_per_row)
+        return np.ascontiguousarray(flat[first: first + count], dtype=np.float32)
+    rs = _core.row_size(int(qt), n_per_row)
+    flat = np.asarray(t.data).view(np.uint8).reshape(-1, rs)
+    return _core.dequantize(np.ascontiguousarray(flat[first: first + count]), int(qt), n_per_row)

@@ -1,0 +1,276 @@
+"""RESplit conversion: a full-precision MoE GGUF -> `<name>.wq.gguf` (runs in stock llama.cpp) + `<name>.wr.gguf`.
+
+Streams tensor by tensor and expert by expert: W -> WQ = q(W); WR = q(W - deq(WQ)) for gate/up (and down in
+residual mode) or a high-precision copy of down. Every (de)quantization is ggml's own, through rapidmoe._core,
+so the residual is taken against exactly what the kernels dequantize. Outputs appear only when complete.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+from tqdm import tqdm
+
+from ..errors import ModelFileError, RapidMoEError
+from ..ggufio import GGUFFile, Tensor, copy_metadata, field_value, n_rows, tensor_rows
+from ..modelfile import require_moe
+from . import sidecar
+from .imatrix import Imatrix
+from .presets import NEEDS_IMATRIX, Preset, block_size, qtype
+from .report import ErrorAccumulator, TensorReport
+
+log = logging.getLogger(__name__)
+
+# architectures whose routed experts are ffn_{gate,up,down}_exps (or merged gate_up) in llama.cpp's MoE builder
+SUPPORTED_ARCHS = ("qwen3moe", "qwen2moe", "deepseek2", "olmoe", "glm4moe", "llama4", "granitemoe", "bailingmoe")
+INPUT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+               GGMLQuantizationType.Q8_0)
+EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
+KEEP_F32_RE = re.compile(r"(_norm|_inp|\.bias|exp_probs_b|_b\.weight$)")
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    wq_path: Path
+    wr_path: Path
+    report_path: Path
+    seconds: float
+    report: dict[str, object] = field(repr=False)
+
+
+def _target_type(t: Tensor, preset: Preset) -> GGMLQuantizationType:
+    """Type of a non-expert tensor in the WQ file: F32 for vectors/norms/router, else preset.other if it fits."""
+    if len(t.shape) == 1 or KEEP_F32_RE.search(t.name):
+        return GGMLQuantizationType.F32
+    other = qtype(preset.other)
+    if int(t.shape[0]) % block_size(preset.other) != 0:
+        return GGMLQuantizationType.F16 if other != GGMLQuantizationType.F32 else other
+    return other
+
+
+def _byte_shape(t: Tensor, qt: GGMLQuantizationType) -> tuple[int, ...]:
+    from .._runtime import _core  # noqa: PLC0415
+
+    dims = [int(x) for x in reversed(t.shape)]
+    return (*dims[:-1], _core.row_size(int(qt), dims[-1]))
+
+
+def _add_quant_info(w: GGUFWriter, name: str, byte_shape: tuple[int, ...], qt: GGMLQuantizationType) -> None:
+    w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape, dtype=np.int64)), qt)
+
+
+def _pair_id(reader: GGUFFile, src: Path, preset: Preset, imatrix_digest: str) -> str:
+    """Deterministic id shared by both outputs: source tensor table + preset + imatrix."""
+    h = hashlib.sha256()
+    h.update(json.dumps(asdict(preset), sort_keys=True).encode())
+    h.update(imatrix_digest.encode())
+    h.update(str(src.stat().st_size).encode())
+    for t in reader.tensors:
+        h.update(f"{t.name}:{int(t.tensor_type)}:{list(map(int, t.shape))}:{int(t.data_offset)}".encode())
+    return h.hexdigest()[:32]
+
+
+def _imatrix_digest(im: Imatrix | None) -> str:
+    if im is None:
+        return "none"
+    h = hashlib.sha256()
+    for k in sorted(im.in_sum2):
+        h.update(k.encode())
+        h.update(np.ascontiguousarray(im.in_sum2[k]).tobytes())
+    return h.hexdigest()
+
+
+@contextmanager
+def _temp_outputs(paths: list[Path]) -> Iterator[list[Path]]:
+    """Temporary names for the outputs; renamed only when the body succeeds, removed otherwise."""
+    tmps = [p.with_name(p.name + ".tmp") for p in paths]
+    try:
+        yield tmps
+        for tmp, final in zip(tmps, paths):
+            os.replace(tmp, final)
+    finally:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+
+
+class _Converter:
+    def __init__(self, src: Path, preset: Preset, imatrix: Imatrix | None, report_experts: int | None) -> None:
+        self.src, self.preset, self.imatrix, self.report_experts = src, preset, imatrix, report_experts
+        self.reader = GGUFFile(src)
+        self.arch = str(field_value(self.reader, "general.architecture"))
+        self.reports: list[TensorReport] = []
+        self.totals = ErrorAccumulator()
+
+    # -- validation -------------------------------------------------------------------------------------
+    def expert_tensors(self) -> list[Tensor]:
+        return [t for t in self.reader.tensors if EXPERT_RE.match(t.name)]
+
+    def validate(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ModelFileError(f"architecture {self.arch!r} is not supported by RESplit conversion "
+                                 f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+        experts = self.expert_tensors()
+        if not experts:
+            raise ModelFileError(f"{self.src} has no routed-expert tensors (ffn_*_exps): not an MoE model")
+        p = self.preset
+        for t in experts:
+            if GGMLQuantizationType(int(t.tensor_type)) not in INPUT_TYPES:
+                raise ModelFileError(f"tensor {t.name} is {t.tensor_type.name}; RESplit needs F32/F16/BF16/Q8_0 "
+                                     "input (convert from the original weights, not from a low-bit quantization)")
+            role = EXPERT_RE.match(t.name).group(2)  # type: ignore[union-attr]
+            types = [p.wq, p.down_hi if role == "down" else p.wr, "Q4_K", "Q8_0"]
+            for ty in types:
+                if int(t.shape[0]) % block_size(ty) != 0:
+                    raise ModelFileError(f"tensor {t.name} has rows of {int(t.shape[0])} values; {ty} needs a "
+                                         f"multiple of {block_size(ty)}")
+        if self.imatrix is None and p.wq.upper() in NEEDS_IMATRIX:
+            raise RapidMoEError(f"{p.wq} needs an importance matrix: pass --imatrix FILE (llama.cpp's) or "
+                                "--calib-text FILE to compute one with our build")
+
+    # -- one routed-expert tensor -------------------------------------------------------------------------
+    def convert_expert(self, t: Tensor) -> tuple[np.ndarray, np.ndarray]:
+        from .._runtime import _core  # noqa: PLC0415
+
+        p = self.preset
+        role = EXPERT_RE.match(t.name).group(2)  # type: ignore[union-attr]
+        n_in, n_out, n_expert = (int(x) for x in t.shape)
+        wq_t = int(qtype(p.wq))
+        copy_down = role == "down" and p.down_mode == "copy"
+        hi_t = int(qtype(p.down_hi if role == "down" else p.wr))
+        imat = self.imatrix.weights_for(t.name, n_expert, n_in) if self.imatrix is not None else None
+        wq_out = np.empty((n_expert, n_out, _core.row_size(wq_t, n_in)), dtype=np.uint8)
+        hi_out = np.empty((n_expert, n_out, _core.row_size(hi_t, n_in)), dtype=np.uint8)
+        rep = TensorReport(t.name, role, p.wq, p.down_hi if role == "down" else p.wr, copy_down)
+        sample = set(range(n_expert)) if self.report_experts is None else \
+            set(np.linspace(0, n_expert - 1, min(n_expert, self.report_experts)).round().astype(int).tolist())
+        for e in range(n_expert):
+            w = tensor_rows(t, e * n_out, n_out)
+            im = imat[e] if imat is not None else None
+            q = _core.quantize(w, wq_t, im)
+            dq = _core.dequantize(q, wq_t, n_in)
+            wq_out[e] = q
+            if copy_down:
+                hi = _core.quantize(w, hi_t, im)
+                crit = _core.dequantize(hi, hi_t, n_in)
+            else:
+                hi = _core.quantize(w - dq, hi_t, im)
+                crit = dq + _core.dequantize(hi, hi_t, n_in)
+            hi_out[e] = hi
+            refs = {}
+            if e in sample:
+                for name in ("Q4_K", "Q8_0"):
+                    rt = int(qtype(name))
+                    refs[name] = _core.dequantize(_core.quantize(w, rt, im), rt, n_in)
+            rep.add(w, dq, crit, refs)
+        self.reports.append(rep)
+        self.totals.merge(rep.acc)
+        return wq_out, hi_out
+
+    # -- the whole file -----------------------------------------------------------------------------------
+    def run(self, wq_tmp: Path, wr_tmp: Path, pair_id: str, progress: bool) -> None:
+        from .._runtime import _core  # noqa: PLC0415
+
+        p = self.preset
+        wq = GGUFWriter(wq_tmp, arch=self.arch)
+        copy_metadata(self.reader, wq, skip_prefixes=("rapidmoe.resplit.",))
+        wq.add_string("rapidmoe.resplit.role", "wq")
+        wq.add_string("rapidmoe.resplit.pair_id", pair_id)
+        wq.add_string("rapidmoe.resplit.preset", p.name)
+        wq.add_string("rapidmoe.resplit.wq_type", p.wq)
+        wr = GGUFWriter(wr_tmp, arch=sidecar.SIDECAR_ARCH)
+        sidecar.add_metadata(wr, preset=p, pair_id=pair_id, base_arch=self.arch,
+                             n_layer=int(field_value(self.reader, f"{self.arch}.block_count", 0)),
+                             n_expert=int(field_value(self.reader, f"{self.arch}.expert_count", 0)))
+        plan: list[tuple[Tensor, GGMLQuantizationType | None]] = []
+        for t in self.reader.tensors:
+            m = EXPERT_RE.match(t.name)
+            if m:
+                _add_quant_info(wq, t.name, _byte_shape(t, qtype(p.wq)), qtype(p.wq))
+                hi = qtype(p.down_hi if m.group(2) == "down" else p.wr)
+                _add_quant_info(wr, sidecar.sidecar_name(t.name, m.group(2), p.down_mode), _byte_shape(t, hi), hi)
+                plan.append((t, None))
+            else:
+                qt = _target_type(t, p)
+                if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                    dt = np.dtype(np.float32 if qt == GGMLQuantizationType.F32 else np.float16)
+                    shape = tuple(int(x) for x in reversed(t.shape))
+                    wq.add_tensor_info(t.name, shape, dt, int(np.prod(shape)) * dt.itemsize, qt)
+                else:
+                    _add_quant_info(wq, t.name, _byte_shape(t, qt), qt)
+                plan.append((t, qt))
+        for w in (wq, wr):
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+        total = sum(int(t.n_bytes) for t, _ in plan)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="resplit", disable=not progress) as bar:
+            for t, qt in plan:
+                bar.set_postfix_str(t.name, refresh=False)
+                if qt is None:
+                    wq_data, hi_data = self.convert_expert(t)
+                    wq.write_tensor_data(wq_data)
+                    wr.write_tensor_data(hi_data)
+                else:
+                    rows = tensor_rows(t, 0, n_rows(t))
+                    if qt == GGMLQuantizationType.F32:
+                        data = rows.reshape(tuple(int(x) for x in reversed(t.shape)))
+                    elif qt == GGMLQuantizationType.F16:
+                        data = rows.astype(np.float16).reshape(tuple(int(x) for x in reversed(t.shape)))
+                    else:
+                        data = _core.quantize(rows, int(qt)).reshape(_byte_shape(t, qt))
+                    wq.write_tensor_data(data)
+                bar.update(int(t.n_bytes))
+        wq.close()
+        wr.close()
+
+
+def output_paths(out_dir: Path, name: str) -> tuple[Path, Path, Path]:
+    return out_dir / f"{name}.wq.gguf", out_dir / f"{name}.wr.gguf", out_dir / f"{name}.resplit.json"
+
+
+def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset: Preset, *,
+            imatrix: Imatrix | None = None, name: str | None = None, force: bool = False, progress: bool = True,
+            report_experts: int | None = 4) -> ConvertResult:
+    """Convert `src` into out_dir/<name>.wq.gguf + <name>.wr.gguf (+ <name>.resplit.json, the error report).
+
+    report_experts: reference errors (plain Q4_K and Q8_0 of W) on this many experts per tensor (None: all).
+    """
+    src_p = Path(src)
+    require_moe(src_p)
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise RapidMoEError(f"output {out} exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    base = name or src_p.name.removesuffix(".gguf")
+    wq_path, wr_path, report_path = output_paths(out, base)
+    existing = [p for p in (wq_path, wr_path, report_path) if p.exists()]
+    if existing and not force:
+        raise RapidMoEError(f"{existing[0]} exists; pass --force to overwrite")
+    conv = _Converter(src_p, preset, imatrix, report_experts)
+    conv.validate()
+    pair_id = _pair_id(conv.reader, src_p, preset, _imatrix_digest(imatrix))
+    t0 = time.perf_counter()
+    with _temp_outputs([wq_path, wr_path, report_path]) as (wq_tmp, wr_tmp, rep_tmp):
+        conv.run(wq_tmp, wr_tmp, pair_id, progress)
+        sidecar.stamp_base_hash(wr_tmp, sidecar.file_sha256(wq_tmp))
+        seconds = time.perf_counter() - t0
+        report = {
+            "source": str(src_p), "preset": asdict(preset), "bits": preset.bits(), "pair_id": pair_id,
+            "imatrix": imatrix is not None, "seconds": round(seconds, 3),
+            "files": {"wq_bytes": wq_tmp.stat().st_size, "wr_bytes": wr_tmp.stat().st_size,
+                      "source_bytes": src_p.stat().st_size},
+            "total": conv.totals.summary(), "tensors": [r.summary() for r in conv.reports],
+        }
+        rep_tmp.write_text(json.dumps(report, indent=1))
+    log.info("resplit: wrote %s and %s in %.1f s", wq_path, wr_path, seconds)
+    return ConvertResult(wq_path, wr_path, report_path, seconds, report)

@@ -1,0 +1,160 @@
+"""Importance matrices for quantization: read llama.cpp's imatrix files, or collect one with our own build.
+
+Collection runs the model on calibration text through rapidmoe.Llama with an eval callback in rapidmoe._core
+that accumulates llama-imatrix's statistics (sum of squared inputs per weight column, per expert); the result
+is saved in llama.cpp's GGUF imatrix layout, so `llama-quantize --imatrix` reads it too.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from ..errors import ModelFileError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Imatrix:
+    """Per weight name: summed squared activations [n_mat, n_in] and how many rows were summed [n_mat]."""
+
+    in_sum2: dict[str, np.ndarray] = field(default_factory=dict)
+    counts: dict[str, np.ndarray] = field(default_factory=dict)
+    datasets: list[str] = field(default_factory=list)
+    chunk_count: int = 0
+    chunk_size: int = 0
+
+    def weights_for(self, name: str, n_mat: int, n_in: int) -> np.ndarray | None:
+        """Mean squared activation [n_mat, n_in] for the weight `name` (experts never routed to get the
+        mean of the others), or None if the matrix has no entry."""
+        s = self.in_sum2.get(name)
+        if s is None:
+            return None
+        c = self.counts[name].astype(np.float64)
+        if s.shape != (n_mat, n_in) and not (s.shape[0] == 1 and s.shape[1] == n_in):
+            raise ModelFileError(f"imatrix entry {name} has shape {s.shape}, the weight needs ({n_mat}, {n_in})")
+        s = np.broadcast_to(s, (n_mat, n_in)).astype(np.float64)
+        c = np.broadcast_to(c, (n_mat,))
+        out = np.zeros((n_mat, n_in), dtype=np.float64)
+        seen = c > 0
+        out[seen] = s[seen] / c[seen, None]
+        if not seen.all():
+            fill = out[seen].mean(axis=0) if seen.any() else np.ones(n_in)
+            out[~seen] = fill
+        return np.ascontiguousarray(np.maximum(out, 1e-12), dtype=np.float32)
+
+
+def read_imatrix(path: str | os.PathLike[str]) -> Imatrix:
+    """Read llama.cpp's imatrix: the GGUF format (`.in_sum2`/`.counts` tensors) or the legacy .dat format."""
+    p = Path(path)
+    if not p.is_file():
+        raise ModelFileError(f"imatrix file not found: {p}")
+    with p.open("rb") as f:
+        magic = f.read(4)
+    return _read_gguf(p) if magic == b"GGUF" else _read_legacy(p)
+
+
+def _read_gguf(p: Path) -> Imatrix:
+    from ..ggufio import GGUFFile  # noqa: PLC0415
+
+    r = GGUFFile(p)
+    im = Imatrix()
+    if r.get("general.type", "imatrix") != "imatrix":
+        raise ModelFileError(f"{p} is a GGUF but not an imatrix (general.type={r.get('general.type')})")
+    for t in r.tensors:
+        arr = np.array(t.data, dtype=np.float32)
+        if t.name.endswith(".in_sum2"):
+            im.in_sum2[t.name[: -len(".in_sum2")]] = arr.reshape(-1, int(t.shape[0]))
+        elif t.name.endswith(".counts"):
+            im.counts[t.name[: -len(".counts")]] = arr.reshape(-1)
+    if set(im.in_sum2) != set(im.counts):
+        raise ModelFileError(f"{p}: imatrix tensors without matching counts")
+    im.datasets = [str(d) for d in r.get("imatrix.datasets", [])]
+    im.chunk_count = int(r.get("imatrix.chunk_count", 0))
+    im.chunk_size = int(r.get("imatrix.chunk_size", 0))
+    return im
+
+
+def _read_legacy(p: Path) -> Imatrix:
+    """Legacy llama-imatrix .dat: n; n x (len, name, ncall, nval, float[nval]) -- values already averaged."""
+    im = Imatrix()
+    data = p.read_bytes()
+    try:
+        (n,) = struct.unpack_from("<i", data, 0)
+        off = 4
+        for _ in range(n):
+            (ln,) = struct.unpack_from("<i", data, off)
+            name = data[off + 4: off + 4 + ln].decode()
+            off += 4 + ln
+            ncall, nval = struct.unpack_from("<ii", data, off)
+            off += 8
+            vals = np.frombuffer(data, dtype=np.float32, count=nval, offset=off).copy()
+            off += 4 * nval
+            # legacy stores sum/ncall per value for one "matrix"; keep as mean with count 1
+            im.in_sum2[name] = vals.reshape(1, -1)
+            im.counts[name] = np.ones(1, dtype=np.float32)
+            im.chunk_count = max(im.chunk_count, ncall)
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{p} is neither a GGUF imatrix nor a legacy llama.cpp imatrix ({e})") from e
+    return im
+
+
+def write_imatrix(im: Imatrix, path: str | os.PathLike[str]) -> Path:
+    """Write llama.cpp's GGUF imatrix layout (temporary name, then rename)."""
+    from gguf import GGUFWriter  # noqa: PLC0415
+
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    w = GGUFWriter(tmp, arch="imatrix")
+    w.add_string("general.type", "imatrix")
+    w.add_array("imatrix.datasets", im.datasets or ["unknown"])
+    w.add_uint32("imatrix.chunk_count", im.chunk_count)
+    w.add_uint32("imatrix.chunk_size", im.chunk_size)
+    for name in sorted(im.in_sum2):
+        w.add_tensor(f"{name}.in_sum2", np.ascontiguousarray(im.in_sum2[name], dtype=np.float32))
+        w.add_tensor(f"{name}.counts", np.ascontiguousarray(im.counts[name].reshape(-1, 1), dtype=np.float32))
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, p)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return p
+
+
+def collect_imatrix(model_path: str | os.PathLike[str], text: str, *, n_ctx: int = 512, max_chunks: int | None = None,
+                    n_threads: int | None = None, progress: bool = True, dataset: str = "text") -> Imatrix:
+    """Run the model over `text` in chunks of n_ctx tokens and collect llama-imatrix statistics."""
+    from .._runtime import _core  # noqa: PLC0415 - the only part of this module needing the build
+    from ..llama import Llama  # noqa: PLC0415
+
+    collector = _core.ImatrixCollector()
+    llm = Llama(model_path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=n_threads,
+                n_threads_batch=n_threads, logits_all=True, verbose=False, eval_callback=collector)
+    try:
+        tokens = llm.tokenize(text.encode(), add_bos=False, special=False)
+        n_chunks = len(tokens) // n_ctx
+        if max_chunks is not None:
+            n_chunks = min(n_chunks, max_chunks)
+        if n_chunks == 0:
+            raise ModelFileError(f"calibration text has {len(tokens)} tokens; need at least n_ctx={n_ctx}")
+        for i in tqdm(range(n_chunks), desc="imatrix", unit="chunk", disable=not progress):
+            llm.reset()
+            llm._ctx.kv_cache_clear()
+            llm.eval(tokens[i * n_ctx: (i + 1) * n_ctx])
+    finally:
+        llm.close()
+    im = Imatrix(datasets=[dataset], chunk_count=n_chunks, chunk_size=n_ctx)
+    for name in collector.names():
+        s, c = collector.get(name)
+        im.in_sum2[name], im.counts[name] = s, c
+    log.info("imatrix: %d matrices from %d chunks of %d tokens", len(im.in_sum2), n_chunks, n_ctx)
+    return im

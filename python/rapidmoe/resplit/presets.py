@@ -1,0 +1,103 @@
+"""RESplit presets: which ggml types hold WQ (low-bit, GPU-resident), WR (residual, CPU) and the critical down path.
+
+Pure data and arithmetic (no extension import): bits per weight come from gguf-py's block sizes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+# types the converter accepts for each role (the issue's minimum set, plus what costs nothing to allow)
+WQ_TYPES = ("IQ1_M", "IQ2_XXS", "IQ2_XS", "Q2_K", "Q3_K")
+WR_TYPES = ("Q2_K", "Q3_K", "Q4_K")
+DOWN_COPY_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+OTHER_TYPES = ("Q8_0", "F16", "F32")
+# llama-quantize refuses these without an importance matrix (ggml asserts on the first three)
+NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS")
+
+
+def qtype(name: str) -> GGMLQuantizationType:
+    try:
+        return GGMLQuantizationType[name.upper()]
+    except KeyError:
+        raise ValueError(f"unknown ggml type {name!r}") from None
+
+
+def bits_per_weight(name: str) -> float:
+    block, size = GGML_QUANT_SIZES[qtype(name)]
+    return 8.0 * size / block
+
+
+def block_size(name: str) -> int:
+    return GGML_QUANT_SIZES[qtype(name)][0]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One RESplit configuration. down_mode 'copy': critical experts use a `down_type` copy of down (the
+    paper's choice); 'residual': down gets a WR residual like gate and up."""
+
+    name: str
+    wq: str  # routed experts, every expert, all of gate/up/down: the low-precision model
+    wr: str  # residual W - deq(WQ) of gate/up (and of down in residual mode)
+    down_mode: str = "copy"
+    down_type: str = "Q4_K"  # the copy's type ('copy' mode only)
+    other: str = "Q8_0"  # attention, shared experts, dense FFN, embeddings, output
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.wq.upper() not in WQ_TYPES:
+            raise ValueError(f"WQ type {self.wq} not supported; choose one of {', '.join(WQ_TYPES)}")
+        if self.wr.upper() not in WR_TYPES:
+            raise ValueError(f"WR type {self.wr} not supported; choose one of {', '.join(WR_TYPES)}")
+        if self.down_mode not in ("copy", "residual"):
+            raise ValueError(f"down_mode must be 'copy' or 'residual', not {self.down_mode!r}")
+        if self.down_mode == "copy" and self.down_type.upper() not in DOWN_COPY_TYPES:
+            raise ValueError(f"down copy type {self.down_type} not supported; choose one of {', '.join(DOWN_COPY_TYPES)}")
+        if self.other.upper() not in OTHER_TYPES:
+            raise ValueError(f"type for other tensors {self.other} not supported; choose one of {', '.join(OTHER_TYPES)}")
+
+    @property
+    def down_hi(self) -> str:
+        """Type of the sidecar's down tensor (the copy, or the residual)."""
+        return self.down_type if self.down_mode == "copy" else self.wr
+
+    def bits(self) -> dict[str, float]:
+        """Bits per routed-expert weight: each part, the critical path, and the total stored."""
+        wq, wr, hi = bits_per_weight(self.wq), bits_per_weight(self.wr), bits_per_weight(self.down_hi)
+        gate_up_critical = wq + wr
+        down_critical = hi if self.down_mode == "copy" else wq + wr
+        return {
+            "wq": wq,
+            "wr_gate_up": wr,
+            "down_sidecar": hi,
+            "sidecar": (2 * wr + hi) / 3,
+            "critical": (2 * gate_up_critical + down_critical) / 3,
+            "total_stored": wq + (2 * wr + hi) / 3,
+        }
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("paper", "IQ1_M", "Q2_K", "copy", "Q4_K",
+           description="the paper's: IQ1_M + Q2_K residual for gate/up, Q4_K copy of down"),
+    Preset("paper-residual", "IQ1_M", "Q2_K", "residual",
+           description="IQ1_M + Q2_K residual for gate, up and down (smallest sidecar)"),
+    Preset("iq2", "IQ2_XXS", "Q2_K", "copy", "Q4_K",
+           description="IQ2_XXS + Q2_K residual, Q4_K down copy (better non-critical experts)"),
+    Preset("cpu", "Q2_K", "Q2_K", "copy", "Q4_K",
+           description="Q2_K + Q2_K residual, Q4_K down copy: K-quants are faster than IQ on CPUs"),
+    Preset("dense", "Q3_K", "Q4_K", "residual",
+           description="Q3_K + Q4_K residual everywhere (highest quality, largest)"),
+)}
+
+
+def get_preset(name: str, **overrides: str) -> Preset:
+    """A named preset, optionally with some of its types replaced (e.g. wq='IQ2_XS')."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    base = PRESETS[name]
+    fields = {k: v for k, v in overrides.items() if v is not None}
+    if not fields:
+        return base
+    return Preset(**{**base.__dict__, **fields, "name": f"{name}+custom"})

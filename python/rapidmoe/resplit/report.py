@@ -1,0 +1,82 @@
+"""Reconstruction-error bookkeeping for RESplit: ||W - What|| / ||W|| per tensor and in total, for WQ alone,
+the critical path (deq WQ + deq WR, or the down copy), and plain Q4_K / Q8_0 of the same weights.
+
+Pure numpy; sums of squares are accumulated in float64 so totals are exact aggregates, not averages of ratios.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def _sq(x: np.ndarray) -> float:
+    return float(np.dot(x.ravel().astype(np.float64), x.ravel().astype(np.float64)))
+
+
+@dataclass
+class ErrorAccumulator:
+    """Squared norms of W and of each approximation's error; the reference types only over sampled experts."""
+
+    w2: float = 0.0
+    wq2: float = 0.0
+    crit2: float = 0.0
+    ref_w2: float = 0.0  # ||W||^2 over the experts where the references were computed
+    ref2: dict[str, float] = field(default_factory=dict)
+
+    def merge(self, other: ErrorAccumulator) -> None:
+        self.w2 += other.w2
+        self.wq2 += other.wq2
+        self.crit2 += other.crit2
+        self.ref_w2 += other.ref_w2
+        for k, v in other.ref2.items():
+            self.ref2[k] = self.ref2.get(k, 0.0) + v
+
+    def summary(self) -> dict[str, float]:
+        rel = lambda e2, w2: float(np.sqrt(e2 / w2)) if w2 > 0 else 0.0  # noqa: E731
+        out = {"wq_only": rel(self.wq2, self.w2), "critical": rel(self.crit2, self.w2)}
+        for k, v in sorted(self.ref2.items()):
+            out[k] = rel(v, self.ref_w2)
+        return out
+
+
+@dataclass
+class TensorReport:
+    name: str
+    role: str  # gate, up, down, gate_up
+    wq_type: str
+    hi_type: str  # the sidecar tensor's type
+    down_copy: bool  # the sidecar holds a copy of down, not a residual
+    acc: ErrorAccumulator = field(default_factory=ErrorAccumulator)
+
+    def add(self, w: np.ndarray, wq: np.ndarray, critical: np.ndarray, refs: dict[str, np.ndarray]) -> None:
+        """One expert: W, deq(WQ), the critical-path reconstruction, and reference reconstructions."""
+        w2 = _sq(w)
+        self.acc.w2 += w2
+        self.acc.wq2 += _sq(w - wq)
+        self.acc.crit2 += _sq(w - critical)
+        if refs:
+            self.acc.ref_w2 += w2
+            for k, r in refs.items():
+                self.acc.ref2[k] = self.acc.ref2.get(k, 0.0) + _sq(w - r)
+
+    def summary(self) -> dict[str, object]:
+        return {"name": self.name, "role": self.role, "wq_type": self.wq_type, "sidecar_type": self.hi_type,
+                "sidecar_is_copy": self.down_copy, "rel_error": self.acc.summary()}
+
+
+def format_table(report: dict[str, object]) -> str:
+    """The per-tensor and total relative errors as a fixed-width table."""
+    rows = [("tensor", "wq", "sidecar", "WQ only", "critical", "Q4_K", "Q8_0")]
+    for t in report["tensors"]:  # type: ignore[union-attr]
+        e = t["rel_error"]
+        side = t["sidecar_type"] + (" copy" if t["sidecar_is_copy"] else " res")
+        rows.append((t["name"], t["wq_type"], side, f"{e['wq_only']:.4f}", f"{e['critical']:.4f}",
+                     f"{e.get('Q4_K', float('nan')):.4f}", f"{e.get('Q8_0', float('nan')):.4f}"))
+    tot = report["total"]  # type: ignore[index]
+    rows.append(("TOTAL (routed experts)", "", "", f"{tot['wq_only']:.4f}", f"{tot['critical']:.4f}",
+                 f"{tot.get('Q4_K', float('nan')):.4f}", f"{tot.get('Q8_0', float('nan')):.4f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

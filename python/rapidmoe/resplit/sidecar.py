@@ -1,0 +1,86 @@
+"""The residual sidecar's format: tensor names, metadata keys, and the check that pairs it with its base.
+
+Version 1. Tensors: `blk.N.ffn_{gate,up}_exps.wr` (residuals, and `ffn_down_exps.wr` in residual mode) or
+`blk.N.ffn_down_exps.hi` (the high-precision copy of down used by critical experts), each with the base
+tensor's shape [n_in, n_out, n_expert]. A sidecar belongs to exactly one `.wq.gguf`: same pair id, same hash.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from gguf import GGUFWriter
+
+from ..errors import ModelFileError
+from ..ggufio import GGUFFile, field_value
+from .presets import Preset
+
+FORMAT_VERSION = 1
+SIDECAR_ARCH = "rapidmoe-residual"
+KEY = "rapidmoe.residual."
+_HASH_PLACEHOLDER = "0" * 64  # written first, replaced in place once the base file is complete
+
+
+def sidecar_name(base_name: str, role: str, down_mode: str) -> str:
+    stem = base_name.removesuffix(".weight")
+    return f"{stem}.hi" if role == "down" and down_mode == "copy" else f"{stem}.wr"
+
+
+def add_metadata(w: GGUFWriter, *, preset: Preset, pair_id: str, base_arch: str, n_layer: int, n_expert: int) -> None:
+    w.add_string("general.type", "rapidmoe.residual")
+    w.add_uint32(KEY + "format_version", FORMAT_VERSION)
+    w.add_string(KEY + "pair_id", pair_id)
+    w.add_string(KEY + "base_sha256", _HASH_PLACEHOLDER)
+    w.add_string(KEY + "base_architecture", base_arch)
+    w.add_uint32(KEY + "base_block_count", n_layer)
+    w.add_uint32(KEY + "base_expert_count", n_expert)
+    for k, v in asdict(preset).items():
+        w.add_string(KEY + f"preset.{k}", str(v))
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def stamp_base_hash(sidecar_path: Path, digest: str) -> None:
+    """Replace the placeholder base hash in the sidecar's header (same length, so nothing moves)."""
+    with sidecar_path.open("r+b") as f:
+        head = f.read(1 << 16)
+        key = (KEY + "base_sha256").encode()
+        at = head.find(key)
+        pos = head.find(_HASH_PLACEHOLDER.encode(), at)
+        if at < 0 or pos < 0:
+            raise RuntimeError("sidecar header has no base hash placeholder")
+        f.seek(pos)
+        f.write(digest.encode())
+
+
+def read_sidecar_meta(path: str | os.PathLike[str]) -> dict[str, object]:
+    r = GGUFFile(path)
+    if field_value(r, "general.architecture") != SIDECAR_ARCH:
+        raise ModelFileError(f"{path} is not a RapidMoE residual sidecar")
+    meta = {k[len(KEY):]: f.value for k, f in r.fields.items() if k.startswith(KEY)}
+    meta["tensors"] = {t.name: (t.tensor_type.name, [int(x) for x in t.shape]) for t in r.tensors}
+    return meta
+
+
+def check_pair(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], *, verify_hash: bool = True) -> dict[str, object]:
+    """Refuse a sidecar that was not made from this base; returns the sidecar's metadata."""
+    meta = read_sidecar_meta(wr_path)
+    if int(meta.get("format_version", 0)) != FORMAT_VERSION:  # type: ignore[arg-type]
+        raise ModelFileError(f"{wr_path} has sidecar format {meta.get('format_version')}, "
+                             f"this RapidMoE reads {FORMAT_VERSION}")
+    base = GGUFFile(wq_path)
+    base_id = field_value(base, "rapidmoe.resplit.pair_id")
+    if base_id != meta["pair_id"]:
+        raise ModelFileError(f"sidecar {wr_path} does not belong to {wq_path} "
+                             f"(pair id {meta['pair_id']} vs {base_id or 'none: not a RESplit .wq.gguf'})")
+    if verify_hash and file_sha256(Path(wq_path)) != meta["base_sha256"]:
+        raise ModelFileError(f"{wq_path} has changed since sidecar {wr_path} was made (sha256 differs)")
+    return meta

@@ -1,0 +1,91 @@
+"""rapidmoe-cli: help on every command, `run` and `make-model` on good and bad inputs (one-line errors)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rapidmoe.cli.app import app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["make-model", "--help"]])
+def test_help(args: list[str]) -> None:
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "Usage" in res.output
+
+
+def test_run_streams_and_reports_speed(tiny_qwen: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "rapidmoe.cli", "run", str(tiny_qwen), "-p", "Hello", "-n", "12",
+                          "--temp", "0", "-t", "2"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("Hello") and len(res.stdout) > len("Hello\n")
+    assert "prefill:" in res.stderr and "tokens/s" in res.stderr
+    assert "decode:  11 tokens" in res.stderr or "decode:  12 tokens" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_run_without_model_uses_cached_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAPIDMOE_CACHE", str(tmp_path))
+    res = runner.invoke(app, ["run", "-p", "Hi", "-n", "4", "--temp", "0"])
+    assert res.exit_code == 0, res.output
+    made = list(tmp_path.glob("synthetic-qwen3moe-tiny-*.gguf"))
+    assert len(made) == 1
+    before = made[0].stat().st_mtime_ns
+    assert runner.invoke(app, ["run", "-p", "Hi", "-n", "2"]).exit_code == 0
+    assert made[0].stat().st_mtime_ns == before  # cached, not rewritten
+
+
+def _one_line_error(args: list[str]) -> str:
+    res = subprocess.run([sys.executable, "-m", "rapidmoe.cli", *args], capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def test_run_bad_model_files(tmp_path: Path, tiny_qwen: Path, vocab_dir: Path) -> None:
+    assert "model file not found" in _one_line_error(["run", str(tmp_path / "nope.gguf")])
+    txt = tmp_path / "notes.txt"
+    txt.write_text("hello")
+    assert "not a GGUF file" in _one_line_error(["run", str(txt)])
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_qwen.read_bytes()[:200_000])
+    assert "truncated" in _one_line_error(["run", str(cut)])
+    # a GGUF that is not an MoE model: llama.cpp's own vocab-only qwen2 file
+    assert "dense qwen2 model" in _one_line_error(["run", str(vocab_dir / "ggml-vocab-qwen2.gguf")])
+
+
+def test_run_bad_flags(tiny_qwen: Path) -> None:
+    assert "exceed --ctx-size" in _one_line_error(["run", str(tiny_qwen), "-n", "100", "-c", "64",
+                                                   "-p", "word " * 40])
+    assert "unknown buffer type" in _one_line_error(["run", str(tiny_qwen), "-ot", "exps=GPU9"])
+    res = runner.invoke(app, ["run", str(tiny_qwen), "-n", "-3"])
+    assert res.exit_code == 2 and "-3" in res.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--arch", "llama"], "arch"),
+    (["--n-expert", "0"], "expert"),
+    (["--n-expert", "4", "--n-expert-used", "6"], "n_expert_used"),
+    (["--n-embd", "-256"], "n_embd"),
+    (["--size", "huge"], "size"),
+])
+def test_make_model_bad_inputs(tmp_path: Path, args: list[str], message: str) -> None:
+    line = _one_line_error(["make-model", "-o", str(tmp_path / "m.gguf"), *args])
+    assert line.startswith("rapidmoe-cli: error: invalid model spec") and message in line
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_make_model_writes_and_refuses_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "m.gguf"
+    res = runner.invoke(app, ["make-model", "-o", str(out), "--arch", "deepseek2", "--size", "tiny"])
+    assert res.exit_code == 0, res.output
+    assert out.stat().st_size > 0 and not list(tmp_path.glob("*.tmp"))
+    assert "exists; pass --force" in _one_line_error(["make-model", "-o", str(out)])
+    assert runner.invoke(app, ["make-model", "-o", str(out), "--force"]).exit_code == 0

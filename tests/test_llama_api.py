@@ -1,0 +1,149 @@
+"""rapidmoe.Llama on the tiny synthetic models: loads, generates, matches stock llama.cpp and a numpy reference."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rapidmoe import Llama, ModelFileError, RapidMoEError, llama_cpp
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "The quick brown fox"
+N_GEN = 24
+
+
+def greedy_tokens(llm: Llama, prompt: str, n: int) -> list[int]:
+    toks = llm.tokenize(prompt.encode(), add_bos=True)
+    out = []
+    for tok in llm.generate(toks, temp=0.0, top_k=1, repeat_penalty=1.0):
+        out.append(tok)
+        if len(out) == n:
+            break
+    return out
+
+
+STOCK_SCRIPT = """
+import json, sys, llama_cpp
+m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, n_threads=2, verbose=False)
+toks = m.tokenize(sys.argv[2].encode(), add_bos=True)
+out = []
+for t in m.generate(toks, temp=0.0, top_k=1, repeat_penalty=1.0):
+    out.append(t)
+    if len(out) == int(sys.argv[3]):
+        break
+print(json.dumps({"lib": str(llama_cpp.llama_cpp._lib._name), "tokens": out}))
+"""
+
+
+@pytest.mark.stock
+def test_greedy_tokens_match_stock_llama_cpp(tiny_model: Path, stock_bin: Path) -> None:
+    """Same file, same greedy tokens: our patched build vs llama-cpp-python's Llama over STOCK libllama."""
+    llm = Llama(tiny_model, n_ctx=256, n_threads=2, verbose=False)
+    ours = greedy_tokens(llm, PROMPT, N_GEN)
+    llm.close()
+    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(stock_bin), PYTHONPATH=str(ROOT / "vendor" / "llama_cpp_py"))
+    res = subprocess.run([sys.executable, "-c", STOCK_SCRIPT, str(tiny_model), PROMPT, str(N_GEN)], env=env,
+                         capture_output=True, text=True, check=True, cwd=ROOT / "vendor")
+    stock = json.loads(res.stdout.strip().splitlines()[-1])
+    assert Path(stock["lib"]).resolve().parent == stock_bin.resolve()  # really the stock library
+    assert len(ours) == N_GEN
+    assert ours == stock["tokens"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
+def test_logits_match_numpy_reference(make_tiny, arch: str) -> None:  # type: ignore[no-untyped-def]
+    from reference.numpy_forward import forward
+
+    path = make_tiny(arch, "f32")
+    llm = Llama(path, n_ctx=64, n_threads=2, logits_all=True, verbose=False)
+    toks = llm.tokenize(b"Hello world, this is a test of the mixture of experts", add_bos=True)[:16]
+    llm.eval(toks)
+    ours = np.asarray(llm.scores[: len(toks)], dtype=np.float64)
+    llm.close()
+    ref = forward(path, toks).astype(np.float64)
+    err = np.abs(ours - ref).max() / np.abs(ref).max()
+    assert err < 2e-3, f"max |llama.cpp - numpy| / max |numpy| = {err:.2e}"
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def test_completion_chat_and_streaming_api(tiny_qwen: Path) -> None:
+    llm = Llama(tiny_qwen, n_ctx=256, n_threads=2, verbose=False, seed=1)
+    full = llm.create_completion(PROMPT, max_tokens=8, temperature=0.0)
+    assert full["object"] == "text_completion" and full["usage"]["completion_tokens"] == 8
+    streamed = "".join(c["choices"][0]["text"]
+                       for c in llm.create_completion(PROMPT, max_tokens=8, temperature=0.0, stream=True))
+    assert streamed == full["choices"][0]["text"]
+    again = llm(PROMPT, max_tokens=8, temperature=0.0)  # __call__
+    assert again["choices"][0]["text"] == full["choices"][0]["text"]
+    chat = llm.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0)
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    text = "Mixture of experts"
+    assert llm.detokenize(llm.tokenize(text.encode(), add_bos=False)).decode() == text
+    t = llm.timings()
+    assert t.decode_tokens > 0 and t.decode_tps > 0
+    llm.close()
+
+
+def _capture_llama_log(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    lines: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def cb(level: int, text: bytes, user: ctypes.c_void_p) -> None:
+        lines.append(text.decode(errors="replace"))
+
+    import llama_cpp._logger as lg
+
+    llama_cpp.llama_log_set(cb, ctypes.c_void_p(0))
+    monkeypatch.setattr(lg, "_test_cb", cb, raising=False)  # keep the callback alive for the test
+    return lines
+
+
+def test_override_tensor_and_n_cpu_moe_reach_llama_cpp(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import llama_cpp._logger as lg
+
+    lines = _capture_llama_log(monkeypatch)
+    try:
+        llm = Llama(tiny_qwen, n_ctx=64, n_cpu_moe=1, override_tensor=r"blk\.1\.ffn_down_exps=CPU", verbose=True)
+        llm.close()
+    finally:
+        llama_cpp.llama_log_set(lg.llama_log_callback, ctypes.c_void_p(0))
+    overridden = [ln for ln in lines if "buffer type overridden" in ln]
+    names = sorted(ln.split()[1] for ln in overridden)
+    assert names == ["blk.0.ffn_down_exps.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight",
+                     "blk.1.ffn_down_exps.weight"]
+
+
+def test_placement_knobs_do_not_change_results(tiny_qwen: Path) -> None:
+    a = Llama(tiny_qwen, n_ctx=128, n_threads=2, verbose=False)
+    b = Llama(tiny_qwen, n_ctx=128, n_threads=2, verbose=False, n_cpu_moe=2, override_tensor=["exps=CPU"])
+    assert greedy_tokens(a, PROMPT, 8) == greedy_tokens(b, PROMPT, 8)
+    a.close()
+    b.close()
+
+
+def test_bad_placement_arguments(tiny_qwen: Path) -> None:
+    with pytest.raises(RapidMoEError, match="unknown buffer type 'NOPE'.*available: .*CPU"):
+        Llama(tiny_qwen, override_tensor="exps=NOPE", verbose=False)
+    with pytest.raises(RapidMoEError, match="expected <tensor name pattern>=<buffer type>"):
+        Llama(tiny_qwen, override_tensor="exps", verbose=False)
+    with pytest.raises(RapidMoEError, match="n_cpu_moe must be >= 0"):
+        Llama(tiny_qwen, n_cpu_moe=-1, verbose=False)
+
+
+def test_bad_model_files(tmp_path: Path, tiny_qwen: Path) -> None:
+    with pytest.raises(ModelFileError, match="not found"):
+        Llama(tmp_path / "missing.gguf", verbose=False)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"PK\x03\x04 definitely not gguf")
+    with pytest.raises(ModelFileError, match="not a GGUF file"):
+        Llama(junk, verbose=False)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_qwen.read_bytes()[: tiny_qwen.stat().st_size // 2])
+    with pytest.raises(ModelFileError, match="truncated"):
+        Llama(cut, verbose=False)

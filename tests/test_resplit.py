@@ -1,0 +1,211 @@
+"""RESplit conversion on tiny synthetic models: every WQ x WR pair round-trips to the expected error (checked
+in numpy with gguf-py's own dequantizers, independent of ggml), outputs pair up, bad inputs are refused."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as np_dequantize
+
+from rapidmoe import ModelFileError, RapidMoEError
+from rapidmoe.ggufio import GGUFFile
+from rapidmoe.resplit import Preset, check_pair, convert, get_preset
+from rapidmoe.resplit.convert import _Converter
+from rapidmoe.resplit.imatrix import Imatrix
+from rapidmoe.resplit.presets import WQ_TYPES, WR_TYPES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Relative error of a quantized Gaussian-like tensor, per type (upper bounds with margin, measured on these
+# weights): the residual's own error ratio bounds how much WR can shrink WQ's error.
+WR_RATIO_MAX = {"Q2_K": 0.40, "Q3_K": 0.24, "Q4_K": 0.13}
+
+
+@pytest.fixture(scope="module")
+def micro(model_dir: Path, vocab_dir: Path) -> Path:
+    """One layer, 4 experts of 256x256: small enough to convert 15 times."""
+    from rapidmoe.synthetic import spec_for, write_model
+
+    path = model_dir / "micro-qwen3moe.gguf"
+    if not path.exists():
+        write_model(spec_for("qwen3moe", "tiny", n_layer=1, n_expert=4, n_expert_used=2, vocab="gpt-2"), path,
+                    vocab_dir)
+    return path
+
+
+def _uniform_imatrix(src: Path) -> Imatrix:
+    r = GGUFFile(src)
+    im = Imatrix(datasets=["uniform"])
+    for t in r.tensors:
+        if "_exps" in t.name:
+            im.in_sum2[t.name] = np.ones((int(t.shape[2]), int(t.shape[0])), np.float32)
+            im.counts[t.name] = np.ones(int(t.shape[2]), np.float32)
+    return im
+
+
+def _tensors(path: Path) -> dict[str, tuple[GGMLQuantizationType, np.ndarray]]:
+    r = GGUFFile(path)
+    return {t.name: (GGMLQuantizationType(int(t.tensor_type)), np.array(t.data)) for t in r.tensors}
+
+
+def _f32(qt: GGMLQuantizationType, data: np.ndarray) -> np.ndarray:
+    if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return data.astype(np.float32)
+    return np_dequantize(data, qt).astype(np.float32)
+
+
+def _rel(err: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(err.ravel().astype(np.float64)) / np.linalg.norm(ref.ravel().astype(np.float64)))
+
+
+@pytest.mark.parametrize("wq", WQ_TYPES)
+@pytest.mark.parametrize("wr", WR_TYPES)
+def test_every_pair_round_trips(micro: Path, tmp_path: Path, wq: str, wr: str) -> None:
+    preset = Preset(f"{wq}+{wr}", wq, wr, "residual")
+    res = convert(micro, tmp_path, preset, imatrix=_uniform_imatrix(micro), progress=False, report_experts=None)
+    src, base, side = _tensors(micro), _tensors(res.wq_path), _tensors(res.wr_path)
+    reported = {t["name"]: t["rel_error"] for t in res.report["tensors"]}  # type: ignore[union-attr]
+    for role in ("gate", "up", "down"):
+        name = f"blk.0.ffn_{role}_exps.weight"
+        w = _f32(*src[name])
+        q_type, q_data = base[name]
+        r_type, r_data = side[f"blk.0.ffn_{role}_exps.wr"]
+        assert q_type.name == wq and r_type.name == wr
+        deq_wq = _f32(q_type, q_data)  # gguf-py's numpy dequantizers, not ggml's
+        deq_wr = _f32(r_type, r_data)
+        e_wq = _rel(w - deq_wq, w)
+        e_pair = _rel(w - (deq_wq + deq_wr), w)
+        assert e_pair < WR_RATIO_MAX[wr] * e_wq, f"{name}: {wq}+{wr} {e_pair:.4f} vs WQ alone {e_wq:.4f}"
+        assert e_pair < e_wq / 2.5  # a wide margin over WQ alone
+        # the converter's own report agrees with the independent numpy computation
+        assert reported[name]["wq_only"] == pytest.approx(e_wq, rel=1e-3)
+        assert reported[name]["critical"] == pytest.approx(e_pair, rel=1e-3)
+        assert reported[name]["Q8_0"] < reported[name]["Q4_K"] < e_wq
+
+
+def test_paper_preset_down_copy_and_bits(micro: Path, tmp_path: Path) -> None:
+    res = convert(micro, tmp_path, get_preset("paper"), imatrix=_uniform_imatrix(micro), progress=False)
+    side = _tensors(res.wr_path)
+    assert set(side) == {"blk.0.ffn_gate_exps.wr", "blk.0.ffn_up_exps.wr", "blk.0.ffn_down_exps.hi"}
+    assert side["blk.0.ffn_down_exps.hi"][0].name == "Q4_K"
+    w = _f32(*_tensors(micro)["blk.0.ffn_down_exps.weight"])
+    assert _rel(w - _f32(*side["blk.0.ffn_down_exps.hi"]), w) < 0.12  # a Q4_K copy, not a residual
+    bits = res.report["bits"]
+    assert bits["wq"] == 1.75 and bits["wr_gate_up"] == 2.625 and bits["down_sidecar"] == 4.5  # type: ignore[index]
+    assert json.loads(res.report_path.read_text())["pair_id"] == res.report["pair_id"]
+    # non-expert tensors: Q8_0 matrices, F32 norms and router
+    base = _tensors(res.wq_path)
+    assert base["blk.0.attn_q.weight"][0] == GGMLQuantizationType.Q8_0
+    assert base["blk.0.ffn_gate_inp.weight"][0] == GGMLQuantizationType.F32
+    assert base["blk.0.attn_norm.weight"][0] == GGMLQuantizationType.F32
+
+
+def test_ggml_dequantize_matches_gguf_py(micro: Path) -> None:
+    """_core.dequantize (the kernels' view) equals gguf-py's independent numpy decoder."""
+    from rapidmoe import _core
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 512)).astype(np.float32)
+    for name in ("Q2_K", "Q3_K", "Q4_K", "Q8_0", "IQ2_XS", "IQ2_XXS", "IQ1_M"):
+        qt = GGMLQuantizationType[name]
+        q = _core.quantize(x, int(qt), np.ones(512, np.float32))
+        np.testing.assert_allclose(_core.dequantize(q, int(qt), 512), np_dequantize(q, qt), rtol=1e-6, atol=1e-6)
+
+
+def test_sidecar_pairs_only_with_its_base(micro: Path, tmp_path: Path) -> None:
+    im = _uniform_imatrix(micro)
+    a = convert(micro, tmp_path / "a", get_preset("cpu"), progress=False)
+    b = convert(micro, tmp_path / "b", get_preset("paper"), imatrix=im, progress=False)
+    assert check_pair(a.wq_path, a.wr_path)["pair_id"] == a.report["pair_id"]
+    with pytest.raises(ModelFileError, match="does not belong"):
+        check_pair(b.wq_path, a.wr_path)
+    with pytest.raises(ModelFileError, match="does not belong"):
+        check_pair(micro, a.wr_path)
+    # same pair id but the base was modified afterwards
+    data = bytearray(a.wq_path.read_bytes())
+    data[-1] ^= 0xFF
+    a.wq_path.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError, match="changed"):
+        check_pair(a.wq_path, a.wr_path)
+
+
+def test_wq_runs_in_ours(micro: Path, tmp_path: Path) -> None:
+    from rapidmoe import Llama
+
+    res = convert(micro, tmp_path, get_preset("cpu"), progress=False)
+    llm = Llama(res.wq_path, n_ctx=64, verbose=False)
+    out = llm.create_completion("Hello", max_tokens=6, temperature=0.0)
+    assert out["usage"]["completion_tokens"] == 6
+    llm.close()
+
+
+@pytest.mark.stock
+def test_wq_runs_in_stock_llama_cpp(micro: Path, tmp_path: Path, stock_bin: Path) -> None:
+    res = convert(micro, tmp_path, get_preset("cpu"), progress=False)
+    code = ("import sys, llama_cpp; m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, verbose=False); "
+            "print(m.create_completion('Hello', max_tokens=6, temperature=0.0)['usage']['completion_tokens'])")
+    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(stock_bin), PYTHONPATH=str(ROOT / "vendor" / "llama_cpp_py"))
+    out = subprocess.run([sys.executable, "-c", code, str(res.wq_path)], env=env, capture_output=True, text=True,
+                         check=True, cwd=ROOT / "vendor")
+    assert out.stdout.strip().splitlines()[-1] == "6"
+
+
+def test_refuses_bad_inputs(micro: Path, tmp_path: Path, vocab_dir: Path, model_dir: Path) -> None:
+    from rapidmoe.synthetic import spec_for, write_model
+
+    with pytest.raises(ModelFileError, match="dense"):
+        convert(vocab_dir / "ggml-vocab-gpt-2.gguf", tmp_path, get_preset("cpu"), progress=False)
+    with pytest.raises(RapidMoEError, match="IQ1_M needs an importance matrix"):
+        convert(micro, tmp_path, get_preset("paper"), progress=False)
+    odd = model_dir / "odd-rows.gguf"
+    write_model(spec_for("qwen3moe", "tiny", n_layer=1, n_expert=4, n_expert_used=2, n_ff_exp=160, vocab="gpt-2"),
+                odd, vocab_dir)
+    with pytest.raises(ModelFileError, match=r"blk\.0\.ffn_down_exps\.weight has rows of 160 values; Q2_K needs"):
+        convert(odd, tmp_path, get_preset("cpu"), progress=False)
+    convert(micro, tmp_path, get_preset("cpu"), progress=False)
+    with pytest.raises(RapidMoEError, match="exists; pass --force"):
+        convert(micro, tmp_path, get_preset("cpu"), progress=False)
+    with pytest.raises(ValueError, match="unknown preset"):
+        get_preset("nope")
+    with pytest.raises(ValueError, match="WQ type Q8_0 not supported"):
+        get_preset("paper", wq="Q8_0")
+
+
+def test_unknown_architecture_is_refused(tmp_path: Path, micro: Path) -> None:
+    import gguf
+
+    src = GGUFFile(micro)
+    path = tmp_path / "foo.gguf"
+    w = gguf.GGUFWriter(path, arch="foomoe")
+    w.add_uint32("foomoe.expert_count", 4)
+    w.add_uint32("foomoe.expert_used_count", 2)
+    t = next(t for t in src.tensors if t.name.endswith("ffn_up_exps.weight"))
+    w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError, match="architecture 'foomoe' is not supported"):
+        convert(path, tmp_path / "out", get_preset("cpu"), progress=False)
+
+
+def test_interrupted_conversion_leaves_nothing(micro: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"n": 0}
+    real = _Converter.convert_expert
+
+    def flaky(self, t):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(self, t)
+
+    monkeypatch.setattr(_Converter, "convert_expert", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        convert(micro, tmp_path, get_preset("cpu"), progress=False)
+    assert list(tmp_path.iterdir()) == []

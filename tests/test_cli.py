@@ -62,11 +62,12 @@ def test_run_bad_model_files(tmp_path: Path, tiny_qwen: Path, vocab_dir: Path) -
 
 
 def test_run_bad_flags(tiny_qwen: Path) -> None:
-    assert "exceed --ctx-size" in _one_line_error(["run", str(tiny_qwen), "-n", "100", "-c", "64",
+    assert "does not fit in --ctx-size" in _one_line_error(["run", str(tiny_qwen), "-n", "100", "-c", "64"])
+    assert "exceed --ctx-size" in _one_line_error(["run", str(tiny_qwen), "-n", "40", "-c", "64",
                                                    "-p", "word " * 40])
     assert "unknown buffer type" in _one_line_error(["run", str(tiny_qwen), "-ot", "exps=GPU9"])
     res = runner.invoke(app, ["run", str(tiny_qwen), "-n", "-3"])
-    assert res.exit_code == 2 and "-3" in res.output
+    assert res.exit_code == 2 and "Invalid value for '--n-predict'" in res.output
 
 
 @pytest.mark.parametrize("args, message", [

@@ -84,6 +84,10 @@ class Llama(llama_cpp.Llama):
             params.cb_eval_user_data = ctypes.c_void_p(cb.user_data)
         self._context_params = params
 
+    def close(self) -> None:
+        if hasattr(self, "_stack"):  # __init__ may have refused its arguments before llama_cpp set anything up
+            super().close()
+
     def reset_timings(self) -> None:
         llama_cpp.llama_perf_context_reset(self.ctx)
 

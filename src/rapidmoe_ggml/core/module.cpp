@@ -9,6 +9,7 @@
 #include "rapidmoe-llama.h"
 
 #include "backends.h"
+#include "imatrix.h"
 #include "quant.h"
 
 namespace nb = nanobind;
@@ -26,4 +27,5 @@ NB_MODULE(_core, m) {
     m.def("buffer_types", &rapidmoe::buffer_types,
           "Buffer types of every ggml device: list of (name, address) usable as tensor_buft_overrides.");
     rapidmoe::bind_quant(m);
+    rapidmoe::bind_imatrix(m);
 }

@@ -11,9 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._runtime import llama_cpp
+from ._runtime import _core, llama_cpp
+from .errors import ModelFileError, RapidMoEError
 from .modelfile import read_model_info
 from .overrides import BufferOverrides, build_overrides
+from .residual import MoELayerCounters, ResidualInfo, load_residual_info
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,10 @@ class Llama(llama_cpp.Llama):
     override_tensor: llama.cpp `-ot` overrides, "pattern=BUFT,..." or a list of them (e.g. "exps=CPU").
     eval_callback: an object with `callback_address` and `user_data` (e.g. rapidmoe._core.ImatrixCollector)
         installed as the context's ggml eval callback; it must outlive this Llama.
+    residual_path: a RESplit sidecar (.wr.gguf) made from `model_path` (a .wq.gguf): split expert routing.
+    n_critical: with a sidecar, each token's r highest-weight experts run in high precision (default 2,
+        clamped to top-k); change it later with `set_n_critical` without reloading.
+    verify_residual: check the base file's sha256 recorded in the sidecar (reads the whole base once).
     """
 
     _buffer_overrides: BufferOverrides | None
@@ -52,11 +58,20 @@ class Llama(llama_cpp.Llama):
         n_cpu_moe: int = 0,
         override_tensor: str | Sequence[str] | None = None,
         eval_callback: Any = None,
+        residual_path: str | os.PathLike[str] | None = None,
+        n_critical: int = 2,
+        verify_residual: bool = True,
         **kwargs: Any,
     ) -> None:
-        read_model_info(model_path)  # a clear error for missing, truncated and non-GGUF files
+        info = read_model_info(model_path)  # a clear error for missing, truncated and non-GGUF files
         self._buffer_overrides = build_overrides(n_cpu_moe, override_tensor)
         self._eval_callback = eval_callback
+        self.residual: ResidualInfo | None = None
+        if residual_path is not None:
+            if n_critical < 0:
+                raise RapidMoEError(f"n_critical must be >= 0, got {n_critical}")
+            self.residual = load_residual_info(model_path, residual_path, verify=verify_residual)
+            self._n_critical_init = min(n_critical, info.n_expert_used)
         super().__init__(os.fspath(model_path), **kwargs)
 
     # llama_cpp.Llama.__init__ assigns self.model_params and loads the model right after; intercepting the
@@ -84,9 +99,45 @@ class Llama(llama_cpp.Llama):
             params.cb_eval_user_data = ctypes.c_void_p(cb.user_data)
         self._context_params = params
 
+    # llama_cpp.Llama.__init__ assigns self._model after loading it and before creating the context: attaching
+    # the sidecar here makes even the context's reserved (worst-case) graphs include the split.
+    @property
+    def _model(self) -> Any:
+        return self.__dict__["_model"]
+
+    @_model.setter
+    def _model(self, model: Any) -> None:
+        self.__dict__["_model"] = model
+        if getattr(self, "residual", None) is not None:
+            try:
+                _core.attach_residual(model.model, str(self.residual.path))
+            except ValueError as e:
+                raise ModelFileError(f"cannot attach {self.residual.path}: {e}") from e
+            _core.set_n_critical(model.model, self._n_critical_init)
+
+    def set_n_critical(self, n_critical: int) -> int:
+        """Fixed r for the next calls: each token's r highest-weight experts run WQ+WR (0 <= r <= top-k)."""
+        if self.residual is None:
+            raise RapidMoEError("no residual sidecar attached (pass residual_path=...)")
+        k = self.residual.n_expert_used
+        if not 0 <= n_critical <= k:
+            raise RapidMoEError(f"n_critical must be in 0..{k} (top-k of this model), got {n_critical}")
+        return int(_core.set_n_critical(self._model.model, n_critical))
+
+    def moe_counters(self, reset: bool = False) -> list[MoELayerCounters]:
+        """Per MoE layer since the last reset: tokens, expert slots, critical slots, estimated weight bytes read."""
+        if self.residual is None:
+            return []
+        raw = _core.moe_counters(self._model.model, reset)
+        return self.residual.counters(raw)
+
     def close(self) -> None:
-        if hasattr(self, "_stack"):  # __init__ may have refused its arguments before llama_cpp set anything up
-            super().close()
+        if not hasattr(self, "_stack"):  # __init__ refused its arguments before llama_cpp set anything up
+            return
+        model = self.__dict__.get("_model")
+        if self.residual is not None and model is not None and model.model is not None:
+            _core.detach_residual(model.model)  # before llama.cpp frees the model
+        super().close()
 
     def reset_timings(self) -> None:
         llama_cpp.llama_perf_context_reset(self.ctx)

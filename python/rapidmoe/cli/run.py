@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ..errors import ModelFileError
+from ..errors import ModelFileError, RapidMoEError
 from . import options
 
 
@@ -24,6 +25,8 @@ def run(
     n_gpu_layers: options.GpuLayers = 0,
     n_cpu_moe: options.NCpuMoe = 0,
     override_tensor: options.OverrideTensor = None,
+    residual: Annotated[Optional[Path], typer.Option("--residual", help="RESplit sidecar (.wr.gguf) made from MODEL: split expert routing.")] = None,
+    n_critical: Annotated[int, typer.Option("--n-critical", "-r", help="With --residual: each token's r highest-weight experts run in high precision.", min=0)] = 2,
     verbose: options.Verbose = False,
 ) -> None:
     """Generate text from PROMPT with MODEL, streaming tokens as they come, then print prefill and decode speed."""
@@ -38,7 +41,9 @@ def run(
     try:
         llm = Llama(path, n_ctx=ctx_size, n_threads=threads, n_threads_batch=threads, seed=seed,
                     n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=override_tensor,
-                    verbose=verbose)
+                    residual_path=residual, n_critical=n_critical, verbose=verbose)
+    except RapidMoEError:
+        raise
     except ValueError as e:  # llama_cpp reports load failures as ValueError
         raise ModelFileError(f"llama.cpp could not load {path} ({info.architecture}): {e}") from e
     n_prompt = len(llm.tokenize(prompt.encode(), add_bos=True, special=False))
@@ -53,8 +58,13 @@ def run(
         out.flush()
     out.write("\n")
     t = llm.timings()
+    split = ""
+    if llm.residual is not None:
+        c = llm.moe_counters()
+        frac = sum(x.critical_slots for x in c) / max(1, sum(x.slots for x in c))
+        split = f"\nsplit:   r = {min(n_critical, info.n_expert_used)}, critical expert slots {100 * frac:.1f}%"
     print(f"\nprefill: {t.prompt_tokens} tokens in {t.prompt_ms:.1f} ms = {t.prompt_tps:.2f} tokens/s\n"
           f"decode:  {t.decode_tokens} tokens in {t.decode_ms:.1f} ms = {t.decode_tps:.2f} tokens/s\n"
-          f"model:   {path} ({info.architecture}, {info.n_expert} experts, top-{info.n_expert_used})",
+          f"model:   {path} ({info.architecture}, {info.n_expert} experts, top-{info.n_expert_used}){split}",
           file=sys.stderr)
     llm.close()

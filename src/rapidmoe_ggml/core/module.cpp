@@ -11,6 +11,8 @@
 #include "backends.h"
 #include "imatrix.h"
 #include "quant.h"
+#include "residual.h"
+#include "testing.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -28,4 +30,6 @@ NB_MODULE(_core, m) {
           "Buffer types of every ggml device: list of (name, address) usable as tensor_buft_overrides.");
     rapidmoe::bind_quant(m);
     rapidmoe::bind_imatrix(m);
+    rapidmoe::bind_residual(m);
+    rapidmoe::bind_testing(m);
 }

@@ -1,9 +1,128 @@
-// The MoE FFN hook. Split expert routing will attach per-model residual state here and build the split
-// graph; with no sidecar attached to any model the hook returns nullptr and llama.cpp builds its stock graph.
+// Split expert routing inside llama.cpp's MoE FFN: per token, the r highest-weight of its top-k experts are
+// critical and get their residual (WR) added to gate/up and their down from the high-precision copy; the
+// others use WQ only. Residual matmuls use ggml_mul_mat_id_masked with -1 ids for non-critical slots, so the
+// CPU reads residual weights only for critical experts. r is read when the graph is computed (not built), so
+// it changes between calls without rebuilding anything.
 #include "rapidmoe-graph.h"
 
-ggml_tensor * rapidmoe_build_moe_ffn(const llm_graph_context & g, const rapidmoe_moe_args & a) {
-    (void) g;
-    (void) a;
-    return nullptr;  // no sidecar support in this build yet: always the stock MoE FFN
+#include "rapidmoe-residual.h"
+
+#include <algorithm>
+#include <array>
+
+namespace {
+
+constexpr int MAX_K = 64;
+
+// dst [k, T] i32 = critical ids; src[0] = weights [1, k, T] f32, src[1] = selected [k, T] i32
+void critical_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    const auto * layer = static_cast<const rapidmoe_layer_residual *>(userdata);
+    const ggml_tensor * w = dst->src[0];
+    const ggml_tensor * sel = dst->src[1];
+    const int64_t k = sel->ne[0], T = sel->ne[1];
+    const int r = std::clamp<int>(layer->state->n_critical.load(std::memory_order_relaxed), 0, (int) k);
+    int64_t n_crit = 0;
+    std::array<int, MAX_K> order{};
+    for (int64_t t = 0; t < T; ++t) {
+        const auto * wt = (const float *) ((const char *) w->data + t * w->nb[2]);
+        const auto * st = (const int32_t *) ((const char *) sel->data + t * sel->nb[1]);
+        auto * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
+        for (int j = 0; j < k; ++j) {
+            order[j] = j;
+        }
+        // the r slots with the largest routing weight (stable: ties keep the router's order)
+        std::stable_sort(order.begin(), order.begin() + k, [&](int a, int b) {
+            return *(const float *) ((const char *) wt + a * w->nb[1]) > *(const float *) ((const char *) wt + b * w->nb[1]);
+        });
+        for (int j = 0; j < k; ++j) {
+            out[j] = -1;
+        }
+        for (int j = 0; j < r; ++j) {
+            out[order[j]] = st[order[j]];
+        }
+        n_crit += r;
+    }
+    layer->counters->tokens += T;
+    layer->counters->slots += T * k;
+    layer->counters->critical_slots += n_crit;
+}
+
+// dst [1, k, T] f32 = 1 where the slot is not critical; src[0] = critical ids [k, T]
+void keep_mask_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    (void) userdata;
+    if (ith != 0) {
+        return;
+    }
+    const ggml_tensor * ids = dst->src[0];
+    for (int64_t t = 0; t < ids->ne[1]; ++t) {
+        const auto * it = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
+        auto * out = (float *) ((char *) dst->data + t * dst->nb[2]);
+        for (int64_t j = 0; j < ids->ne[0]; ++j) {
+            *(float *) ((char *) out + j * dst->nb[1]) = it[j] < 0 ? 1.0f : 0.0f;
+        }
+    }
+}
+
+}  // namespace
+
+rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor * x, ggml_tensor * selected,
+                                      ggml_tensor * weights, const ggml_tensor * up_exps,
+                                      const ggml_tensor * gate_exps, const ggml_tensor * down_exps, int il) {
+    rapidmoe_moe_split s;
+    const rapidmoe_layer_residual * found = up_exps != nullptr ? rapidmoe_residual_find(up_exps) : nullptr;
+    // only the attached model's own expert tensors, in the separate gate/up layout
+    if (found == nullptr || found->base_gate != gate_exps || found->base_down != down_exps || found->il != il ||
+        selected->ne[0] > MAX_K) {
+        return s;
+    }
+    const rapidmoe_layer_residual & layer = *found;
+    ggml_context * ctx = g.ctx0;
+    const int64_t k = selected->ne[0], T = selected->ne[1];
+    ggml_tensor * args[2] = { weights, selected };
+    s.crit_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, k, T, 1, 1, args, 2, critical_ids_op, 1,
+                                const_cast<rapidmoe_layer_residual *>(&layer)); // [k, T]
+    g.cb(s.crit_ids, "rapidmoe_critical_ids", il);
+    s.keep = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, k, T, 1, &s.crit_ids, 1, keep_mask_op, 1, nullptr); // [1, k, T]
+    g.cb(s.keep, "rapidmoe_keep", il);
+    s.g = &g;
+    s.layer = &layer;
+    s.x = x;
+    s.il = il;
+    return s;
+}
+
+ggml_tensor * rapidmoe_moe_up(const rapidmoe_moe_split & s, ggml_tensor * up) {
+    if (s.layer == nullptr) {
+        return up;
+    }
+    ggml_tensor * r = ggml_mul_mat_id_masked(s.g->ctx0, s.layer->up_wr, s.x, s.crit_ids); // [n_ff, k, T]
+    s.g->cb(r, "rapidmoe_up_wr", s.il);
+    return ggml_add(s.g->ctx0, up, r);
+}
+
+ggml_tensor * rapidmoe_moe_gate(const rapidmoe_moe_split & s, ggml_tensor * gate) {
+    if (s.layer == nullptr) {
+        return gate;
+    }
+    ggml_tensor * r = ggml_mul_mat_id_masked(s.g->ctx0, s.layer->gate_wr, s.x, s.crit_ids); // [n_ff, k, T]
+    s.g->cb(r, "rapidmoe_gate_wr", s.il);
+    return ggml_add(s.g->ctx0, gate, r);
+}
+
+ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * experts, ggml_tensor * act) {
+    if (s.layer == nullptr) {
+        return experts;
+    }
+    ggml_context * ctx = s.g->ctx0;
+    ggml_tensor * hi = ggml_mul_mat_id_masked(ctx, s.layer->down_hi, act, s.crit_ids); // [n_embd, k, T]
+    s.g->cb(hi, s.layer->down_is_copy ? "rapidmoe_down_hi" : "rapidmoe_down_wr", s.il);
+    if (s.layer->down_is_copy) {
+        experts = ggml_mul(ctx, experts, s.keep); // WQ result only where the slot is not critical
+    }
+    return ggml_add(ctx, experts, hi);
 }

@@ -1,37 +1,30 @@
-// RapidMoE's hook into llama.cpp's MoE FFN builder (called by patches/0001-graph-moe-ffn-hook.patch).
-// Internal to libllama: it sees llama.cpp's private graph types, so it is compiled as part of libllama.
+// RapidMoE's split expert routing hooks in llama.cpp's MoE FFN builder (called by
+// patches/0001-graph-moe-split-hooks.patch). Internal to libllama: it sees llama.cpp's private graph types.
+//
+//   [Router] -> selected, weights -> begin: critical ids (top-r by weight, -1 elsewhere), keep mask
+//   [up]   WQ all k slots  + WR residual, critical slots only (masked mul_mat_id)
+//   [gate] WQ all k slots  + WR residual, critical slots only
+//   [down] WQ all k slots, critical slots replaced by the Q4 copy (or + the WR residual)
+//   -> weighting and sum: stock
 #pragma once
 
 #include "llama-graph.h"
 
-// Every argument of llm_graph_context::build_moe_ffn, by name, so the hook's signature does not track theirs.
-struct rapidmoe_moe_args {
-    ggml_tensor * cur;           // [n_embd, n_tokens]
-    ggml_tensor * gate_inp;      // router [n_embd, n_expert]
-    ggml_tensor * gate_inp_b;
-    ggml_tensor * up_exps;       // [n_embd, n_ff, n_expert]
-    ggml_tensor * up_exps_b;
-    ggml_tensor * gate_exps;     // [n_embd, n_ff, n_expert]
-    ggml_tensor * gate_exps_b;
-    ggml_tensor * down_exps;     // [n_ff, n_embd, n_expert]
-    ggml_tensor * down_exps_b;
-    ggml_tensor * exp_probs_b;   // selection bias (DeepSeek-V3), [n_expert]
-    int64_t       n_expert;
-    int64_t       n_expert_used;
-    llm_ffn_op_type type_op;
-    bool          norm_w;
-    float         w_scale;
-    llama_expert_gating_func_type gating_op;
-    int           il;
-    ggml_tensor * probs_in;
-    ggml_tensor * gate_up_exps;  // merged gate+up form, [n_embd, 2*n_ff, n_expert]
-    ggml_tensor * gate_up_exps_b;
-    ggml_tensor * up_exps_s;
-    ggml_tensor * gate_exps_s;
-    ggml_tensor * down_exps_s;
-    ggml_tensor * selected_experts_in;
+struct rapidmoe_layer_residual;
+
+// One layer's split inside one graph build. Inactive (layer == nullptr): every hook returns its input.
+struct rapidmoe_moe_split {
+    const llm_graph_context *       g        = nullptr;
+    const rapidmoe_layer_residual * layer    = nullptr;
+    ggml_tensor *                   x        = nullptr; // expert input  [n_embd, 1, n_tokens]
+    ggml_tensor *                   crit_ids = nullptr; // [n_expert_used, n_tokens], -1 for non-critical slots
+    ggml_tensor *                   keep     = nullptr; // [1, n_expert_used, n_tokens], 1 non-critical, 0 critical
+    int                             il       = -1;
 };
 
-// Returns the MoE FFN output built our way when the graph's model has a residual sidecar attached,
-// nullptr otherwise (the caller then builds the stock graph, so behaviour and speed are stock).
-ggml_tensor * rapidmoe_build_moe_ffn(const llm_graph_context & g, const rapidmoe_moe_args & a);
+rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor * x, ggml_tensor * selected,
+                                      ggml_tensor * weights, const ggml_tensor * up_exps,
+                                      const ggml_tensor * gate_exps, const ggml_tensor * down_exps, int il);
+ggml_tensor * rapidmoe_moe_up(const rapidmoe_moe_split & s, ggml_tensor * up);     // [n_ff, n_expert_used, n_tokens]
+ggml_tensor * rapidmoe_moe_gate(const rapidmoe_moe_split & s, ggml_tensor * gate); // [n_ff, n_expert_used, n_tokens]
+ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * experts, ggml_tensor * act);

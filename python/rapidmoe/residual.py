@@ -1,0 +1,69 @@
+"""What Python knows about an attached residual sidecar: its pairing check, per-expert byte costs, and the
+per-layer counters turned into a readable form. The graph work itself is C++ (src/rapidmoe_ggml/llama_ext).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .ggufio import GGUFFile
+from .resplit.sidecar import check_pair
+
+_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|wr|hi)$")
+
+
+@dataclass(frozen=True)
+class MoELayerCounters:
+    layer: int
+    tokens: int  # tokens routed through the layer
+    slots: int  # expert slots: tokens x top-k
+    critical_slots: int  # slots computed in high precision (WQ + WR)
+    wq_bytes: int  # estimated bytes of WQ expert weights read: slots x one expert's gate+up+down
+    wr_bytes: int  # estimated bytes of sidecar weights read: critical slots x one expert's sidecar tensors
+
+    @property
+    def critical_fraction(self) -> float:
+        return self.critical_slots / self.slots if self.slots else 0.0
+
+
+@dataclass(frozen=True)
+class ResidualInfo:
+    path: Path
+    n_expert_used: int
+    down_mode: str  # "copy" or "residual"
+    wq_bytes_per_expert: dict[int, int]  # layer -> bytes of one expert's WQ gate+up+down
+    wr_bytes_per_expert: dict[int, int]  # layer -> bytes of one expert's sidecar tensors
+
+    def counters(self, raw: np.ndarray) -> list[MoELayerCounters]:
+        out = []
+        for il, (tokens, slots, crit) in enumerate(raw.tolist()):
+            if il not in self.wq_bytes_per_expert:
+                continue
+            out.append(MoELayerCounters(il, tokens, slots, crit, slots * self.wq_bytes_per_expert[il],
+                                        crit * self.wr_bytes_per_expert[il]))
+        return out
+
+
+def _per_expert_bytes(f: GGUFFile) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for t in f.tensors:
+        m = _EXPERT.match(t.name)
+        if m:
+            out[int(m.group(1))] = out.get(int(m.group(1)), 0) + t.n_bytes // int(t.shape[2])
+    return out
+
+
+def load_residual_info(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], *,
+                       verify: bool = True) -> ResidualInfo:
+    """Check that the sidecar belongs to the base (ModelFileError otherwise) and read its costs."""
+    meta = check_pair(wq_path, wr_path, verify_hash=verify)
+    base = GGUFFile(wq_path)
+    arch = base.get("general.architecture")
+    return ResidualInfo(path=Path(wr_path), n_expert_used=int(base.get(f"{arch}.expert_used_count", 0)),
+                        down_mode=str(meta.get("preset.down_mode", "copy")),
+                        wq_bytes_per_expert=_per_expert_bytes(base),
+                        wr_bytes_per_expert=_per_expert_bytes(GGUFFile(wr_path)))

@@ -1,0 +1,139 @@
+#include "testing.h"
+
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+#include "ggml.h"
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace rapidmoe {
+namespace {
+
+using F32_3 = nb::ndarray<const float, nb::numpy, nb::ndim<3>, nb::c_contig, nb::device::cpu>;
+using I32_2 = nb::ndarray<const int32_t, nb::numpy, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using U8_3  = nb::ndarray<const uint8_t, nb::numpy, nb::ndim<3>, nb::c_contig, nb::device::cpu>;
+
+// dst[t, j, :] = as[ids[t, j]] @ b[t, j % n_b, :] (numpy order); masked: ids < 0 give zero rows
+nb::ndarray<nb::numpy, float, nb::ndim<3>> mul_mat_id(U8_3 as, int type_id, int64_t n_in, F32_3 b, I32_2 ids,
+                                                      bool masked, int n_threads) {
+    const auto type = (ggml_type) type_id;
+    const int64_t n_as = as.shape(0), n_out = as.shape(1);
+    const int64_t T = b.shape(0), n_b = b.shape(1), k = ids.shape(1);
+    if ((int64_t) b.shape(2) != n_in || (int64_t) ids.shape(0) != T || as.shape(2) != ggml_row_size(type, n_in)) {
+        throw std::invalid_argument("mul_mat_id: inconsistent shapes");
+    }
+    ggml_init_params ip = { 64 * ggml_tensor_overhead() + ggml_graph_overhead() +
+                            as.nbytes() + b.nbytes() + ids.nbytes() + (size_t) (T * k * n_out) * 4 + (1 << 16),
+                            nullptr, false };
+    ggml_context * ctx = ggml_init(ip);
+    ggml_tensor * ta = ggml_new_tensor_3d(ctx, type, n_in, n_out, n_as);
+    ggml_tensor * tb = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, n_in, n_b, T);
+    ggml_tensor * ti = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, T);
+    std::memcpy(ta->data, as.data(), as.nbytes());
+    std::memcpy(tb->data, b.data(), b.nbytes());
+    std::memcpy(ti->data, ids.data(), ids.nbytes());
+    ggml_tensor * out = masked ? ggml_mul_mat_id_masked(ctx, ta, tb, ti) : ggml_mul_mat_id(ctx, ta, tb, ti);
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, out);
+    {
+        nb::gil_scoped_release release;
+        ggml_cpu_init();  // idempotent: fp16 tables etc. for the CPU kernels
+        ggml_cplan plan = ggml_graph_plan(gf, n_threads, nullptr);
+        std::vector<uint8_t> work(plan.work_size + 1);
+        plan.work_data = work.data();
+        ggml_graph_compute(gf, &plan);
+    }
+    auto * res = new float[(size_t) (T * k * n_out)];
+    std::memcpy(res, out->data, ggml_nbytes(out));
+    ggml_free(ctx);
+    nb::capsule owner(res, [](void * p) noexcept { delete[] (float *) p; });
+    return nb::ndarray<nb::numpy, float, nb::ndim<3>>(res, {(size_t) T, (size_t) k, (size_t) n_out}, owner);
+}
+
+struct TensorCapture {
+    std::vector<std::string> names;  // exact graph tensor names, e.g. "ffn_moe_out-0"
+    std::map<std::string, std::vector<std::vector<float>>> data;  // name -> one entry per computation
+    std::map<std::string, std::vector<int64_t>> shapes;
+    std::mutex mutex;
+
+    bool wants(const ggml_tensor * t) const {
+        for (const auto & n : names) {
+            if (n == t->name) {
+                return t->type == GGML_TYPE_F32;
+            }
+        }
+        return false;
+    }
+};
+
+bool capture_callback(ggml_tensor * t, bool ask, void * user_data) {
+    auto * c = static_cast<TensorCapture *>(user_data);
+    if (ask) {
+        return c->wants(t);
+    }
+    if (!c->wants(t)) {
+        return true;
+    }
+    std::lock_guard<std::mutex> lock(c->mutex);
+    std::vector<float> v((size_t) ggml_nelements(t));
+    if (ggml_is_contiguous(t)) {
+        ggml_backend_tensor_get(t, v.data(), 0, ggml_nbytes(t));
+    } else {
+        return true;  // only contiguous tensors are captured
+    }
+    c->data[t->name].push_back(std::move(v));
+    c->shapes[t->name] = { t->ne[3], t->ne[2], t->ne[1], t->ne[0] };
+    return true;
+}
+
+}  // namespace
+
+void bind_testing(nb::module_ & m) {
+    m.def("mul_mat_id", &mul_mat_id, "as_"_a, "type"_a, "n_in"_a, "b"_a, "ids"_a, "masked"_a = false,
+          "n_threads"_a = 2,
+          "Run ggml_mul_mat_id (or ggml_mul_mat_id_masked) on the CPU backend: as_ uint8 [n_as, n_out, row_bytes]\n"
+          "of ggml type `type`, b float32 [T, n_b, n_in], ids int32 [T, k]; returns float32 [T, k, n_out].");
+    nb::class_<TensorCapture>(m, "TensorCapture",
+        "Copies the named F32 graph tensors each time a llama_context computes them (eval callback).")
+        .def("__init__", [](TensorCapture * c, std::vector<std::string> names) {
+            new (c) TensorCapture();
+            c->names = std::move(names);
+        }, "names"_a)
+        .def_prop_ro("callback_address", [](const TensorCapture &) { return (uintptr_t) &capture_callback; })
+        .def_prop_ro("user_data", [](TensorCapture & c) { return (uintptr_t) &c; })
+        .def("get", [](TensorCapture & c, const std::string & name) {
+            std::lock_guard<std::mutex> lock(c.mutex);
+            nb::list out;
+            auto it = c.data.find(name);
+            if (it == c.data.end()) {
+                return out;
+            }
+            const auto & sh = c.shapes[name];
+            for (const auto & v : it->second) {
+                auto * buf = new float[v.size()];
+                std::memcpy(buf, v.data(), v.size() * sizeof(float));
+                nb::capsule owner(buf, [](void * p) noexcept { delete[] (float *) p; });
+                out.append(nb::ndarray<nb::numpy, float, nb::ndim<4>>(
+                    buf, {(size_t) sh[0], (size_t) sh[1], (size_t) sh[2], (size_t) sh[3]}, owner));
+            }
+            return out;
+        }, "name"_a, "Every captured copy of `name`, in numpy order [ne3, ne2, ne1, ne0].")
+        .def("clear", [](TensorCapture & c) {
+            std::lock_guard<std::mutex> lock(c.mutex);
+            c.data.clear();
+        });
+}
+
+}  // namespace rapidmoe

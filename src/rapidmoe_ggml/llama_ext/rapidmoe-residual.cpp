@@ -1,0 +1,178 @@
+// Loading a residual sidecar (.wr.gguf, written by rapidmoe.resplit) into CPU memory and attaching it to a
+// loaded model. Python has already checked the pairing (pair id, base hash); here every tensor's shape is
+// checked against the model's own expert tensors, so a mismatched file is refused rather than misread.
+#include "rapidmoe-residual.h"
+
+#include "gguf.h"
+#include "llama-model.h"
+
+#include <cstdio>
+#include <string>
+#include <map>
+#include <mutex>
+
+namespace {
+
+std::mutex g_mutex;
+std::map<const llama_model *, std::unique_ptr<rapidmoe_residual_state>> g_states;
+std::map<const ggml_tensor *, const rapidmoe_layer_residual *> g_layers;  // model's up_exps -> its residual
+
+bool same_shape(const ggml_tensor * a, const ggml_tensor * b) {
+    return a->ne[0] == b->ne[0] && a->ne[1] == b->ne[1] && a->ne[2] == b->ne[2] && a->ne[3] == b->ne[3];
+}
+
+// "blk.<il>.ffn_<role>_exps.<form>" -> il, role (up/gate/down/gate_up), form (wr/hi)
+bool parse_name(const std::string & name, int & il, std::string & role, std::string & form) {
+    const std::string pre = "blk.", mid = ".ffn_", exps = "_exps.";
+    if (name.rfind(pre, 0) != 0) {
+        return false;
+    }
+    const size_t a = name.find(mid), b = name.find(exps);
+    if (a == std::string::npos || b == std::string::npos || b < a) {
+        return false;
+    }
+    try {
+        il = std::stoi(name.substr(pre.size(), a - pre.size()));
+    } catch (...) {
+        return false;
+    }
+    role = name.substr(a + mid.size(), b - a - mid.size());
+    form = name.substr(b + exps.size());
+    return il >= 0;
+}
+
+}  // namespace
+
+rapidmoe_residual_state::~rapidmoe_residual_state() {
+    if (buf != nullptr) {
+        ggml_backend_buffer_free(buf);
+    }
+    if (ctx != nullptr) {
+        ggml_free(ctx);
+    }
+}
+
+const rapidmoe_layer_residual * rapidmoe_residual_find(const ggml_tensor * up_exps) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_layers.find(up_exps);
+    return it == g_layers.end() ? nullptr : it->second;
+}
+
+rapidmoe_residual_state * rapidmoe_residual_get(const llama_model * model) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_states.find(model);
+    return it == g_states.end() ? nullptr : it->second.get();
+}
+
+bool rapidmoe_residual_detach(const llama_model * model) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_states.find(model);
+    if (it == g_states.end()) {
+        return false;
+    }
+    for (const auto & lr : it->second->layers) {
+        g_layers.erase(lr.base_up);
+    }
+    g_states.erase(it);
+    return true;
+}
+
+std::string rapidmoe_residual_attach(const llama_model * model, const char * path) {
+    ggml_context * meta = nullptr;
+    gguf_init_params gp = { /*no_alloc =*/ true, /*ctx =*/ &meta };
+    gguf_context * gg = gguf_init_from_file(path, gp);
+    if (gg == nullptr) {
+        return std::string("cannot read ") + path + " as GGUF";
+    }
+    auto st = std::make_unique<rapidmoe_residual_state>();
+    st->model = model;
+    const auto & hp = model->hparams;
+    st->n_expert_used = (int) hp.n_expert_used_max();
+    st->n_critical = (int32_t) hp.n_expert_used_max();
+    st->layers.resize(model->layers.size());
+    const int64_t n_t = gguf_get_n_tensors(gg);
+    ggml_init_params ip = { (size_t) (n_t + 1) * ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
+    st->ctx = ggml_init(ip);
+    std::string err;
+    for (int64_t i = 0; i < n_t && err.empty(); ++i) {
+        const char * name = gguf_get_tensor_name(gg, i);
+        int il = -1;
+        std::string r, f;
+        if (!parse_name(name, il, r, f) || il >= (int) model->layers.size()) {
+            err = std::string("unexpected tensor ") + name + " in the sidecar";
+            break;
+        }
+        const auto & L = model->layers[il];
+        const ggml_tensor * base = nullptr;
+        if (r == "up") base = L.ffn_up_exps;
+        else if (r == "gate") base = L.ffn_gate_exps;
+        else if (r == "down") base = L.ffn_down_exps;
+        else { err = std::string("sidecar tensor ") + name + ": the merged gate_up form is not supported yet"; break; }
+        const ggml_tensor * src = ggml_get_tensor(meta, name);
+        if (base == nullptr || src == nullptr || !same_shape(base, src)) {
+            err = std::string("sidecar tensor ") + name + " does not match the model's expert tensor (shape)";
+            break;
+        }
+        ggml_tensor * t = ggml_dup_tensor(st->ctx, src);
+        ggml_set_name(t, name);
+        auto & lr = st->layers[il];
+        lr.state = st.get();
+        lr.il = il;
+        lr.base_up = L.ffn_up_exps;
+        lr.base_gate = L.ffn_gate_exps;
+        lr.base_down = L.ffn_down_exps;
+        if (r == "up" && f == "wr") lr.up_wr = t;
+        else if (r == "gate" && f == "wr") lr.gate_wr = t;
+        else if (r == "down" && (f == "wr" || f == "hi")) { lr.down_hi = t; lr.down_is_copy = f == "hi"; }
+        else err = std::string("unexpected tensor ") + name + " in the sidecar";
+    }
+    for (size_t il = 0; il < st->layers.size() && err.empty(); ++il) {
+        const auto & lr = st->layers[il];
+        const bool any = lr.up_wr || lr.gate_wr || lr.down_hi;
+        if (any && !(lr.up_wr && lr.gate_wr && lr.down_hi)) {
+            err = "layer " + std::to_string(il) + " of the sidecar lacks some of up/gate/down";
+        }
+        if (!any && model->layers[il].ffn_up_exps != nullptr) {
+            err = "the sidecar has no residual for MoE layer " + std::to_string(il);
+        }
+    }
+    if (err.empty()) {
+        st->buf = ggml_backend_alloc_ctx_tensors_from_buft(st->ctx, ggml_backend_cpu_buffer_type());
+        if (st->buf == nullptr) {
+            err = "out of memory allocating the sidecar's tensors";
+        }
+    }
+    if (err.empty()) {
+        FILE * fp = fopen(path, "rb");
+        if (fp == nullptr) {
+            err = std::string("cannot open ") + path;
+        }
+        const size_t data0 = gguf_get_data_offset(gg);
+        for (int64_t i = 0; i < n_t && err.empty(); ++i) {
+            ggml_tensor * t = ggml_get_tensor(st->ctx, gguf_get_tensor_name(gg, i));
+            const size_t off = data0 + gguf_get_tensor_offset(gg, i);
+            if (fseek(fp, (long) off, SEEK_SET) != 0 || fread(t->data, 1, ggml_nbytes(t), fp) != ggml_nbytes(t)) {
+                err = std::string("sidecar ") + path + " is truncated at tensor " + ggml_get_name(t);
+            }
+        }
+        if (fp != nullptr) {
+            fclose(fp);
+        }
+    }
+    gguf_free(gg);
+    ggml_free(meta);
+    if (!err.empty()) {
+        return err;
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (g_states.count(model) != 0) {
+        return "a residual sidecar is already attached to this model";
+    }
+    for (const auto & lr : st->layers) {
+        if (lr.up_wr != nullptr) {
+            g_layers[lr.base_up] = &lr;
+        }
+    }
+    g_states[model] = std::move(st);
+    return "";
+}

@@ -1,0 +1,249 @@
+"""Split expert routing (critical experts WQ+WR, the rest WQ only) against independent references:
+stock llama.cpp on the .wq.gguf (r = 0), stock on an F32 model of deq(WQ)+deq(WR) (r = k), a numpy split MoE
+layer (0 < r < k), KL to the F16 model falling with r, the masked mul_mat_id op against numpy."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from rapidmoe import Llama, ModelFileError, RapidMoEError, _core
+from rapidmoe.ggufio import GGUFFile, copy_metadata, tensor_f32
+from rapidmoe.resplit import convert, get_preset
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENS_TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense."
+EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+
+
+@pytest.fixture(scope="module", params=["qwen3moe", "deepseek2"])
+def split_pair(request: pytest.FixtureRequest, make_tiny, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """(F16 source, .wq.gguf, .wr.gguf) with the CPU preset (Q2_K WQ, Q2_K residual, Q4_K down copy)."""
+    src = make_tiny(request.param, "f16")
+    out = tmp_path_factory.mktemp(f"split-{request.param}")
+    res = convert(src, out, get_preset("cpu"), progress=False)
+    return src, res.wq_path, res.wr_path
+
+
+def _tokens(path: Path) -> list[int]:
+    llm = Llama(path, n_ctx=128, vocab_only=True, verbose=False)
+    toks = llm.tokenize(TOKENS_TEXT, add_bos=False)[:24]
+    llm.close()
+    return toks
+
+
+def _logits(path: Path, toks: list[int], **kw) -> np.ndarray:  # type: ignore[no-untyped-def]
+    llm = Llama(path, n_ctx=128, logits_all=True, verbose=False, n_threads=2, **kw)
+    llm.eval(toks)
+    out = np.array(llm.scores[: len(toks)], dtype=np.float64)
+    llm.close()
+    return out
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+STOCK_LOGITS = """
+import json, sys, numpy as np, llama_cpp
+m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=128, logits_all=True, n_threads=2, verbose=False)
+toks = json.loads(sys.argv[2])
+m.eval(toks)
+np.save(sys.argv[3], np.array(m.scores[:len(toks)], dtype=np.float64))
+"""
+
+
+@pytest.mark.stock
+def test_r0_is_exactly_stock_on_the_wq_file(split_pair, stock_bin: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    _, wq, wr = split_pair
+    toks = _tokens(wq)
+    ours = _logits(wq, toks, residual_path=wr, n_critical=0)
+    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(stock_bin), PYTHONPATH=str(ROOT / "vendor" / "llama_cpp_py"))
+    subprocess.run([sys.executable, "-c", STOCK_LOGITS, str(wq), json.dumps(toks), str(tmp_path / "s.npy")],
+                   env=env, check=True, capture_output=True, cwd=ROOT / "vendor")
+    stock = np.load(tmp_path / "s.npy")
+    np.testing.assert_array_equal(ours, stock)
+
+
+def _write_sum_model(wq: Path, wr: Path, out: Path) -> None:
+    """The r = k reference: a GGUF whose experts are F32 deq(WQ)+deq(WR) (down: the copy), the rest as in WQ."""
+    base, side = GGUFFile(wq), GGUFFile(wr)
+    w = GGUFWriter(out, arch=str(base.get("general.architecture")))
+    copy_metadata(base, w)
+    names = {t.name for t in side.tensors}
+    for t in base.tensors:
+        m = EXPERT.match(t.name)
+        if m:
+            stem = t.name.removesuffix(".weight")
+            if f"{stem}.hi" in names:
+                data = tensor_f32(side.tensor(f"{stem}.hi"))
+            else:
+                data = tensor_f32(t) + tensor_f32(side.tensor(f"{stem}.wr"))
+            w.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32))
+        elif t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            w.add_tensor(t.name, np.array(t.data))
+        else:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_r_equal_k_matches_the_summed_model(split_pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    _, wq, wr = split_pair
+    toks = _tokens(wq)
+    ref_path = tmp_path / "sum.gguf"
+    _write_sum_model(wq, wr, ref_path)
+    ref = _logits(ref_path, toks)  # no sidecar: the stock graph on F32 experts
+    k = GGUFFile(wq).get(f"{GGUFFile(wq).get('general.architecture')}.expert_used_count")
+    full = _logits(wq, toks, residual_path=wr, n_critical=k)
+    low = _logits(wq, toks, residual_path=wr, n_critical=0)
+    # the split computes WQ and WR matmuls separately on quantized activations: float-level, not bitwise
+    assert _rel(full, ref) < 0.03, _rel(full, ref)
+    assert _rel(full, ref) < 0.2 * _rel(low, ref)
+    assert (full.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def _split_references(src: Path, wq: Path, wr: Path, il: int, h: np.ndarray, k: int) -> list[np.ndarray]:
+    """numpy: one MoE layer's routed output, for r = 0..k, with each token's top-r (by weight) slots using
+    deq(WQ)+deq(WR) for gate/up and the down copy, the others deq(WQ). Router and hparams from the F16 source
+    (the router stays F32 in the .wq.gguf); expert weights dequantized from the converted files."""
+    from reference.numpy_forward import ffn, load, route
+
+    m = load(src)
+    base, side = GGUFFile(wq), GGUFFile(wr)
+    p = f"blk.{il}."
+    ds = m.arch == "deepseek2"
+    gating = {1: "softmax", 2: "sigmoid"}[m.hp("expert_gating_func", 1)] if ds else "softmax"
+    experts, w = route(h, m.w(p + "ffn_gate_inp.weight"), k, gating,
+                       m.w(p + "exp_probs_b.bias") if m.has(p + "exp_probs_b.bias") else None,
+                       m.hp("expert_group_count", 0), m.hp("expert_group_used_count", 0),
+                       bool(m.hp("expert_weights_norm", True)) if ds else True, m.hp("expert_weights_scale", 0.0))
+    q = {n: tensor_f32(base.tensor(f"{p}ffn_{n}_exps.weight")).astype(np.float64) for n in ("gate", "up", "down")}
+    res = {n: tensor_f32(side.tensor(f"{p}ffn_{n}_exps.wr")).astype(np.float64) for n in ("gate", "up")}
+    down_hi = tensor_f32(side.tensor(f"{p}ffn_down_exps.hi")).astype(np.float64)
+    lo = np.zeros((h.shape[0], k, h.shape[1]))  # per slot: WQ-only expert output
+    hi = np.zeros_like(lo)  # per slot: high-precision expert output
+    for t in range(h.shape[0]):
+        for slot in range(k):
+            e = experts[t, slot]
+            lo[t, slot] = ffn(h[t:t + 1], q["gate"][e], q["up"][e], q["down"][e])[0]
+            hi[t, slot] = ffn(h[t:t + 1], q["gate"][e] + res["gate"][e], q["up"][e] + res["up"][e], down_hi[e])[0]
+    rank = np.argsort(np.argsort(-w, axis=1, kind="stable"), axis=1)  # rank of each slot by weight
+    return [np.einsum("ts,tsd->td", w, np.where((rank < r)[..., None], hi, lo)) for r in range(k + 1)]
+
+
+def test_partial_r_matches_numpy_split_layer(split_pair) -> None:  # type: ignore[no-untyped-def]
+    src, wq, wr = split_pair
+    toks = _tokens(wq)
+    f = GGUFFile(wq)
+    arch = f.get("general.architecture")
+    k = int(f.get(f"{arch}.expert_used_count"))
+    il = int(f.get(f"{arch}.leading_dense_block_count", 0))  # the first MoE layer
+    cap = _core.TensorCapture([f"ffn_norm-{il}", f"ffn_moe_out-{il}"])
+    r = 1
+    llm = Llama(wq, n_ctx=128, logits_all=True, verbose=False, residual_path=wr, n_critical=r, eval_callback=cap)
+    llm.eval(toks)
+    counters = llm.moe_counters()
+    llm.close()
+    h = cap.get(f"ffn_norm-{il}")[-1].reshape(len(toks), -1).astype(np.float64)
+    got = cap.get(f"ffn_moe_out-{il}")[-1].reshape(len(toks), -1).astype(np.float64)
+    errs = {rr: _rel(got, ref) for rr, ref in enumerate(_split_references(src, wq, wr, il, h, k))}
+    assert errs[r] < 0.06, errs  # ggml quantizes activations to 8 bits for K-quant dot products
+    assert all(errs[r] < 0.5 * e for rr, e in errs.items() if rr != r), errs  # it really is r = 1
+    layer = next(c for c in counters if c.layer == il)
+    assert layer.tokens == len(toks) and layer.slots == len(toks) * k and layer.critical_slots == len(toks) * r
+    assert layer.wr_bytes > 0 and layer.wq_bytes > layer.wr_bytes
+
+
+def test_r_changes_at_run_time_and_counts_decode(split_pair) -> None:  # type: ignore[no-untyped-def]
+    _, wq, wr = split_pair
+    llm = Llama(wq, n_ctx=128, verbose=False, residual_path=wr, n_critical=0)
+    k = llm.residual.n_expert_used  # type: ignore[union-attr]
+    a = llm.create_completion("Hello there", max_tokens=6, temperature=0.0)["choices"][0]["text"]
+    first = llm.moe_counters(reset=True)
+    assert first and all(c.critical_slots == 0 and c.tokens > 0 for c in first)
+    assert llm.set_n_critical(k) == k
+    llm.reset()
+    llm.create_completion("Hello there", max_tokens=6, temperature=0.0)
+    second = llm.moe_counters()
+    # prefill (many tokens per batch) then 5 single-token decodes, every slot critical
+    assert all(c.critical_slots == c.slots == c.tokens * k for c in second)
+    n_prompt = len(llm.tokenize(b"Hello there", add_bos=True))
+    assert second[0].tokens == n_prompt + 5
+    with pytest.raises(RapidMoEError, match=f"n_critical must be in 0..{k}"):
+        llm.set_n_critical(k + 1)
+    llm.close()
+    assert isinstance(a, str)
+
+
+def test_mismatched_sidecar_is_refused(split_pair, make_tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    src, wq, wr = split_pair
+    other = convert(src, tmp_path, get_preset("cpu"), name="other", progress=False)  # same pair: same source
+    assert Llama(other.wq_path, residual_path=wr, verbose=False, n_ctx=64).residual is not None
+    with pytest.raises(ModelFileError, match="does not belong"):
+        Llama(src, residual_path=wr, verbose=False)
+    arch = "deepseek2" if "qwen3moe" in str(wq) or GGUFFile(wq).get("general.architecture") == "qwen3moe" else "qwen3moe"
+    foreign = convert(make_tiny(arch, "f16"), tmp_path / "f", get_preset("cpu"), progress=False)
+    with pytest.raises(ModelFileError, match="does not belong"):
+        Llama(wq, residual_path=foreign.wr_path, verbose=False)
+
+
+def test_kl_to_f16_falls_as_r_grows(split_pair) -> None:  # type: ignore[no-untyped-def]
+    src, wq, wr = split_pair
+    toks = _tokens(wq)
+    ref = _logits(src, toks)
+
+    def kl(x: np.ndarray) -> float:
+        lp = ref - ref.max(-1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+        lq = x - x.max(-1, keepdims=True)
+        lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
+        return float((np.exp(lp) * (lp - lq)).sum(-1).mean())
+
+    llm = Llama(wq, n_ctx=128, logits_all=True, verbose=False, residual_path=wr, n_critical=0)
+    kls = []
+    for r in range(llm.residual.n_expert_used + 1):  # type: ignore[union-attr]
+        llm.set_n_critical(r)
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        llm.eval(toks)
+        kls.append(kl(np.array(llm.scores[: len(toks)], dtype=np.float64)))
+    llm.close()
+    assert all(a > b for a, b in zip(kls, kls[1:])), kls
+
+
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K", "F32"])
+def test_masked_mul_mat_id_matches_numpy(type_name: str) -> None:
+    """The ggml patch: ids < 0 skip their slot (zero rows); others equal ggml_mul_mat_id and numpy."""
+    rng = np.random.default_rng(1)
+    n_as, n_out, n_in, T, k = 6, 32, 256, 5, 3
+    w = rng.standard_normal((n_as, n_out, n_in)).astype(np.float32)
+    qt = GGMLQuantizationType[type_name]
+    if qt == GGMLQuantizationType.F32:
+        raw = w.view(np.uint8).reshape(n_as, n_out, -1)
+        deq = w
+    else:
+        raw = _core.quantize(w.reshape(-1, n_in), int(qt)).reshape(n_as, n_out, -1)
+        deq = _core.dequantize(raw.reshape(-1, raw.shape[-1]), int(qt), n_in).reshape(w.shape)
+    b = rng.standard_normal((T, 1, n_in)).astype(np.float32)
+    ids = rng.integers(0, n_as, size=(T, k)).astype(np.int32)
+    masked_ids = ids.copy()
+    masked_ids[rng.random((T, k)) < 0.5] = -1
+    masked_ids[0, :] = -1  # a token with every slot skipped
+    full = _core.mul_mat_id(raw, int(qt), n_in, b, ids)
+    got = _core.mul_mat_id(raw, int(qt), n_in, b, masked_ids, masked=True)
+    ref = np.einsum("tkoi,ti->tko", deq[ids], b[:, 0].astype(np.float64))
+    tol = 1e-4 if qt == GGMLQuantizationType.F32 else 2e-2
+    assert _rel(full, ref) < tol
+    keep = masked_ids >= 0
+    np.testing.assert_array_equal(got[~keep], 0.0)
+    np.testing.assert_array_equal(got[keep], full[keep])  # same kernels, same numbers for kept slots

@@ -38,11 +38,14 @@ def test_patches_are_numbered_and_explained() -> None:
 def test_patch_set_applies_to_fresh_pin(tmp_path: Path) -> None:
     fetch.extract_pristine(SDIST, tmp_path)
     fetch.apply_patches(tmp_path / "llama.cpp", fetch.patch_files())
-    # every patched file now contains our hook marker
+    # every line a patch adds is now in the file it patches
     for p in fetch.patch_files():
+        target = None
         for line in p.read_text().splitlines():
             if line.startswith("+++ b/"):
-                assert (tmp_path / "llama.cpp" / line[6:]).read_text().count("rapidmoe") > 0
+                target = (tmp_path / "llama.cpp" / line[6:]).read_text()
+            elif line.startswith("+") and line[1:].strip() and target is not None:
+                assert line[1:] in target, f"{p.name}: {line[1:]!r} missing after applying"
 
 
 @needs_sdist

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Split expert routing vs stock llama.cpp, CPU, 2 threads, all measured in one run on one model.
 
-Variants: stock Q4_K_M, stock Q2_K, stock on the RESplit .wq.gguf alone (WQ type only), and ours (.wq.gguf +
+Variants: stock F16 (the KL reference), stock Q4_K_M, stock Q2_K, stock on the RESplit .wq.gguf alone (WQ type only), and ours (.wq.gguf +
 .wr.gguf sidecar) at r = 1, 2, k/2, k. Per variant: prefill tokens/s (one batch of --pp tokens), decode
 tokens/s (--tg tokens one at a time, after a short prompt), KL divergence to the F16 model on held-out text
 (our own equivalent of llama-perplexity --kl-divergence: all positions of --chunks chunks of --n-ctx tokens),
+wall-clock timings (median of --reps),
 weight bytes read per decoded token (experts from the types and the critical-slot counters; everything else
 from the file), and decode tokens/s as a fraction of the roofline bandwidth / bytes per token, with the
 bandwidth measured in the same run (2 threads summing 1 GiB each). Stock variants run in a stock build of
@@ -45,25 +46,22 @@ else:
     kw = {}
 llm = Llama(model_path=cfg["model"], n_ctx=max(cfg["n_ctx"], cfg["pp"] + 8), n_batch=512, n_ubatch=512,
             n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, **kw)
-import llama_cpp as lc
 res = {"pp_tps": [], "tg_tps": []}
 for rep in range(cfg["reps"]):
     llm.reset(); llm._ctx.kv_cache_clear()
-    lc.llama_perf_context_reset(llm.ctx)
+    t0 = time.perf_counter()
     llm.eval(cfg["pp_tokens"])
-    d = lc.llama_perf_context(llm.ctx)
-    res["pp_tps"].append(1e3 * d.n_p_eval / d.t_p_eval_ms)
+    res["pp_tps"].append(len(cfg["pp_tokens"]) / (time.perf_counter() - t0))
     llm.reset(); llm._ctx.kv_cache_clear()
     llm.eval(cfg["pp_tokens"][:8])
     if rep == 0 and cfg["ours"] and cfg.get("residual"):
         llm.moe_counters(reset=True)
-    lc.llama_perf_context_reset(llm.ctx)
     tok = int(np.argmax(llm.scores[7]))
+    t0 = time.perf_counter()
     for _ in range(cfg["tg"]):
         llm.eval([tok])
         tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    d = lc.llama_perf_context(llm.ctx)
-    res["tg_tps"].append(1e3 * d.n_eval / d.t_eval_ms if d.n_eval else 1e3 * d.n_p_eval / d.t_p_eval_ms)
+    res["tg_tps"].append(cfg["tg"] / (time.perf_counter() - t0))
     if rep == 0 and cfg["ours"] and cfg.get("residual"):
         c = llm.moe_counters()
         res["decode_tokens"] = max(x.tokens for x in c)
@@ -133,8 +131,10 @@ def run_variant(cfg: dict, stock_bin: Path | None) -> tuple[dict, np.ndarray]:  
     if stock_bin is not None:
         env.update(LLAMA_CPP_LIB_PATH=str(stock_bin), PYTHONPATH=str(ROOT / "vendor" / "llama_cpp_py"))
         cwd = ROOT / "vendor"
-    out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(cfg)], env=env, cwd=cwd, check=True,
+    out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(cfg)], env=env, cwd=cwd,
                          capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring {cfg['model']} failed:\n{out.stderr[-3000:]}")
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[7:]), np.load(cfg["logits_out"])
 
@@ -162,6 +162,8 @@ def main() -> int:
     work = OUT / "split-work"
     work.mkdir(exist_ok=True)
     t_setup = time.perf_counter()
+    if args.model is not None:
+        args.model = args.model.resolve()
     if args.model is None:
         from rapidmoe.paths import vocab_dir
         from rapidmoe.synthetic import spec_for, write_model
@@ -187,6 +189,8 @@ def main() -> int:
         convert(args.model, split_dir, get_preset(args.preset), progress=True, report_experts=1)
         t_conv = time.perf_counter() - t0
     setup_s = time.perf_counter() - t_setup
+    args.model = args.model.resolve()
+    wq, wr = wq.resolve(), wr.resolve()
 
     f = GGUFFile(wq)
     arch = f.get("general.architecture")

@@ -28,12 +28,13 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "bench"))
 OUT = ROOT / "bench" / "out"
 SHARED_MODEL = ROOT.parent / "shared" / "models" / "tiny-moe-a"
 
 
 def run_measured(code: str, *args: str) -> tuple[float, float]:
-    wrapper = ("import resource, runpy, subprocess, sys, time\n"
+    wrapper = ("import resource, subprocess, sys, time\n"
                "t0 = time.perf_counter()\n"
                "subprocess.run([sys.executable, '-c', sys.argv[1], *sys.argv[2:]], check=True)\n"
                "print(time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n")
@@ -79,7 +80,7 @@ def expert_bpw(path: Path) -> float:
     return 8 * sum(t.n_bytes for t in ts) / sum(t.n_elements for t in ts)
 
 
-def logits_chunks(model: Path, chunks: list[list[int]], n_ctx: int) -> list[np.ndarray]:
+def logits_chunks(model: Path, chunks: list[list[int]], n_ctx: int) -> np.ndarray:
     from rapidmoe import Llama
 
     llm = Llama(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, verbose=False, n_threads=2,
@@ -91,23 +92,7 @@ def logits_chunks(model: Path, chunks: list[list[int]], n_ctx: int) -> list[np.n
         llm.eval(c)
         out.append(np.array(llm.scores[: len(c)], dtype=np.float64))
     llm.close()
-    return out
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
-def kl_stats(ref: list[np.ndarray], var: list[np.ndarray]) -> dict[str, float]:
-    kls, same = [], []
-    for r, v in zip(ref, var):
-        lp, lq = log_softmax(r), log_softmax(v)
-        kls.append((np.exp(lp) * (lp - lq)).sum(axis=-1))
-        same.append(r.argmax(-1) == v.argmax(-1))
-    k = np.concatenate(kls)
-    return {"kl_mean": float(k.mean()), "kl_p99": float(np.quantile(k, 0.99)),
-            "top1_same": float(np.concatenate(same).mean())}
+    return np.concatenate(out)
 
 
 def main() -> int:
@@ -120,6 +105,7 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=16)
     args = ap.parse_args()
 
+    from common import kl_stats
     from rapidmoe.resplit import PRESETS, collect_imatrix, write_imatrix
     from stock_llama import build_stock
 

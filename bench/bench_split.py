@@ -114,17 +114,6 @@ def file_bytes_per_token(path: Path) -> tuple[float, float]:
     return other, experts
 
 
-def kl_vs(ref: np.ndarray, var: np.ndarray) -> dict[str, float]:
-    def logsm(x: np.ndarray) -> np.ndarray:
-        x = x.astype(np.float64) - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-    lp, lq = logsm(ref), logsm(var)
-    k = (np.exp(lp) * (lp - lq)).sum(-1)
-    return {"kl_mean": float(k.mean()), "kl_p99": float(np.quantile(k, 0.99)),
-            "top1_same": float((ref.argmax(-1) == var.argmax(-1)).mean())}
-
-
 def run_variant(cfg: dict, stock_bin: Path | None) -> tuple[dict, np.ndarray]:  # type: ignore[type-arg]
     env = dict(os.environ)
     cwd = None
@@ -154,8 +143,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
 
-    from rapidmoe.resplit import convert, get_preset
+    from common import kl_stats
     from rapidmoe.ggufio import GGUFFile
+    from rapidmoe.resplit import convert, get_preset
     from stock_llama import build_stock
 
     OUT.mkdir(parents=True, exist_ok=True)
@@ -230,7 +220,7 @@ def main() -> int:
         rows.append({"variant": name, "file_mb": path.stat().st_size / 1e6 + (side.stat().st_size / 1e6 if side else 0),
                      "pp_tps": float(np.median(res["pp_tps"])), "tg_tps": tg, "mb_per_token": bpt / 1e6,
                      "roofline_fraction": tg * bpt / (bandwidth * 1e9),
-                     "critical_fraction": res.get("critical_fraction"), **kl_vs(ref_logits, logits)})
+                     "critical_fraction": res.get("critical_fraction"), **kl_stats(ref_logits, logits)})
         print(json.dumps(rows[-1]), flush=True)
     result = {"model": str(args.model), "model_gb": args.model.stat().st_size / 1e9, "preset": args.preset,
               "top_k": k, "bandwidth_gbs": bandwidth, "kl_tokens": sum(len(c) for c in chunks),

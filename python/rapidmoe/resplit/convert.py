@@ -36,7 +36,7 @@ SUPPORTED_ARCHS = ("qwen3moe", "qwen2moe", "deepseek2", "olmoe", "glm4moe", "lla
 INPUT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
                GGMLQuantizationType.Q8_0)
 EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
-KEEP_F32_RE = re.compile(r"(_norm|_inp|\.bias|exp_probs_b|_b\.weight$)")
+KEEP_F32_RE = re.compile(r"(_norm|_inp|\.bias$|exp_probs_b)")
 
 
 @dataclass(frozen=True)

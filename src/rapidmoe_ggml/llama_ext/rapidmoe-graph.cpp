@@ -96,22 +96,26 @@ rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor *
     return s;
 }
 
-ggml_tensor * rapidmoe_moe_up(const rapidmoe_moe_split & s, ggml_tensor * up) {
+namespace {
+
+// t + the residual matmul of the critical slots (zeros elsewhere): [n_ff, k, T]
+ggml_tensor * add_residual(const rapidmoe_moe_split & s, ggml_tensor * t, ggml_tensor * wr, const char * name) {
     if (s.layer == nullptr) {
-        return up;
+        return t;
     }
-    ggml_tensor * r = ggml_mul_mat_id_masked(s.g->ctx0, s.layer->up_wr, s.x, s.crit_ids); // [n_ff, k, T]
-    s.g->cb(r, "rapidmoe_up_wr", s.il);
-    return ggml_add(s.g->ctx0, up, r);
+    ggml_tensor * r = ggml_mul_mat_id_masked(s.g->ctx0, wr, s.x, s.crit_ids);
+    s.g->cb(r, name, s.il);
+    return ggml_add(s.g->ctx0, t, r);
+}
+
+}  // namespace
+
+ggml_tensor * rapidmoe_moe_up(const rapidmoe_moe_split & s, ggml_tensor * up) {
+    return add_residual(s, up, s.layer ? s.layer->up_wr : nullptr, "rapidmoe_up_wr");
 }
 
 ggml_tensor * rapidmoe_moe_gate(const rapidmoe_moe_split & s, ggml_tensor * gate) {
-    if (s.layer == nullptr) {
-        return gate;
-    }
-    ggml_tensor * r = ggml_mul_mat_id_masked(s.g->ctx0, s.layer->gate_wr, s.x, s.crit_ids); // [n_ff, k, T]
-    s.g->cb(r, "rapidmoe_gate_wr", s.il);
-    return ggml_add(s.g->ctx0, gate, r);
+    return add_residual(s, gate, s.layer ? s.layer->gate_wr : nullptr, "rapidmoe_gate_wr");
 }
 
 ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * experts, ggml_tensor * act) {

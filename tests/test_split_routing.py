@@ -247,3 +247,45 @@ def test_masked_mul_mat_id_matches_numpy(type_name: str) -> None:
     keep = masked_ids >= 0
     np.testing.assert_array_equal(got[~keep], 0.0)
     np.testing.assert_array_equal(got[keep], full[keep])  # same kernels, same numbers for kept slots
+
+
+def _decode_batch(llm: Llama, seqs: list[list[int]]) -> list[np.ndarray]:
+    """One llama_decode of several sequences (ids 0..n-1); the logits of each sequence's last token."""
+    from rapidmoe import llama_cpp as lc
+
+    n = sum(len(s) for s in seqs)
+    batch = lc.llama_batch_init(n, 0, len(seqs))
+    i = 0
+    last = []
+    for sid, seq in enumerate(seqs):
+        for pos, tok in enumerate(seq):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+            batch.seq_id[i][0] = sid
+            batch.logits[i] = pos == len(seq) - 1
+            i += 1
+        last.append(i - 1)
+    batch.n_tokens = n
+    assert lc.llama_decode(llm.ctx, batch) == 0
+    n_vocab = lc.llama_vocab_n_tokens(llm._model.vocab)
+    out = [np.ctypeslib.as_array(lc.llama_get_logits_ith(llm.ctx, j), shape=(n_vocab,)).astype(np.float64).copy()
+           for j in last]
+    lc.llama_batch_free(batch)
+    return out
+
+
+def test_batch_of_several_sequences(split_pair) -> None:  # type: ignore[no-untyped-def]
+    """Two sequences in one batch get the logits each gets alone, with the split active (r = 1)."""
+    _, wq, wr = split_pair
+    toks = _tokens(wq)
+    seqs = [toks[:9], toks[9:20]]
+    both = Llama(wq, n_ctx=128, verbose=False, residual_path=wr, n_critical=1, n_seq_max=2)
+    together = _decode_batch(both, seqs)
+    counters = both.moe_counters()
+    both.close()
+    for seq, got in zip(seqs, together):
+        alone = Llama(wq, n_ctx=128, verbose=False, residual_path=wr, n_critical=1)
+        ref = _decode_batch(alone, [seq])[0]
+        alone.close()
+        assert _rel(got, ref) < 1e-3
+    first = counters[0]
+    assert first.tokens == sum(map(len, seqs)) and first.critical_slots == first.tokens

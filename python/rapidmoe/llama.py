@@ -47,6 +47,8 @@ class Llama(llama_cpp.Llama):
     n_critical: with a sidecar, each token's r highest-weight experts run in high precision (default 2,
         clamped to top-k); change it later with `set_n_critical` without reloading.
     verify_residual: check the base file's sha256 recorded in the sidecar (reads the whole base once).
+    n_seq_max: sequences one context holds (llama.cpp's n_seq_max) for callers that batch several sequences
+        through the low-level API; llama_cpp.Llama itself uses one.
     """
 
     _buffer_overrides: BufferOverrides | None
@@ -61,11 +63,15 @@ class Llama(llama_cpp.Llama):
         residual_path: str | os.PathLike[str] | None = None,
         n_critical: int = 2,
         verify_residual: bool = True,
+        n_seq_max: int = 1,
         **kwargs: Any,
     ) -> None:
         info = read_model_info(model_path)  # a clear error for missing, truncated and non-GGUF files
         self._buffer_overrides = build_overrides(n_cpu_moe, override_tensor)
         self._eval_callback = eval_callback
+        if n_seq_max < 1:
+            raise RapidMoEError(f"n_seq_max must be >= 1, got {n_seq_max}")
+        self._n_seq_max = n_seq_max
         self.residual: ResidualInfo | None = None
         if residual_path is not None:
             if n_critical < 0:
@@ -93,6 +99,7 @@ class Llama(llama_cpp.Llama):
 
     @context_params.setter
     def context_params(self, params: llama_cpp.llama_context_params) -> None:
+        params.n_seq_max = getattr(self, "_n_seq_max", 1)
         cb = getattr(self, "_eval_callback", None)
         if cb is not None:
             params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(cb.callback_address)

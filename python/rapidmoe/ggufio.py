@@ -159,10 +159,6 @@ class GGUFFile:
 SKIP_KEYS = ("GGUF.", "general.architecture", "general.alignment")
 
 
-def field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    return reader.get(key, default)
-
-
 def copy_metadata(reader: GGUFFile, writer: GGUFWriter, *, skip_prefixes: tuple[str, ...] = ()) -> None:
     """Copy every KV pair with its exact GGUF type (except the architecture, which the writer sets)."""
     for key, f in reader.fields.items():

@@ -60,10 +60,9 @@ def _per_expert_bytes(f: GGUFFile) -> dict[int, int]:
 def load_residual_info(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], *,
                        verify: bool = True) -> ResidualInfo:
     """Check that the sidecar belongs to the base (ModelFileError otherwise) and read its costs."""
-    meta = check_pair(wq_path, wr_path, verify_hash=verify)
-    base = GGUFFile(wq_path)
+    base, side = GGUFFile(wq_path), GGUFFile(wr_path)
+    meta = check_pair(base, side, verify_hash=verify)
     arch = base.get("general.architecture")
     return ResidualInfo(path=Path(wr_path), n_expert_used=int(base.get(f"{arch}.expert_used_count", 0)),
                         down_mode=str(meta.get("preset.down_mode", "copy")),
-                        wq_bytes_per_expert=_per_expert_bytes(base),
-                        wr_bytes_per_expert=_per_expert_bytes(GGUFFile(wr_path)))
+                        wq_bytes_per_expert=_per_expert_bytes(base), wr_bytes_per_expert=_per_expert_bytes(side))

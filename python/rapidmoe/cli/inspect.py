@@ -16,7 +16,7 @@ def inspect(
     residual: Annotated[Optional[Path], typer.Option("--residual", help="Check this sidecar against MODEL.")] = None,
 ) -> None:
     """Show the MoE structure (layers, experts, top-k, expert tensor types and bits) and RESplit pairing."""
-    from ..ggufio import GGUFFile, field_value  # noqa: PLC0415
+    from ..ggufio import GGUFFile  # noqa: PLC0415
     from ..modelfile import read_model_info  # noqa: PLC0415
     from ..resplit.sidecar import SIDECAR_ARCH, check_pair  # noqa: PLC0415
 
@@ -47,9 +47,9 @@ def inspect(
         for key in sorted(kinds):
             typer.echo(f"    {key[0]:8s} {key[1]:6s} {key[2]:8s} {kinds[key]:4d}  {n_bytes[key] / 1e6:9.2f}  "
                        f"{8 * n_bytes[key] / n_elems[key]:.3f}")
-    pair = field_value(r, "rapidmoe.resplit.pair_id")
+    pair = r.get("rapidmoe.resplit.pair_id")
     if pair is not None:
-        typer.echo(f"  RESplit base (WQ): preset {field_value(r, 'rapidmoe.resplit.preset')}, pair id {pair}")
+        typer.echo(f"  RESplit base (WQ): preset {r.get('rapidmoe.resplit.preset')}, pair id {pair}")
     if residual is not None:
         meta = check_pair(model, residual)
         typer.echo(f"  sidecar {residual} belongs to this base (pair id {meta['pair_id']}, sha256 verified)")

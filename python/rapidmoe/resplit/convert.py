@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from tqdm import tqdm
 
 from ..errors import ModelFileError, RapidMoEError
-from ..ggufio import GGUFFile, Tensor, copy_metadata, field_value, n_rows, tensor_rows
+from ..ggufio import GGUFFile, Tensor, copy_metadata, n_rows, tensor_rows
 from ..modelfile import require_moe
 from . import sidecar
 from .imatrix import Imatrix
@@ -107,7 +107,7 @@ class _Converter:
     def __init__(self, src: Path, preset: Preset, imatrix: Imatrix | None, report_experts: int | None) -> None:
         self.src, self.preset, self.imatrix, self.report_experts = src, preset, imatrix, report_experts
         self.reader = GGUFFile(src)
-        self.arch = str(field_value(self.reader, "general.architecture"))
+        self.arch = str(self.reader.get("general.architecture"))
         self.reports: list[TensorReport] = []
         self.totals = ErrorAccumulator()
 
@@ -189,8 +189,8 @@ class _Converter:
         wq.add_string("rapidmoe.resplit.wq_type", p.wq)
         wr = GGUFWriter(wr_tmp, arch=sidecar.SIDECAR_ARCH)
         sidecar.add_metadata(wr, preset=p, pair_id=pair_id, base_arch=self.arch,
-                             n_layer=int(field_value(self.reader, f"{self.arch}.block_count", 0)),
-                             n_expert=int(field_value(self.reader, f"{self.arch}.expert_count", 0)))
+                             n_layer=int(self.reader.get(f"{self.arch}.block_count", 0)),
+                             n_expert=int(self.reader.get(f"{self.arch}.expert_count", 0)))
         plan: list[tuple[Tensor, GGMLQuantizationType | None]] = []
         for t in self.reader.tensors:
             m = EXPERT_RE.match(t.name)

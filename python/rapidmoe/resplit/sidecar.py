@@ -14,7 +14,7 @@ from pathlib import Path
 from gguf import GGUFWriter
 
 from ..errors import ModelFileError
-from ..ggufio import GGUFFile, field_value
+from ..ggufio import GGUFFile
 from .presets import Preset
 
 FORMAT_VERSION = 1
@@ -61,26 +61,30 @@ def stamp_base_hash(sidecar_path: Path, digest: str) -> None:
         f.write(digest.encode())
 
 
-def read_sidecar_meta(path: str | os.PathLike[str]) -> dict[str, object]:
-    r = GGUFFile(path)
-    if field_value(r, "general.architecture") != SIDECAR_ARCH:
-        raise ModelFileError(f"{path} is not a RapidMoE residual sidecar")
+def read_sidecar_meta(path: str | os.PathLike[str] | GGUFFile) -> dict[str, object]:
+    r = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    if r.get("general.architecture") != SIDECAR_ARCH:
+        raise ModelFileError(f"{r.path} is not a RapidMoE residual sidecar")
     meta = {k[len(KEY):]: f.value for k, f in r.fields.items() if k.startswith(KEY)}
     meta["tensors"] = {t.name: (t.tensor_type.name, [int(x) for x in t.shape]) for t in r.tensors}
     return meta
 
 
-def check_pair(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], *, verify_hash: bool = True) -> dict[str, object]:
-    """Refuse a sidecar that was not made from this base; returns the sidecar's metadata."""
-    meta = read_sidecar_meta(wr_path)
+def check_pair(wq_path: str | os.PathLike[str] | GGUFFile, wr_path: str | os.PathLike[str] | GGUFFile, *,
+               verify_hash: bool = True) -> dict[str, object]:
+    """Refuse a sidecar that was not made from this base; returns the sidecar's metadata.
+    Either argument may be an already parsed GGUFFile (its header is then not read again)."""
+    base = wq_path if isinstance(wq_path, GGUFFile) else GGUFFile(wq_path)
+    side = wr_path if isinstance(wr_path, GGUFFile) else GGUFFile(wr_path)
+    wq_path, wr_path = base.path, side.path
+    meta = read_sidecar_meta(side)
     if int(meta.get("format_version", 0)) != FORMAT_VERSION:  # type: ignore[arg-type]
         raise ModelFileError(f"{wr_path} has sidecar format {meta.get('format_version')}, "
                              f"this RapidMoE reads {FORMAT_VERSION}")
-    base = GGUFFile(wq_path)
-    base_id = field_value(base, "rapidmoe.resplit.pair_id")
+    base_id = base.get("rapidmoe.resplit.pair_id")
     if base_id != meta["pair_id"]:
         raise ModelFileError(f"sidecar {wr_path} does not belong to {wq_path} "
                              f"(pair id {meta['pair_id']} vs {base_id or 'none: not a RESplit .wq.gguf'})")
-    if verify_hash and file_sha256(Path(wq_path)) != meta["base_sha256"]:
+    if verify_hash and file_sha256(wq_path) != meta["base_sha256"]:
         raise ModelFileError(f"{wq_path} has changed since sidecar {wr_path} was made (sha256 differs)")
     return meta

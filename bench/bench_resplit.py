@@ -104,7 +104,7 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=16)
     args = ap.parse_args()
 
-    from common import kl_stats
+    from common import ensure_synthetic, kl_stats
     from rapidmoe.resplit import PRESETS, collect_imatrix, write_imatrix
     from stock_llama import build_stock
 
@@ -117,12 +117,7 @@ def main() -> int:
             args.eval = args.eval or SHARED_MODEL / "eval.txt"
             args.calib = args.calib or SHARED_MODEL / "calib.txt"
         else:
-            from rapidmoe.paths import vocab_dir
-            from rapidmoe.synthetic import spec_for, write_model
-
-            args.model = work / "synthetic-qwen3moe-small.gguf"
-            if not args.model.exists():
-                write_model(spec_for("qwen3moe", "small"), args.model, vocab_dir(), progress=True)
+            args.model = ensure_synthetic(work / "synthetic-qwen3moe-small.gguf", "qwen3moe", "small")
     text_eval = args.eval.read_text() if args.eval else (ROOT / "README.md").read_text() * 20
     text_calib = args.calib.read_text() if args.calib else text_eval[::-1]
 

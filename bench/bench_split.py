@@ -143,7 +143,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
 
-    from common import kl_stats
+    from common import ensure_synthetic, kl_stats
     from rapidmoe.ggufio import GGUFFile
     from rapidmoe.resplit import convert, get_preset
     from stock_llama import build_stock
@@ -155,14 +155,9 @@ def main() -> int:
     if args.model is not None:
         args.model = args.model.resolve()
     if args.model is None:
-        from rapidmoe.paths import vocab_dir
-        from rapidmoe.synthetic import spec_for, write_model
-
         over = {"n_layer": args.n_layer} if args.n_layer else {}
         tag = f"{args.arch}-{args.size}" + (f"-L{args.n_layer}" if args.n_layer else "")
-        args.model = work / f"synthetic-{tag}.gguf"
-        if not args.model.exists():
-            write_model(spec_for(args.arch, args.size, **over), args.model, vocab_dir(), progress=True)
+        args.model = ensure_synthetic(work / f"synthetic-{tag}.gguf", args.arch, args.size, **over)
     stock_bin = build_stock(["llama", "llama-quantize"])
     variants_files: dict[str, Path] = {}
     for ft in ("Q4_K_M", "Q2_K"):

@@ -1,5 +1,7 @@
-"""Shared by the benchmarks: KL divergence and top-1 agreement between two models' logits."""
+"""Shared by the benchmarks: KL divergence and top-1 agreement between two models' logits, synthetic models."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
@@ -16,3 +18,13 @@ def kl_stats(ref: np.ndarray, var: np.ndarray) -> dict[str, float]:
     k = (np.exp(lp) * (lp - lq)).sum(axis=-1)
     return {"kl_mean": float(k.mean()), "kl_p99": float(np.quantile(k, 0.99)),
             "top1_same": float((ref.argmax(-1) == var.argmax(-1)).mean())}
+
+
+def ensure_synthetic(path: Path, arch: str, size: str, **overrides: object) -> Path:
+    """The synthetic model at `path`, written first (with a progress bar) if it is not there yet."""
+    from rapidmoe.paths import vocab_dir
+    from rapidmoe.synthetic import spec_for, write_model
+
+    if not path.exists():
+        write_model(spec_for(arch, size, **overrides), path, vocab_dir(), progress=True)
+    return path

@@ -188,10 +188,12 @@ def test_r_changes_at_run_time_and_counts_decode(split_pair) -> None:  # type: i
 def test_mismatched_sidecar_is_refused(split_pair, make_tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     src, wq, wr = split_pair
     other = convert(src, tmp_path, get_preset("cpu"), name="other", progress=False)  # same pair: same source
-    assert Llama(other.wq_path, residual_path=wr, verbose=False, n_ctx=64).residual is not None
+    ok = Llama(other.wq_path, residual_path=wr, verbose=False, n_ctx=64)
+    assert ok.residual is not None
+    ok.close()
     with pytest.raises(ModelFileError, match="does not belong"):
         Llama(src, residual_path=wr, verbose=False)
-    arch = "deepseek2" if "qwen3moe" in str(wq) or GGUFFile(wq).get("general.architecture") == "qwen3moe" else "qwen3moe"
+    arch = "qwen3moe" if GGUFFile(wq).get("general.architecture") == "deepseek2" else "deepseek2"
     foreign = convert(make_tiny(arch, "f16"), tmp_path / "f", get_preset("cpu"), progress=False)
     with pytest.raises(ModelFileError, match="does not belong"):
         Llama(wq, residual_path=foreign.wr_path, verbose=False)

@@ -16,6 +16,8 @@ from .errors import ModelFileError, RapidMoEError
 from .modelfile import read_model_info
 from .overrides import BufferOverrides, build_overrides
 from .residual import MoELayerCounters, ResidualInfo, load_residual_info
+from .umia.policy import Policy, PolicyError, load_policy
+from .umia.stats import RHistogram
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class Llama(llama_cpp.Llama):
     residual_path: a RESplit sidecar (.wr.gguf) made from `model_path` (a .wq.gguf): split expert routing.
     n_critical: with a sidecar, each token's r highest-weight experts run in high precision (default 2,
         clamped to top-k); change it later with `set_n_critical` without reloading.
+    policy: with a sidecar, a UMIA policy (rapidmoe.umia.Policy or the path of its JSON) instead of a fixed
+        n_critical; change it later with `set_policy`, read what it chose with `r_histogram`.
+    skip_noncritical: the "drop" baseline: non-critical experts are not computed at all (benchmarks only).
     verify_residual: check the base file's sha256 recorded in the sidecar (reads the whole base once).
     n_seq_max: sequences one context holds (llama.cpp's n_seq_max) for callers that batch several sequences
         through the low-level API; llama_cpp.Llama itself uses one.
@@ -62,6 +67,8 @@ class Llama(llama_cpp.Llama):
         eval_callback: Any = None,
         residual_path: str | os.PathLike[str] | None = None,
         n_critical: int = 2,
+        policy: Policy | str | os.PathLike[str] | None = None,
+        skip_noncritical: bool = False,
         verify_residual: bool = True,
         n_seq_max: int = 1,
         **kwargs: Any,
@@ -73,6 +80,10 @@ class Llama(llama_cpp.Llama):
             raise RapidMoEError(f"n_seq_max must be >= 1, got {n_seq_max}")
         self._n_seq_max = n_seq_max
         self.residual: ResidualInfo | None = None
+        self._policy_init = _as_policy(policy) if policy is not None else None
+        self._skip_noncritical = skip_noncritical
+        if residual_path is None and (policy is not None or skip_noncritical):
+            raise RapidMoEError("policy and skip_noncritical need a residual sidecar (residual_path=...)")
         if residual_path is not None:
             if n_critical < 0:
                 raise RapidMoEError(f"n_critical must be >= 0, got {n_critical}")
@@ -121,6 +132,11 @@ class Llama(llama_cpp.Llama):
             except ValueError as e:
                 raise ModelFileError(f"cannot attach {self.residual.path}: {e}") from e
             _core.set_n_critical(model.model, self._n_critical_init)
+            self._policy = Policy.fixed(self._n_critical_init)
+            if self._policy_init is not None:
+                self._write_policy(model.model, self._policy_init)
+            if self._skip_noncritical:
+                _core.set_skip_noncritical(model.model, True)
 
     def set_n_critical(self, n_critical: int) -> int:
         """Fixed r for the next calls: each token's r highest-weight experts run WQ+WR (0 <= r <= top-k)."""
@@ -129,7 +145,41 @@ class Llama(llama_cpp.Llama):
         k = self.residual.n_expert_used
         if not 0 <= n_critical <= k:
             raise RapidMoEError(f"n_critical must be in 0..{k} (top-k of this model), got {n_critical}")
-        return int(_core.set_n_critical(self._model.model, n_critical))
+        r = int(_core.set_n_critical(self._model.model, n_critical))
+        self._policy = Policy.fixed(r)
+        return r
+
+    def set_policy(self, policy: Policy | str | os.PathLike[str]) -> Policy:
+        """Use a UMIA policy (or the path of its JSON) from the next call on; nothing is rebuilt or reloaded."""
+        if self.residual is None:
+            raise RapidMoEError("no residual sidecar attached (pass residual_path=...)")
+        p = _as_policy(policy)
+        self._write_policy(self._model.model, p)
+        return p
+
+    @property
+    def policy(self) -> Policy | None:
+        """The policy last set (a fixed-r one after `set_n_critical`); None without a sidecar."""
+        return getattr(self, "_policy", None)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the layers with routed experts (those the policy and the histogram cover)."""
+        return sorted(self.residual.wq_bytes_per_expert) if self.residual is not None else []
+
+    def _write_policy(self, model: Any, policy: Policy) -> None:
+        assert self.residual is not None
+        n_layer = _core.get_policy(model).shape[0] - 1
+        arr = policy.to_array(n_layer, sorted(self.residual.wq_bytes_per_expert), self.residual.n_expert_used)
+        _core.set_policy(model, arr)
+        self._policy = policy
+
+    def r_histogram(self, reset: bool = False) -> RHistogram:
+        """How many tokens got each r, per MoE layer and phase, since the last reset (shared with moe_counters)."""
+        if self.residual is None:
+            raise RapidMoEError("no residual sidecar attached (pass residual_path=...)")
+        raw = _core.r_histogram(self._model.model, reset)
+        return RHistogram.from_raw(raw, self.moe_layers, self.residual.n_expert_used)
 
     def moe_counters(self, reset: bool = False) -> list[MoELayerCounters]:
         """Per MoE layer since the last reset: tokens, expert slots, critical slots, estimated weight bytes read."""
@@ -153,3 +203,11 @@ class Llama(llama_cpp.Llama):
         d = llama_cpp.llama_perf_context(self.ctx)
         return Timings(prompt_tokens=int(d.n_p_eval), prompt_ms=float(d.t_p_eval_ms),
                        decode_tokens=int(d.n_eval), decode_ms=float(d.t_eval_ms))
+
+
+def _as_policy(policy: Policy | str | os.PathLike[str]) -> Policy:
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, (str, os.PathLike)):
+        return load_policy(policy)
+    raise PolicyError(f"policy must be a rapidmoe.umia.Policy or a JSON file path, got {type(policy).__name__}")

@@ -1,10 +1,12 @@
 #include "residual.h"
 
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
 #include "rapidmoe-llama.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -57,6 +59,71 @@ void bind_residual(nb::module_ & m) {
               return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(out, {(size_t) n, 3}, owner);
           }, "model"_a, "reset"_a = false,
           "Per layer [tokens, expert slots, critical slots] since the last reset, int64 [n_layer, 3].");
+    m.def("set_policy", [](uintptr_t model, nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> p) {
+              if (p.shape(1) != 4) {
+                  throw std::invalid_argument("a UMIA policy array is float32 [n_layer + 1, 4]");
+              }
+              if (rapidmoe_llama_set_policy(as_model(model), p.data(), (int64_t) p.size()) != 0) {
+                  const int64_t want = rapidmoe_llama_get_policy(as_model(model), nullptr, 0);
+                  throw std::invalid_argument(want < 0 ? std::string("no residual sidecar is attached to this model")
+                                                       : "policy array has " + std::to_string(p.size()) +
+                                                             " values, this model needs " + std::to_string(want));
+              }
+          }, "model"_a, "params"_a,
+          "Write the UMIA policy tensor (float32 [n_layer + 1, 4], layout in rapidmoe-llama.h); applies to the "
+          "next graph computed.");
+    m.def("get_policy", [](uintptr_t model) {
+              const int64_t n = rapidmoe_llama_get_policy(as_model(model), nullptr, 0);
+              if (n < 0) {
+                  throw std::invalid_argument("no residual sidecar is attached to this model");
+              }
+              auto * out = new float[(size_t) n];
+              rapidmoe_llama_get_policy(as_model(model), out, n);
+              nb::capsule owner(out, [](void * q) noexcept { delete[] (float *) q; });
+              return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {(size_t) n / 4, 4}, owner);
+          }, "model"_a, "The UMIA policy tensor, float32 [n_layer + 1, 4].");
+    m.def("set_skip_noncritical", [](uintptr_t model, bool skip) {
+              if (rapidmoe_llama_set_skip_noncritical(as_model(model), skip) != 0) {
+                  throw std::invalid_argument("no residual sidecar is attached to this model");
+              }
+          }, "model"_a, "skip"_a,
+          "Drop baseline: non-critical slots are not computed at all. Read at graph build: set before the context.");
+    m.def("r_histogram", [](uintptr_t model, bool reset) {
+              constexpr int W = 65;
+              std::vector<int64_t> buf((size_t) 2 * W * 4096);
+              const int32_t n = rapidmoe_llama_r_histogram(as_model(model), buf.data(), 4096, reset);
+              auto * out = new int64_t[(size_t) n * 2 * W];
+              std::copy(buf.begin(), buf.begin() + (size_t) n * 2 * W, out);
+              nb::capsule owner(out, [](void * q) noexcept { delete[] (int64_t *) q; });
+              return nb::ndarray<nb::numpy, int64_t, nb::ndim<3>>(out, {(size_t) n, 2, W}, owner);
+          }, "model"_a, "reset"_a = false,
+          "Tokens per layer, phase (0 decode, 1 prefill) and r since the last reset, int64 [n_layer, 2, 65].");
+    m.def("umia_eval", [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
+                          nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> policy, int32_t il,
+                          int32_t phase) {
+              const int64_t T = (int64_t) w.shape(0);
+              const int32_t k = (int32_t) w.shape(1);
+              if (policy.shape(1) != 4 || policy.shape(0) < 2) {
+                  throw std::invalid_argument("policy must be float32 [n_layer + 1, 4]");
+              }
+              const int32_t n_layer = (int32_t) policy.shape(0) - 1;
+              auto * ids = new int32_t[(size_t) (T * k)];
+              auto * hist = new int64_t[(size_t) k + 1];
+              int32_t rc = 0;
+              {
+                  nb::gil_scoped_release release;
+                  rc = rapidmoe_llama_umia_eval(w.data(), T, k, policy.data(), n_layer, il, phase, ids, hist);
+              }
+              nb::capsule own_ids(ids, [](void * q) noexcept { delete[] (int32_t *) q; });
+              nb::capsule own_hist(hist, [](void * q) noexcept { delete[] (int64_t *) q; });
+              if (rc != 0) {
+                  throw std::invalid_argument("umia_eval: bad arguments (k in 1..64, 0 <= il < n_layer, phase 0/1)");
+              }
+              return std::make_pair(nb::ndarray<nb::numpy, int32_t, nb::ndim<2>>(ids, {(size_t) T, (size_t) k}, own_ids),
+                                    nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>(hist, {(size_t) k + 1}, own_hist));
+          }, "weights"_a, "policy"_a, "il"_a, "phase"_a,
+          "Run UMIA's graph op on the CPU backend: weights float32 [T, k] (selected ids = slot numbers), one "
+          "layer of a policy, phase 0 decode / 1 prefill. Returns (critical ids [T, k], -1 elsewhere; r histogram).");
 }
 
 }  // namespace rapidmoe

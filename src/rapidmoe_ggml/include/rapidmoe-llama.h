@@ -25,13 +25,33 @@ LLAMA_API int32_t rapidmoe_llama_attach_residual(const struct llama_model * mode
                                                  char * err, size_t err_size);
 // Detach (and free) the sidecar; returns 1 if one was attached. Call before llama_model_free.
 LLAMA_API int32_t rapidmoe_llama_detach_residual(const struct llama_model * model);
-// Fixed r: the number of highest-weight experts of each token's top-k computed in high precision (0..k;
-// clamped). Read when a graph is computed, so it applies to the next decode without rebuilding anything.
+// UMIA policy (see llama_ext/rapidmoe-umia.h for the layout and docs/umia.md for the formula): n_params floats,
+// 4 x (n_layer + 1): a header row [phase_mode, 0, 0, 0], then per layer [tau_decode, tau_prefill, r_min, r_max].
+// Read when a graph is computed, so it applies to the next decode without rebuilding anything. 0, or -1 when no
+// sidecar is attached or n_params is not the model's size.
+LLAMA_API int32_t rapidmoe_llama_set_policy(const struct llama_model * model, const float * params, int64_t n_params);
+// Copies the policy into out when n_max is large enough; returns its size (-1 without a sidecar).
+LLAMA_API int64_t rapidmoe_llama_get_policy(const struct llama_model * model, float * out, int64_t n_max);
+// Fixed r: the policy that makes each token's r highest-weight experts critical in every layer and phase
+// (0..k, clamped). Returns r, or -1 without a sidecar.
 LLAMA_API int32_t rapidmoe_llama_set_n_critical(const struct llama_model * model, int32_t n_critical);
-// Per layer i: out[3*i + 0] tokens, [3*i + 1] expert slots, [3*i + 2] critical slots, since the last reset.
-// Returns the number of layers written (0 without a sidecar).
+// The "drop" baseline: non-critical slots are not computed at all (no WQ either). Read when a graph is built:
+// set it before creating a context. 0, or -1 without a sidecar.
+LLAMA_API int32_t rapidmoe_llama_set_skip_noncritical(const struct llama_model * model, bool skip);
+// Per layer i: out[3*i + 0] tokens, [3*i + 1] expert slots, [3*i + 2] critical slots, since the last reset
+// (of these counters or of the histogram: they share it). Returns the number of layers written (0 without a sidecar).
 LLAMA_API int32_t rapidmoe_llama_counters(const struct llama_model * model, int64_t * out, int32_t n_layer_max,
                                           bool reset);
+// The r histogram: out[((i * 2 + phase) * 65) + r] = tokens of layer i in phase (0 decode, 1 prefill) given r
+// critical slots, since the last reset. Returns the number of layers written (0 without a sidecar).
+LLAMA_API int32_t rapidmoe_llama_r_histogram(const struct llama_model * model, int64_t * out, int32_t n_layer_max,
+                                             bool reset);
+// Test entry: run UMIA's op on the CPU backend for one layer il of a policy, weights F32 [n_tokens, k] (selected
+// ids are the slot numbers 0..k-1), in the given phase (0 decode, 1 prefill; the policy's phase_mode applies).
+// ids_out [n_tokens, k], hist_out [k + 1]. 0, or -1 on bad arguments.
+LLAMA_API int32_t rapidmoe_llama_umia_eval(const float * weights, int64_t n_tokens, int32_t k, const float * policy,
+                                           int32_t n_layer, int32_t il, int32_t phase, int32_t * ids_out,
+                                           int64_t * hist_out);
 
 #ifdef __cplusplus
 }

@@ -1,55 +1,14 @@
 // Split expert routing inside llama.cpp's MoE FFN: per token, the r highest-weight of its top-k experts are
 // critical and get their residual (WR) added to gate/up and their down from the high-precision copy; the
 // others use WQ only. Residual matmuls use ggml_mul_mat_id_masked with -1 ids for non-critical slots, so the
-// CPU reads residual weights only for critical experts. r is read when the graph is computed (not built), so
-// it changes between calls without rebuilding anything.
+// CPU reads residual weights only for critical experts. r comes from UMIA's op (rapidmoe-umia.h), which reads
+// its policy tensor when the graph is computed (not built), so the policy changes between calls without
+// rebuilding anything.
 #include "rapidmoe-graph.h"
 
 #include "rapidmoe-residual.h"
 
-#include <algorithm>
-#include <array>
-
 namespace {
-
-constexpr int MAX_K = 64;
-
-// dst [k, T] i32 = critical ids; src[0] = weights [1, k, T] f32, src[1] = selected [k, T] i32
-void critical_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    (void) nth;
-    if (ith != 0) {
-        return;
-    }
-    const auto * layer = static_cast<const rapidmoe_layer_residual *>(userdata);
-    const ggml_tensor * w = dst->src[0];
-    const ggml_tensor * sel = dst->src[1];
-    const int64_t k = sel->ne[0], T = sel->ne[1];
-    const int r = std::clamp<int>(layer->state->n_critical.load(std::memory_order_relaxed), 0, (int) k);
-    int64_t n_crit = 0;
-    std::array<int, MAX_K> order{};
-    for (int64_t t = 0; t < T; ++t) {
-        const auto * wt = (const float *) ((const char *) w->data + t * w->nb[2]);
-        const auto * st = (const int32_t *) ((const char *) sel->data + t * sel->nb[1]);
-        auto * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
-        for (int j = 0; j < k; ++j) {
-            order[j] = j;
-        }
-        // the r slots with the largest routing weight (stable: ties keep the router's order)
-        std::stable_sort(order.begin(), order.begin() + k, [&](int a, int b) {
-            return *(const float *) ((const char *) wt + a * w->nb[1]) > *(const float *) ((const char *) wt + b * w->nb[1]);
-        });
-        for (int j = 0; j < k; ++j) {
-            out[j] = -1;
-        }
-        for (int j = 0; j < r; ++j) {
-            out[order[j]] = st[order[j]];
-        }
-        n_crit += r;
-    }
-    layer->counters->tokens += T;
-    layer->counters->slots += T * k;
-    layer->counters->critical_slots += n_crit;
-}
 
 // dst [1, k, T] f32 = 1 where the slot is not critical; src[0] = critical ids [k, T]
 void keep_mask_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -77,15 +36,16 @@ rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor *
     const rapidmoe_layer_residual * found = up_exps != nullptr ? rapidmoe_residual_find(up_exps) : nullptr;
     // only the attached model's own expert tensors, in the separate gate/up layout
     if (found == nullptr || found->base_gate != gate_exps || found->base_down != down_exps || found->il != il ||
-        selected->ne[0] > MAX_K) {
+        selected->ne[0] > RAPIDMOE_UMIA_MAX_K) {
         return s;
     }
     const rapidmoe_layer_residual & layer = *found;
     ggml_context * ctx = g.ctx0;
     const int64_t k = selected->ne[0], T = selected->ne[1];
-    ggml_tensor * args[2] = { weights, selected };
-    s.crit_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, k, T, 1, 1, args, 2, critical_ids_op, 1,
-                                const_cast<rapidmoe_layer_residual *>(&layer)); // [k, T]
+    // the phase this graph serves: generation steps put at most one token per sequence in a ubatch
+    const int phase = g.ubatch.n_tokens <= g.ubatch.n_seqs_unq ? RAPIDMOE_UMIA_DECODE : RAPIDMOE_UMIA_PREFILL;
+    s.crit_ids = rapidmoe_umia_critical_ids(ctx, weights, selected, layer.state->policy,
+                                            layer.sites[phase].get()); // [k, T]
     g.cb(s.crit_ids, "rapidmoe_critical_ids", il);
     s.keep = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, k, T, 1, &s.crit_ids, 1, keep_mask_op, 1, nullptr); // [1, k, T]
     g.cb(s.keep, "rapidmoe_keep", il);
@@ -93,16 +53,26 @@ rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor *
     s.layer = &layer;
     s.x = x;
     s.il = il;
+    s.skip_noncritical = layer.state->skip_noncritical.load();
     return s;
 }
 
 namespace {
+
+// The "drop" baseline: the WQ matmul computes critical slots only (its ids become the critical ids, masked).
+void wq_critical_only(const rapidmoe_moe_split & s, ggml_tensor * wq) {
+    if (s.skip_noncritical && wq->op == GGML_OP_MUL_MAT_ID) {
+        wq->src[2] = s.crit_ids;
+        wq->op_params[GGML_MUL_MAT_ID_MASKED_PARAM] = 1;
+    }
+}
 
 // t + the residual matmul of the critical slots (zeros elsewhere): [n_ff, k, T]
 ggml_tensor * add_residual(const rapidmoe_moe_split & s, ggml_tensor * t, ggml_tensor * wr, const char * name) {
     if (s.layer == nullptr) {
         return t;
     }
+    wq_critical_only(s, t);
     ggml_tensor * r = ggml_mul_mat_id_masked(s.g->ctx0, wr, s.x, s.crit_ids);
     s.g->cb(r, name, s.il);
     return ggml_add(s.g->ctx0, t, r);
@@ -123,6 +93,7 @@ ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * expe
         return experts;
     }
     ggml_context * ctx = s.g->ctx0;
+    wq_critical_only(s, experts);
     ggml_tensor * hi = ggml_mul_mat_id_masked(ctx, s.layer->down_hi, act, s.crit_ids); // [n_embd, k, T]
     s.g->cb(hi, s.layer->down_is_copy ? "rapidmoe_down_hi" : "rapidmoe_down_wr", s.il);
     if (s.layer->down_is_copy) {

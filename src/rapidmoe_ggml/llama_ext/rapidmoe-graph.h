@@ -1,7 +1,7 @@
 // RapidMoE's split expert routing hooks in llama.cpp's MoE FFN builder (called by
 // patches/0001-graph-moe-split-hooks.patch). Internal to libllama: it sees llama.cpp's private graph types.
 //
-//   [Router] -> selected, weights -> begin: critical ids (top-r by weight, -1 elsewhere), keep mask
+//   [Router] -> selected, weights -> begin: critical ids (UMIA: top-r by weight, -1 elsewhere), keep mask
 //   [up]   WQ all k slots  + WR residual, critical slots only (masked mul_mat_id)
 //   [gate] WQ all k slots  + WR residual, critical slots only
 //   [down] WQ all k slots, critical slots replaced by the Q4 copy (or + the WR residual)
@@ -20,6 +20,7 @@ struct rapidmoe_moe_split {
     ggml_tensor *                   crit_ids = nullptr; // [n_expert_used, n_tokens], -1 for non-critical slots
     ggml_tensor *                   keep     = nullptr; // [1, n_expert_used, n_tokens], 1 non-critical, 0 critical
     int                             il       = -1;
+    bool                            skip_noncritical = false; // drop baseline: WQ computes critical slots only
 };
 
 rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor * x, ggml_tensor * selected,

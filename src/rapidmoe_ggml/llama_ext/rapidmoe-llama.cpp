@@ -48,8 +48,63 @@ int32_t rapidmoe_llama_set_n_critical(const llama_model * model, int32_t n_criti
     if (st == nullptr) {
         return -1;
     }
-    st->n_critical = std::clamp<int32_t>(n_critical, 0, st->n_expert_used);
-    return st->n_critical;
+    const float r = (float) std::clamp<int32_t>(n_critical, 0, st->n_expert_used);
+    auto * p = (float *) st->policy->data;
+    p[0] = -1.0f;
+    for (size_t il = 0; il < st->layers.size(); ++il) {
+        float * row = p + RAPIDMOE_UMIA_ROW * (il + 1);
+        row[0] = row[1] = 1.0f;
+        row[2] = row[3] = r;
+    }
+    return (int32_t) r;
+}
+
+int32_t rapidmoe_llama_set_policy(const llama_model * model, const float * params, int64_t n_params) {
+    rapidmoe_residual_state * st = rapidmoe_residual_get(model);
+    if (st == nullptr || params == nullptr || n_params != ggml_nelements(st->policy)) {
+        return -1;
+    }
+    std::memcpy(st->policy->data, params, ggml_nbytes(st->policy));
+    return 0;
+}
+
+int64_t rapidmoe_llama_get_policy(const llama_model * model, float * out, int64_t n_max) {
+    rapidmoe_residual_state * st = rapidmoe_residual_get(model);
+    if (st == nullptr) {
+        return -1;
+    }
+    const int64_t n = ggml_nelements(st->policy);
+    if (out != nullptr && n_max >= n) {
+        std::memcpy(out, st->policy->data, ggml_nbytes(st->policy));
+    }
+    return n;
+}
+
+int32_t rapidmoe_llama_set_skip_noncritical(const llama_model * model, bool skip) {
+    rapidmoe_residual_state * st = rapidmoe_residual_get(model);
+    if (st == nullptr) {
+        return -1;
+    }
+    st->skip_noncritical = skip;
+    return 0;
+}
+
+int32_t rapidmoe_llama_r_histogram(const llama_model * model, int64_t * out, int32_t n_layer_max, bool reset) {
+    rapidmoe_residual_state * st = rapidmoe_residual_get(model);
+    if (st == nullptr) {
+        return 0;
+    }
+    const int32_t n = std::min<int32_t>(n_layer_max, (int32_t) st->layers.size());
+    const int w = RAPIDMOE_UMIA_MAX_K + 1;
+    for (int32_t i = 0; i < n; ++i) {
+        for (int phase = 0; phase < 2; ++phase) {
+            auto & h = st->layers[i].sites[phase]->hist;
+            for (int r = 0; r < w; ++r) {
+                out[((int64_t) i * 2 + phase) * w + r] = reset ? h[r].exchange(0) : h[r].load();
+            }
+        }
+    }
+    return n;
 }
 
 int32_t rapidmoe_llama_counters(const llama_model * model, int64_t * out, int32_t n_layer_max, bool reset) {
@@ -59,10 +114,23 @@ int32_t rapidmoe_llama_counters(const llama_model * model, int64_t * out, int32_
     }
     const int32_t n = std::min<int32_t>(n_layer_max, (int32_t) st->layers.size());
     for (int32_t i = 0; i < n; ++i) {
-        auto & c = *st->layers[i].counters;
-        out[3 * i + 0] = reset ? c.tokens.exchange(0) : c.tokens.load();
-        out[3 * i + 1] = reset ? c.slots.exchange(0) : c.slots.load();
-        out[3 * i + 2] = reset ? c.critical_slots.exchange(0) : c.critical_slots.load();
+        int64_t tokens = 0, crit = 0;
+        for (int phase = 0; phase < 2; ++phase) {
+            auto & h = st->layers[i].sites[phase]->hist;
+            for (int r = 0; r <= RAPIDMOE_UMIA_MAX_K; ++r) {
+                const int64_t c = reset ? h[r].exchange(0) : h[r].load();
+                tokens += c;
+                crit += c * r;
+            }
+        }
+        out[3 * i + 0] = tokens;
+        out[3 * i + 1] = tokens * st->n_expert_used;
+        out[3 * i + 2] = crit;
     }
     return n;
+}
+
+int32_t rapidmoe_llama_umia_eval(const float * weights, int64_t n_tokens, int32_t k, const float * policy,
+                                 int32_t n_layer, int32_t il, int32_t phase, int32_t * ids_out, int64_t * hist_out) {
+    return rapidmoe_umia_eval(weights, n_tokens, k, policy, n_layer, il, phase, ids_out, hist_out);
 }

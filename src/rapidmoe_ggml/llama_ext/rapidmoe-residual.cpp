@@ -88,10 +88,9 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
     st->model = model;
     const auto & hp = model->hparams;
     st->n_expert_used = (int) hp.n_expert_used_max();
-    st->n_critical = (int32_t) hp.n_expert_used_max();
     st->layers.resize(model->layers.size());
     const int64_t n_t = gguf_get_n_tensors(gg);
-    ggml_init_params ip = { (size_t) (n_t + 1) * ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
+    ggml_init_params ip = { (size_t) (n_t + 2) * ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
     st->ctx = ggml_init(ip);
     std::string err;
     for (int64_t i = 0; i < n_t && err.empty(); ++i) {
@@ -121,6 +120,10 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         lr.base_up = L.ffn_up_exps;
         lr.base_gate = L.ffn_gate_exps;
         lr.base_down = L.ffn_down_exps;
+        for (int phase = 0; phase < 2; ++phase) {
+            lr.sites[phase]->il = il;
+            lr.sites[phase]->phase = phase;
+        }
         if (r == "up" && f == "wr") lr.up_wr = t;
         else if (r == "gate" && f == "wr") lr.gate_wr = t;
         else if (r == "down" && (f == "wr" || f == "hi")) { lr.down_hi = t; lr.down_is_copy = f == "hi"; }
@@ -137,9 +140,20 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         }
     }
     if (err.empty()) {
+        st->policy = ggml_new_tensor_2d(st->ctx, GGML_TYPE_F32, RAPIDMOE_UMIA_ROW, (int64_t) st->layers.size() + 1);
+        ggml_set_name(st->policy, "rapidmoe_umia_policy");
         st->buf = ggml_backend_alloc_ctx_tensors_from_buft(st->ctx, ggml_backend_cpu_buffer_type());
         if (st->buf == nullptr) {
             err = "out of memory allocating the sidecar's tensors";
+        } else { // every slot critical until a policy is set: the graph computes exactly the full-precision model
+            auto * p = (float *) st->policy->data;
+            p[0] = -1.0f;
+            p[1] = p[2] = p[3] = 0.0f;
+            for (size_t il = 0; il < st->layers.size(); ++il) {
+                float * row = p + RAPIDMOE_UMIA_ROW * (il + 1);
+                row[0] = row[1] = 1.0f;
+                row[2] = row[3] = (float) st->n_expert_used;
+            }
         }
     }
     if (err.empty()) {

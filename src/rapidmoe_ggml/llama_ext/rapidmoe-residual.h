@@ -1,10 +1,13 @@
-// A residual sidecar attached to a loaded model: its tensors in CPU memory, the critical-expert setting and
-// per-layer counters. A graph build finds a layer's residual by the model's own up_exps tensor (what it sees).
+// A residual sidecar attached to a loaded model: its tensors in CPU memory, the UMIA policy tensor and the
+// per-layer r histograms. A graph build finds a layer's residual by the model's own up_exps tensor (what it sees).
 #pragma once
 
 #include "ggml.h"
 #include "ggml-backend.h"
 
+#include "rapidmoe-umia.h"
+
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -13,12 +16,6 @@
 
 struct llama_model;
 struct llama_hparams;
-
-struct rapidmoe_layer_counters {
-    std::atomic<int64_t> tokens{0};         // tokens routed through this layer
-    std::atomic<int64_t> slots{0};          // expert slots (tokens x n_expert_used)
-    std::atomic<int64_t> critical_slots{0}; // slots computed in high precision
-};
 
 struct rapidmoe_residual_state;
 
@@ -32,13 +29,16 @@ struct rapidmoe_layer_residual {
     ggml_tensor * gate_wr = nullptr;
     ggml_tensor * down_hi = nullptr;         // copy of down (down_is_copy) or its residual
     bool down_is_copy = true;
-    std::unique_ptr<rapidmoe_layer_counters> counters = std::make_unique<rapidmoe_layer_counters>();
+    // UMIA's op state and r histogram, one per phase (index rapidmoe_umia_phase)
+    std::array<std::unique_ptr<rapidmoe_umia_site>, 2> sites = { std::make_unique<rapidmoe_umia_site>(),
+                                                                 std::make_unique<rapidmoe_umia_site>() };
 };
 
 struct rapidmoe_residual_state {
     const llama_model * model = nullptr;
     int n_expert_used = 0;
-    std::atomic<int32_t> n_critical{0};      // fixed r: the r highest-weight of each token's top-k
+    ggml_tensor * policy = nullptr;          // UMIA parameters (rapidmoe-umia.h), CPU memory, read at compute time
+    std::atomic<bool> skip_noncritical{false}; // "drop" baseline: non-critical slots are not computed at all
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;
     std::vector<rapidmoe_layer_residual> layers; // index = layer; layers without experts stay empty

@@ -1,0 +1,247 @@
+"""The placement planner: which parts of an MoE model go to the GPU and which to the CPU under memory budgets.
+
+  [shapes + types] -> Footprint -> [resident parts on the GPU] -> [WQ expert cache: hottest experts first]
+                                -> [sidecar, misses, token embeddings in DRAM] -> Plan (+ the `run` flags)
+
+Schemes: `resplit` (the paper's: every WQ on the GPU if it fits, else a per-layer cache of the most frequently
+routed experts' WQ with misses run on the CPU from DRAM; WR sidecar always in DRAM), and the baselines with a
+Q4_K_M-like all-Q4 model: `cpu-offload` (llama.cpp --n-cpu-moe / -ot exps=CPU: experts in DRAM, the rest on the
+GPU) and `full-gpu` (everything on the GPU). Numbers only; nothing here loads a model or touches a device.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+
+from ..errors import RapidMoEError
+from ..resplit.presets import Preset
+from .footprint import Footprint, footprint
+from .frequency import ExpertFrequency
+from .tensors import EMBEDDINGS, PARTS, ModelShapes
+from .typeplan import q4_k_m_types, resplit_types
+
+log = logging.getLogger(__name__)
+
+GPU, CPU = "GPU", "CPU"
+SCHEMES = ("resplit", "cpu-offload", "full-gpu")
+DEFAULT_RESERVE = 1 << 30  # GPU memory left for llama.cpp's compute buffers and the CUDA context (an estimate)
+NOT_EXPRESSIBLE = ("per-expert caching inside one stacked ffn_*_exps tensor cannot be expressed with -ot or "
+                   "--n-cpu-moe today; the flags keep whole layers' experts on the GPU instead")
+
+
+class PlanError(RapidMoEError, ValueError):
+    """Arguments the planner cannot work with (unknown scheme, negative budgets, missing preset)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    part: str
+    device: str  # GPU or CPU
+    bytes: int
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Realization:
+    """How `rapidmoe-cli run` realizes a plan today."""
+
+    args: tuple[str, ...]  # placement flags for `run` (and for stock llama.cpp where they coincide)
+    hit_rate: float  # GPU hit rate of the placement these flags give
+    exact: bool  # False: the planned per-expert cache is coarsened to whole layers
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    scheme: str  # resplit, cpu-offload, full-gpu (resplit without a usable GPU: cpu-only)
+    types: str  # the type mixture, in words
+    n_ctx: int
+    gpu_mem: int | None  # budgets in bytes; None: unbounded (the plan says what is needed)
+    cpu_mem: int | None
+    rows: tuple[Row, ...]
+    n_moe_layers: int
+    n_expert: int
+    experts_on_gpu: int  # (layer, expert) pairs whose main-form weights are GPU-resident
+    hit_rate: float  # share of routed expert slots (frequency-weighted) served from GPU-resident weights
+    cached: dict[int, tuple[int, ...]]  # MoE layer -> experts whose weights are on the GPU
+    problems: tuple[str, ...]  # why it does not fit; empty when it does
+    realization: Realization
+    frequency_source: str = "uniform"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def vram(self) -> int:
+        return sum(r.bytes for r in self.rows if r.device == GPU)
+
+    @property
+    def dram(self) -> int:
+        return sum(r.bytes for r in self.rows if r.device == CPU)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def device_bytes(self, device: str, part: str) -> int:
+        return sum(r.bytes for r in self.rows if r.device == device and r.part == part)
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["cached"] = {str(k): list(v) for k, v in self.cached.items()}
+        d.update(vram=self.vram, dram=self.dram, fits=self.fits)
+        return d
+
+
+def plan(model: ModelShapes, scheme: str = "resplit", *, preset: Preset | None = None, gpu_mem: int | None = None,
+         cpu_mem: int | None = None, n_ctx: int = 4096, reserve: int = DEFAULT_RESERVE,
+         frequency: ExpertFrequency | None = None) -> Plan:
+    """Plan one scheme for `model` under the budgets (bytes). `preset` is required for resplit."""
+    if scheme not in SCHEMES:
+        raise PlanError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    for name, v in (("gpu_mem", gpu_mem), ("cpu_mem", cpu_mem), ("reserve", reserve)):
+        if v is not None and v < 0:
+            raise PlanError(f"{name} must be >= 0, got {v}")
+    if n_ctx < 1:
+        raise PlanError(f"n_ctx must be >= 1, got {n_ctx}")
+    layers = model.moe_layers
+    freq = (frequency or ExpertFrequency.uniform(layers, model.n_expert)).for_model(layers, model.n_expert)
+    if scheme == "resplit":
+        if preset is None:
+            raise PlanError("the resplit scheme needs a preset")
+        fp = footprint(model, resplit_types(preset), preset)
+        types = (f"RESplit {preset.name}: WQ {preset.wq}, WR {preset.wr}, down {preset.down_mode} "
+                 f"{preset.down_hi}, other {preset.other}")
+    else:
+        fp = footprint(model, q4_k_m_types(model))
+        types = "Q4_K_M-like (llama-quantize's mixture)"
+    b = _Builder(model, fp, scheme, n_ctx, reserve, gpu_mem, freq)
+    return b.build(types, cpu_mem)
+
+
+def plan_all(model: ModelShapes, preset: Preset, **kw: object) -> list[Plan]:
+    """The RESplit plan and both baselines under the same budgets."""
+    return [plan(model, s, preset=preset, **kw) for s in SCHEMES]  # type: ignore[arg-type]
+
+
+@dataclass
+class _Builder:
+    model: ModelShapes
+    fp: Footprint
+    scheme: str
+    n_ctx: int
+    reserve: int
+    gpu_mem: int | None
+    freq: ExpertFrequency
+
+    def base_rows(self, device: str) -> list[Row]:
+        """Everything but the routed experts and the sidecar: parts, KV cache, reserve. llama.cpp keeps the token
+        embeddings (the input layer) on the CPU even with every layer offloaded."""
+        rows = [Row(p, CPU if p == EMBEDDINGS else device, self.fp.parts[p]) for p in PARTS if p in self.fp.parts]
+        rows.append(Row("KV cache", device, self.model.kv_cache_bytes(self.n_ctx), f"F16, {self.n_ctx} tokens"))
+        if device == GPU:
+            rows.append(Row("reserve", GPU, self.reserve, "compute buffers, CUDA context (estimate)"))
+        return rows
+
+    def build(self, types: str, cpu_mem: int | None) -> Plan:
+        notes: list[str] = []
+        rows = self.base_rows(GPU)
+        base = sum(r.bytes for r in rows if r.device == GPU)
+        cpu_only = self.scheme == "resplit" and self.gpu_mem is not None and self.gpu_mem < base
+        if cpu_only:
+            rows = self.base_rows(CPU)
+            if self.gpu_mem:
+                notes.append(f"the GPU budget is below the {base} bytes the non-expert tensors, KV cache and "
+                             "reserve need; planned CPU-only (split routing runs on the CPU)")
+            log.info("planner: GPU budget %s < base %d, CPU-only", self.gpu_mem, base)
+            cached: dict[int, tuple[int, ...]] = {}
+        elif self.scheme == "cpu-offload":
+            cached = {}
+        elif self.scheme == "full-gpu":
+            cached = {il: tuple(range(self.model.n_expert)) for il in self.fp.expert_bytes}
+        else:
+            budget = None if self.gpu_mem is None else self.gpu_mem - base
+            cached = self.choose_cache(budget)
+        rows += self.expert_rows(cached)
+        rows += [Row(label, CPU, n, "RESplit sidecar") for label, n in self.fp.sidecar.items()]
+        n_cached = sum(len(v) for v in cached.values())
+        hit = self.hit_rate(cached)
+        real = self.realize(cached, hit, cpu_only, base)
+        if not real.exact:
+            notes.append(NOT_EXPRESSIBLE + f" (hit rate {real.hit_rate:.1%} instead of {hit:.1%})")
+        scheme = "cpu-only" if cpu_only else self.scheme
+        p = Plan(model=self.model.name, scheme=scheme, types=types, n_ctx=self.n_ctx, gpu_mem=self.gpu_mem,
+                 cpu_mem=cpu_mem, rows=tuple(r for r in rows if r.bytes or r.part == "KV cache"),
+                 n_moe_layers=len(self.fp.expert_bytes), n_expert=self.model.n_expert, experts_on_gpu=n_cached,
+                 hit_rate=hit, cached=cached, problems=(), realization=real, frequency_source=self.freq.source,
+                 notes=tuple(notes))
+        return _with_problems(p)
+
+    def choose_cache(self, budget: int | None) -> dict[int, tuple[int, ...]]:
+        """Greedy by routed share: the globally most-routed (layer, expert) pairs first, which maximises the hit
+        rate for equal-sized experts; ties go to lower-ranked experts, then shallower layers, so a uniform table
+        spreads the cache evenly over layers."""
+        n_expert, eb = self.model.n_expert, self.fp.expert_bytes
+        if budget is None or budget >= sum(eb.values()) * n_expert:
+            return {il: tuple(range(n_expert)) for il in eb}
+        order = []
+        for il, share in self.freq.share.items():
+            ranked = sorted(range(n_expert), key=lambda e: (-share[e], e))
+            order += [(-share[e], rank, il, e) for rank, e in enumerate(ranked)]
+        order.sort()
+        chosen: dict[int, list[int]] = {}
+        left = budget
+        for _, _, il, e in order:
+            if eb[il] <= left:
+                chosen.setdefault(il, []).append(e)
+                left -= eb[il]
+        return {il: tuple(sorted(v)) for il, v in sorted(chosen.items())}
+
+    def expert_rows(self, cached: dict[int, tuple[int, ...]]) -> list[Row]:
+        eb, n_expert = self.fp.expert_bytes, self.model.n_expert
+        on_gpu = sum(eb[il] * len(v) for il, v in cached.items())
+        total = self.fp.routed_bytes
+        form = "WQ" if self.scheme == "resplit" else "Q4"
+        n_all = len(eb) * n_expert
+        n_gpu = sum(len(v) for v in cached.values())
+        return [Row(f"routed experts ({form})", GPU, on_gpu, f"{n_gpu} of {n_all} experts"),
+                Row(f"routed experts ({form})", CPU, total - on_gpu,
+                    f"{n_all - n_gpu} of {n_all} experts" + (", CPU-centric misses" if n_gpu else ""))]
+
+    def hit_rate(self, cached: dict[int, tuple[int, ...]]) -> float:
+        layers = list(self.fp.expert_bytes)
+        if not layers:
+            return 0.0
+        return sum(float(self.freq.share[il][list(cached.get(il, ()))].sum()) for il in layers) / len(layers)
+
+    def realize(self, cached: dict[int, tuple[int, ...]], hit: float, cpu_only: bool, base: int) -> Realization:
+        n_layer, n_expert, eb = self.model.n_layer, self.model.n_expert, self.fp.expert_bytes
+        ctx = ("-c", str(self.n_ctx))
+        if cpu_only:
+            return Realization(("-ngl", "0", *ctx), 0.0, True)
+        if all(len(cached.get(il, ())) == n_expert for il in eb):
+            return Realization(("-ngl", "999", *ctx), 1.0, True)
+        if not cached:
+            return Realization(("-ngl", "999", "--n-cpu-moe", str(n_layer), *ctx), 0.0, True,
+                               "or -ot exps=CPU: every routed expert in DRAM")
+        # whole layers, deepest first, as many as the planned cache's bytes allow (--n-cpu-moe N: layers < N on CPU)
+        room = sum(eb[il] * len(v) for il, v in cached.items())
+        first_gpu = n_layer
+        for il in sorted(eb, reverse=True):
+            if eb[il] * n_expert > room:
+                break
+            room -= eb[il] * n_expert
+            first_gpu = il
+        gpu_layers = [il for il in eb if il >= first_gpu]
+        layer_hit = len(gpu_layers) / len(eb)
+        return Realization(("-ngl", "999", "--n-cpu-moe", str(first_gpu), *ctx), layer_hit, False,
+                           f"whole layers {first_gpu}-{n_layer - 1} on the GPU" if gpu_layers else
+                           "no whole layer fits; every routed expert in DRAM")
+
+
+def _with_problems(p: Plan) -> Plan:
+    problems = []
+    if p.gpu_mem is not None and p.vram > p.gpu_mem:
+        problems.append(f"needs {p.vram} bytes of GPU memory, the budget is {p.gpu_mem}")
+    if p.cpu_mem is not None and p.dram > p.cpu_mem:
+        problems.append(f"needs {p.dram} bytes of CPU memory, the budget is {p.cpu_mem}")
+    return Plan(**{**p.__dict__, "problems": tuple(problems)})

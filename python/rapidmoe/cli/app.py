@@ -14,6 +14,7 @@ import typer
 
 from ..errors import RapidMoEError
 from . import convert, inspect, make_model, run
+from . import serve
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -45,6 +46,7 @@ app.command("run")(one_line_errors(run.run))
 app.command("make-model")(one_line_errors(make_model.make_model))
 app.command("convert")(one_line_errors(convert.convert))
 app.command("inspect")(one_line_errors(inspect.inspect))
+app.command("serve")(one_line_errors(serve.serve))
 
 
 @app.callback()

@@ -1,0 +1,67 @@
+"""`rapidmoe-cli serve`: llama-server's HTTP API (native and OpenAI routes) over the RapidMoE engine."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import RapidMoEError
+from . import options
+
+
+def serve(
+    model: options.ModelArg = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free port).", min=0, max=65535)] = 8080,
+    alias: Annotated[Optional[str], typer.Option("--alias", "-a", help="Model names for the API, comma-separated (the first is the id).")] = None,
+    any_model: Annotated[bool, typer.Option("--any-model", help="Accept any \"model\" in requests, as llama-server does with one model (default: unknown names get 404).")] = False,
+    parallel: Annotated[int, typer.Option("--parallel", "-np", help="Slots decoded together (continuous batching).", min=1, max=64)] = 2,
+    queue_size: Annotated[int, typer.Option("--queue-size", help="Requests that may wait for a slot; beyond that 503.", min=0)] = 16,
+    ctx_size: options.CtxSize = 4096,
+    n_batch: Annotated[int, typer.Option("--batch-size", "-b", help="Tokens per llama_decode call.", min=1)] = 512,
+    n_predict: Annotated[int, typer.Option("--n-predict", "-n", help="Default tokens to generate (-1: until the context is full).", min=-1)] = -1,
+    threads: options.Threads = None,
+    n_gpu_layers: options.GpuLayers = 0,
+    n_cpu_moe: options.NCpuMoe = 0,
+    override_tensor: options.OverrideTensor = None,
+    residual: Annotated[Optional[Path], typer.Option("--residual", help="RESplit sidecar (.wr.gguf) made from MODEL: split expert routing.")] = None,
+    n_critical: Annotated[int, typer.Option("--n-critical", "-r", help="With --residual: each token's r highest-weight experts run in high precision.", min=0)] = 2,
+    policy: Annotated[Optional[Path], typer.Option("--policy", help="UMIA policy file (adaptive critical-set sizes).")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="API keys, comma-separated; requests need 'Authorization: Bearer KEY'.", envvar="LLAMA_API_KEY")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", "-to", help="Socket read/write timeout, seconds.", min=0.1)] = 600.0,
+    queue_timeout: Annotated[float, typer.Option("--queue-timeout", help="Longest wait for a free slot before 503, seconds.", min=0.0)] = 600.0,
+    max_body: Annotated[int, typer.Option("--max-body", help="Largest request body, bytes (larger: 413).", min=1)] = 1 << 20,
+    chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="Jinja chat template instead of the GGUF's.")] = None,
+    chat_template_file: Annotated[Optional[Path], typer.Option("--chat-template-file", help="File with a Jinja chat template.")] = None,
+    seed: Annotated[int, typer.Option("--seed", "-s", help="Default sampling seed (-1: random).", min=-1)] = -1,
+    temp: Annotated[float, typer.Option("--temp", help="Default temperature.", min=0.0)] = 0.8,
+    metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="Serve GET /metrics.")] = True,
+    slots: Annotated[bool, typer.Option("--slots/--no-slots", help="Serve GET /slots.")] = True,
+    verbose: options.Verbose = False,
+) -> None:
+    """Serve MODEL with llama-server's HTTP API: /completion, /v1/completions, /v1/chat/completions, /tokenize, ...
+
+    Tools written for llama.cpp's llama-server or an OpenAI endpoint work unchanged. Binds to 127.0.0.1 unless
+    --host says otherwise; logs one line per request.
+    """
+    from ..default_model import ensure_default_model  # noqa: PLC0415 - keep --help fast
+    from ..server import ServerConfig, run_server  # noqa: PLC0415
+
+    if chat_template_file is not None:
+        try:
+            chat_template = chat_template_file.read_text(encoding="utf-8")
+        except OSError as e:
+            raise RapidMoEError(f"cannot read --chat-template-file {chat_template_file}: {e.strerror}") from None
+    keys = tuple(k.strip() for k in (api_key or "").split(",") if k.strip())
+    config = ServerConfig(
+        model=model if model is not None else ensure_default_model(), host=host, port=port,
+        aliases=tuple(a.strip() for a in (alias or "").split(",") if a.strip()), any_model=any_model,
+        parallel=parallel, queue_size=queue_size, ctx_size=ctx_size, n_batch=n_batch, n_predict=n_predict,
+        threads=threads, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=tuple(override_tensor or ()),
+        residual=residual, n_critical=n_critical, policy=policy, api_keys=keys, timeout=timeout,
+        queue_timeout=queue_timeout, max_body=max_body, chat_template=chat_template, seed=seed, temperature=temp,
+        metrics=metrics, slots=slots, verbose=verbose)
+    logging.getLogger("rapidmoe.server").setLevel(logging.INFO)
+    run_server(config)

@@ -1,0 +1,11 @@
+"""`rapidmoe-cli serve`: llama-server's HTTP API (native and OpenAI-style routes) over the RapidMoE engine.
+
+Layers: http (sockets, auth, limits, logging) -> routes (JSON <-> native types) -> engine (one worker thread,
+continuous batching of slots as sequences of one llama context). JSON and chat templates stay above the engine.
+"""
+from __future__ import annotations
+
+from .config import ServerConfig
+from .app import run_server
+
+__all__ = ["ServerConfig", "run_server"]

@@ -1,0 +1,281 @@
+"""The HTTP layer: stdlib ThreadingHTTPServer, one thread per connection, talking to the one engine thread.
+
+Here: binding, body size limit, socket timeouts, API key (constant-time), 503 while loading, CORS, chunked SSE
+writes, disconnect detection, one log line per request. Endpoint logic is in routes.py; inference in engine.py.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import select
+import signal
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..errors import ModelFileError, RapidMoEError
+from . import routes
+from .config import ServerConfig
+from .errors import ApiError, authentication, invalid_request, not_found, payload_too_large, unavailable
+
+log = logging.getLogger(__name__)
+
+PUBLIC = {"/health", "/v1/health"}  # no API key needed, as in llama-server
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+    state: routes.AppState
+
+    def handle_error(self, request: Any, client_address: Any) -> None:  # keep tracebacks in our log
+        log.debug("connection error from %s", client_address, exc_info=True)
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+    server_version = "rapidmoe"
+    sys_version = ""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._handle("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._handle("POST")
+
+    def do_OPTIONS(self) -> None:  # noqa: N802 - CORS preflight, answered without auth like llama-server
+        self.send_response(200)
+        self._cors()
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", "*")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - we log one line per request ourselves
+        pass
+
+    # ---- one request ----
+
+    def _handle(self, method: str) -> None:
+        t0 = time.perf_counter()
+        path = urlsplit(self.path).path
+        st = self.server.state
+        status, n_tokens = 500, 0
+        try:
+            reply = self._dispatch(method, path, st)
+            if isinstance(reply, routes.Stream):
+                status = self._send_stream(reply)
+                n_tokens = reply.n_tokens[0]
+            else:
+                status, n_tokens = reply.status, reply.n_tokens
+                if status == 499:  # the client left before the answer
+                    self.close_connection = True
+                else:
+                    self._send(reply)
+        except ApiError as e:
+            status = e.status
+            self._send(routes.Reply(e.status, e.to_bytes()))
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            status = 499
+            self.close_connection = True
+        except Exception:
+            log.exception("%s %s: internal error", method, path)
+            status = 500
+            try:
+                self._send(routes.Reply(500, ApiError(500, "server_error", "internal server error").to_bytes()))
+            except OSError:
+                self.close_connection = True
+        finally:
+            route = path if path in routes.GET or path in routes.POST else "other"
+            st.requests.add(route, status)
+            log.info("%s %s %d %d tokens %.1f ms", method, path, status, n_tokens, 1e3 * (time.perf_counter() - t0))
+
+    def _dispatch(self, method: str, path: str, st: routes.AppState) -> routes.Reply | routes.Stream:
+        body = self._read_body(st) if method == "POST" else b""
+        if not st.ready:
+            raise unavailable("Loading model")
+        if st.config.api_keys and path not in PUBLIC:
+            self._check_key(st.config.api_keys)
+        table = routes.GET if method == "GET" else routes.POST
+        handler = table.get(path)
+        if handler is None:
+            other = routes.POST if method == "GET" else routes.GET
+            if path in other:
+                raise ApiError(405, "invalid_request_error", f"{method} is not allowed on {path}")
+            raise not_found("File Not Found")
+        return handler(st, routes.Request(method, path + ("?" + urlsplit(self.path).query if "?" in self.path
+                                                           else ""), body, self._gone))
+
+    def _read_body(self, st: routes.AppState) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            self.close_connection = True
+            raise ApiError(411, "invalid_request_error", "chunked request bodies are not supported; send Content-Length")
+        raw = self.headers.get("Content-Length", "0")
+        try:
+            n = int(raw)
+        except ValueError:
+            self.close_connection = True
+            raise invalid_request(f"bad Content-Length: {raw!r}") from None
+        if n < 0:
+            self.close_connection = True
+            raise invalid_request(f"bad Content-Length: {raw!r}")
+        if n > st.config.max_body:
+            self.close_connection = True  # the unread body must not be taken for the next request
+            raise payload_too_large(st.config.max_body)
+        try:
+            data = self.rfile.read(n)
+        except socket.timeout:
+            self.close_connection = True
+            raise ApiError(408, "invalid_request_error", "timed out reading the request body") from None
+        if len(data) != n:
+            self.close_connection = True
+            raise invalid_request("request body shorter than Content-Length")
+        return data
+
+    def _check_key(self, keys: tuple[str, ...]) -> None:
+        given = self.headers.get("Authorization") or self.headers.get("X-Api-Key") or ""
+        if given.startswith("Bearer "):
+            given = given[len("Bearer "):]
+        ok = False
+        for k in keys:  # compare with every key, so timing tells nothing about which or how much matched
+            ok |= hmac.compare_digest(given.encode(), k.encode())
+        if not ok:
+            raise authentication()
+
+    def _gone(self) -> bool:
+        """True if the client closed its side (readable with nothing to read)."""
+        try:
+            r, _, _ = select.select([self.connection], [], [], 0)
+            if not r:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    # ---- writing ----
+
+    def _cors(self) -> None:
+        origin = self.headers.get("Origin")
+        self.send_header("Access-Control-Allow-Origin", origin or "*")
+        if origin:
+            self.send_header("Access-Control-Allow-Credentials", "true")
+
+    def _send(self, r: routes.Reply) -> None:
+        self.send_response(r.status)
+        self._cors()
+        self.send_header("Content-Type", r.content_type)
+        self.send_header("Content-Length", str(len(r.body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(r.body)
+        self.wfile.flush()
+
+    def _send_stream(self, s: routes.Stream) -> int:
+        self.send_response(200)
+        self._cors()
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            for data in s.chunks:
+                self.wfile.write(b"%x\r\n%b\r\n" % (len(data), data))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+            return 200
+        except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
+            s.on_abort()
+            self.close_connection = True
+            return 499
+        finally:
+            close = getattr(s.chunks, "close", None)
+            if close is not None:
+                close()
+
+
+def _load(config: ServerConfig, st: routes.AppState) -> Any:
+    """Load the model (HTTP already answering 503), then hand the engine to the routes."""
+    from ..llama import Llama  # noqa: PLC0415
+    from ..modelfile import require_moe  # noqa: PLC0415
+    from .chat import CHATML, ChatTemplate  # noqa: PLC0415
+    from .engine import Engine  # noqa: PLC0415
+
+    info = require_moe(config.model)
+    try:
+        llm = Llama(config.model, n_ctx=config.ctx_size, n_batch=config.n_batch, n_ubatch=config.n_batch,
+                    n_threads=config.threads, n_threads_batch=config.threads, n_gpu_layers=config.n_gpu_layers,
+                    n_cpu_moe=config.n_cpu_moe, override_tensor=list(config.override_tensor) or None,
+                    residual_path=config.residual, n_critical=config.n_critical, n_seq_max=config.parallel,
+                    verbose=config.verbose)
+    except RapidMoEError:
+        raise
+    except ValueError as e:
+        raise ModelFileError(f"llama.cpp could not load {config.model} ({info.architecture}): {e}") from e
+    if config.policy is not None:
+        try:
+            from ..umia import load_policy  # noqa: PLC0415
+        except ImportError as e:
+            llm.close()
+            raise RapidMoEError(f"--policy needs rapidmoe.umia, which this build lacks ({e})") from None
+        try:
+            llm.set_policy(load_policy(config.policy))
+        except Exception:
+            llm.close()
+            raise
+    vocab = llm._model
+    md = llm.metadata
+    template = config.chat_template or md.get("tokenizer.chat_template") or CHATML
+    bos = vocab.token_get_text(llm.token_bos()) if llm.token_bos() >= 0 else ""
+    eos = vocab.token_get_text(llm.token_eos()) if llm.token_eos() >= 0 else ""
+    st.template = ChatTemplate(template, bos, eos)
+    st.add_bos = md.get("tokenizer.ggml.add_bos_token", "true") != "false"
+    st.model_meta = routes.model_meta(llm, str(config.model))
+    st.engine = Engine(llm, n_parallel=config.parallel, queue_size=config.queue_size, n_batch=config.n_batch,
+                       queue_timeout=config.queue_timeout)
+    log.info("model loaded: %s (%s), %d slots x %d tokens of context", config.model, info.architecture,
+             config.parallel, st.engine.n_ctx_slot)
+    return llm
+
+
+def make_server(config: ServerConfig) -> tuple[_Server, routes.AppState]:
+    handler = type("ConfiguredHandler", (Handler,), {"timeout": config.timeout})
+    try:
+        server = _Server((config.host, config.port), handler)
+    except OSError as e:
+        raise RapidMoEError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
+    server.state = routes.AppState(config)
+    return server, server.state
+
+
+def run_server(config: ServerConfig, stop: threading.Event | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (or `stop` is set); the socket answers 503 while the model loads."""
+    server, st = make_server(config)
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    http = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="rapidmoe-http",
+                            daemon=True)
+    http.start()
+    host, port = server.server_address[:2]
+    log.warning("listening on http://%s:%d (loading %s)", host, port, config.model)
+    llm = None
+    try:
+        llm = _load(config, st)
+        log.warning("ready: http://%s:%d", host, port)
+        stop.wait()
+    finally:
+        server.shutdown()
+        server.server_close()
+        if st.engine is not None:
+            st.engine.close()
+        if llm is not None:
+            llm.close()

@@ -1,0 +1,59 @@
+"""Chat messages -> prompt text with the model's Jinja chat template, as llama-server applies it.
+
+The template comes from the GGUF (`tokenizer.chat_template`), or --chat-template; a model without one gets
+ChatML, llama-server's fallback. Rendering uses llama-cpp-python's sandboxed Jinja formatter.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .._runtime import llama_cpp
+from .errors import invalid_request
+from .params import check_utf8
+
+CHATML = llama_cpp.llama_chat_format.CHATML_CHAT_TEMPLATE
+
+
+class ChatTemplate:
+    def __init__(self, template: str, bos_token: str, eos_token: str) -> None:
+        self.source = template
+        self._fmt = llama_cpp.llama_chat_format.Jinja2ChatFormatter(template, eos_token, bos_token)
+
+    def render(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise invalid_request("\"chat_template_kwargs\" must be an object")
+        try:
+            return self._fmt(messages=messages, **kwargs).prompt  # type: ignore[arg-type]
+        except Exception as e:  # noqa: BLE001 - a template error is the request's (raise_exception in the template)
+            raise invalid_request(f"chat template failed: {e}") from None
+
+
+def check_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """llama-server's checks: an array of {role, content}; content a string or [{type: text, text}]."""
+    if "messages" not in body:
+        raise invalid_request("'messages' is required")
+    msgs = body["messages"]
+    if not isinstance(msgs, list):
+        raise invalid_request("Expected 'messages' to be an array")
+    if not msgs:
+        raise invalid_request("'messages' must not be empty")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise invalid_request(f"messages[{i}] must be an object with a string 'role'")
+        content = m.get("content")
+        if content is None and m["role"] != "assistant":
+            raise invalid_request("All non-assistant messages must contain 'content'")
+        if isinstance(content, list):
+            parts = []
+            for p in content:
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise invalid_request("unsupported content[].type (only text parts are supported)")
+                parts.append(p["text"])
+            content = "\n".join(parts)
+        elif content is not None and not isinstance(content, str):
+            raise invalid_request("Expected 'content' to be a string or an array")
+        out.append({**m, "role": check_utf8(m["role"], "role"),
+                    "content": check_utf8(content, "content") if content is not None else ""})
+    return out

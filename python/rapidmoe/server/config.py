@@ -1,0 +1,45 @@
+"""Server settings: one frozen dataclass built by the CLI and passed down; no module globals."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: Path
+    host: str = "127.0.0.1"
+    port: int = 8080
+    aliases: tuple[str, ...] = ()  # model names in the API; the first is the id (default: the model path)
+    any_model: bool = False  # accept any "model" in requests (llama-server's single-model behaviour)
+    parallel: int = 2  # slots decoded together, one llama sequence each
+    queue_size: int = 16  # requests waiting for a slot beyond `parallel`; more get 503 at once
+    ctx_size: int = 4096  # total KV cells; each slot gets ctx_size / parallel (llama.cpp rounds up to 256)
+    n_batch: int = 512  # tokens per llama_decode (prompt chunks + one per generating slot)
+    n_predict: int = -1  # server default when a request gives none; -1: until the slot's context is full
+    threads: int | None = None
+    n_gpu_layers: int = 0
+    n_cpu_moe: int = 0
+    override_tensor: tuple[str, ...] = ()
+    residual: Path | None = None
+    n_critical: int = 2
+    policy: Path | None = None
+    api_keys: tuple[str, ...] = ()
+    timeout: float = 600.0  # socket read/write timeout, seconds (llama-server's --timeout)
+    queue_timeout: float = 600.0  # longest wait for a slot before 503, seconds
+    max_body: int = 1 << 20  # request body limit, bytes
+    chat_template: str | None = None  # Jinja template overriding the GGUF's
+    seed: int = -1  # default sampling seed (-1: random)
+    temperature: float = 0.8  # default sampling temperature
+    metrics: bool = True
+    slots: bool = True
+    verbose: bool = False
+
+    @property
+    def model_id(self) -> str:
+        return self.aliases[0] if self.aliases else str(self.model)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Names a request's "model" may use: the aliases, the path as given, the file name and its stem."""
+        return (*self.aliases, str(self.model), self.model.name, self.model.stem)

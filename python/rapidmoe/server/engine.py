@@ -1,0 +1,415 @@
+"""The inference queue: one worker thread owns the Llama and decodes all busy slots together.
+
+[HTTP threads] --submit--> waiting queue --admit--> slots (one llama sequence each)
+    --> one llama_decode per step: prompt chunks + one token per generating slot --> per-slot sampling
+    --> events (Chunk ..., Finished | Failed) on each ticket's queue --> HTTP threads.
+Nothing here knows JSON or HTTP; cancelled tickets (client gone) free their slot at the next step.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from .._runtime import llama_cpp as lc
+from .params import GenerationParams
+from .sampling import SlotSampler
+from .text import TextAssembler
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """All slots are busy and the waiting queue is full."""
+
+
+@dataclass(frozen=True)
+class Timings:
+    """One request's timings, llama-server's `timings` object (prompt = up to the first sampled token)."""
+
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cache_n": 0,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
+            "prompt_per_second": 1e3 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": self.predicted_ms / self.predicted_n if self.predicted_n else 0.0,
+            "predicted_per_second": 1e3 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0,
+        }
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str
+    tokens: list[int]
+    n_decoded: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    text: str  # text not sent in a Chunk yet (the held tail)
+    tokens: list[int]  # every generated token
+    stop_type: str  # "eos" | "limit" | "word"
+    stopping_word: str
+    truncated: bool  # stopped because the slot's context was full
+    n_prompt: int
+    n_decoded: int
+    id_slot: int
+    timings: Timings
+
+
+@dataclass(frozen=True)
+class Failed:
+    status: int
+    type: str
+    message: str
+
+
+Event = Union[Chunk, Finished, Failed]
+
+
+@dataclass
+class Ticket:
+    """One submitted generation; the HTTP thread reads `events` and calls `Engine.cancel` if the client leaves."""
+
+    id: int
+    prompt: list[int]
+    params: GenerationParams
+    deadline: float  # monotonic time after which a still-waiting ticket gets 503
+    events: queue.Queue[Event] = field(default_factory=queue.Queue)
+    cancelled: bool = False
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters for /metrics, written by the worker only."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    predicted_tokens: int = 0
+    predicted_seconds: float = 0.0
+    n_decode: int = 0
+    busy_slots: int = 0  # summed over decode calls
+    decode_seconds: float = 0.0  # wall time inside llama_decode
+    n_tokens_max: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+    requests_rejected: int = 0  # queue full or timed out in the queue
+
+
+class _Slot:
+    def __init__(self, index: int, n_ctx: int) -> None:
+        self.id = index  # also the llama sequence id
+        self.n_ctx = n_ctx
+        self.ticket: Ticket | None = None
+        self.sampler: SlotSampler | None = None
+        self.asm: TextAssembler | None = None
+        self.n_past = 0  # tokens in this sequence's KV cache
+        self.i_prompt = 0  # prompt tokens fed so far
+        self.i_batch = -1  # row of this slot's logits in the current batch
+        self.last_token = -1
+        self.n_decoded = 0
+        self.tokens: list[int] = []
+        self.pending: list[int] = []  # tokens whose text is still held back
+        self.has_new_line = False
+        self.t_start = 0.0
+        self.t_first = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.ticket is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.ticket is not None and self.i_prompt < len(self.ticket.prompt)
+
+
+class Engine:
+    def __init__(self, llm: Any, *, n_parallel: int, queue_size: int, n_batch: int, queue_timeout: float) -> None:
+        self.llm = llm
+        self._ctx = llm.ctx
+        self._vocab = llm._model.vocab
+        self._mem = lc.llama_get_memory(self._ctx)
+        self.n_vocab = int(lc.llama_vocab_n_tokens(self._vocab))
+        self.n_ctx_slot = int(lc.llama_n_ctx_seq(self._ctx))
+        self.n_batch = min(n_batch, int(lc.llama_n_batch(self._ctx)))
+        self.n_parallel = n_parallel
+        self.queue_size = queue_size
+        self.queue_timeout = queue_timeout
+        self.stats = EngineStats()
+        self.slots = [_Slot(i, self.n_ctx_slot) for i in range(n_parallel)]
+        self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        self._piece = ctypes.create_string_buffer(256)
+        self._cv = threading.Condition()
+        self._waiting: deque[Ticket] = deque()
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._outstanding = 0  # waiting + in slots
+        self._next_id = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="rapidmoe-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from HTTP threads ----
+
+    def submit(self, prompt: list[int], params: GenerationParams) -> Ticket:
+        with self._cv:
+            if self._outstanding >= self.n_parallel + self.queue_size:
+                self.stats.requests_rejected += 1
+                raise QueueFull(f"all {self.n_parallel} slots busy and {self.queue_size} requests waiting")
+            t = Ticket(self._next_id, prompt, params, time.monotonic() + self.queue_timeout)
+            self._next_id += 1
+            self._outstanding += 1
+            self._waiting.append(t)
+            self._cv.notify()
+        return t
+
+    def cancel(self, t: Ticket) -> None:
+        with self._cv:
+            if t.cancelled:
+                return
+            t.cancelled = True
+            if t in self._waiting:
+                self._waiting.remove(t)
+                self._outstanding -= 1
+                self.stats.requests_cancelled += 1
+            self._cv.notify()
+
+    def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Run `fn` on the worker between two decode steps (for anything that touches the context)."""
+        fut: Future[Any] = Future()
+        with self._cv:
+            self._calls.append((fn, fut))
+            self._cv.notify()
+        return fut.result(timeout)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def n_busy(self) -> int:
+        return sum(s.busy for s in self.slots)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+        lc.llama_batch_free(self._batch)
+
+    # ---- worker thread ----
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopping or self._waiting or self._calls or any(s.busy for s in self.slots)):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                calls = list(self._calls)
+                self._calls.clear()
+                self._admit()
+            for fn, fut in calls:
+                try:
+                    fut.set_result(fn())
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+            for s in self.slots:
+                if s.ticket is not None and s.ticket.cancelled:
+                    self.stats.requests_cancelled += 1
+                    log.info("slot %d: client gone, freed after %d tokens", s.id, s.n_decoded)
+                    self._release(s)
+            if any(s.busy for s in self.slots):
+                try:
+                    self._step()
+                except Exception:  # a bug: fail the requests in flight, keep serving
+                    log.exception("decode step failed")
+                    for s in self.slots:
+                        if s.busy:
+                            self._fail(s, 500, "server_error", "internal error while decoding")
+        for s in self.slots:
+            if s.busy:
+                self._fail(s, 503, "unavailable_error", "server shutting down")
+
+    def _admit(self) -> None:
+        now = time.monotonic()
+        for t in [t for t in self._waiting if t.deadline < now]:
+            self._waiting.remove(t)
+            self._outstanding -= 1
+            self.stats.requests_rejected += 1
+            t.events.put(Failed(503, "unavailable_error", "timed out waiting for a free slot"))
+        while self._waiting:
+            t = self._waiting[0]
+            free = [s for s in self.slots if not s.busy]
+            if t.params.id_slot >= 0:
+                free = [s for s in free if s.id == t.params.id_slot]
+            if not free:
+                return
+            self._waiting.popleft()
+            self._start(free[0], t)
+
+    def _start(self, s: _Slot, t: Ticket) -> None:
+        s.ticket = t
+        s.sampler = SlotSampler(t.params.sampling, self._vocab, self.n_vocab)
+        for tok in t.prompt:
+            s.sampler.accept(tok)  # penalties see the prompt, as in llama-server
+        s.asm = TextAssembler(list(t.params.stop))
+        s.n_past = s.i_prompt = s.n_decoded = 0
+        s.i_batch = s.last_token = -1
+        s.tokens, s.pending, s.has_new_line = [], [], False
+        s.t_start = time.perf_counter()
+        s.t_first = 0.0
+
+    def _step(self) -> None:
+        b, n = self._batch, 0
+        busy = [s for s in self.slots if s.busy]
+        for s in busy:  # generating slots first: one token each keeps their latency flat
+            s.i_batch = -1
+            if not s.prefilling and s.last_token >= 0:
+                self._add(s, s.last_token, n, True)
+                s.i_batch, n = n, n + 1
+        for s in busy:
+            if not s.prefilling or n >= self.n_batch:
+                continue
+            assert s.ticket is not None
+            prompt = s.ticket.prompt
+            chunk = prompt[s.i_prompt:s.i_prompt + self.n_batch - n]
+            for tok in chunk:
+                s.i_prompt += 1
+                last = s.i_prompt == len(prompt)
+                self._add(s, tok, n, last)
+                if last:
+                    s.i_batch = n
+                n += 1
+        if n == 0:
+            return
+        b.n_tokens = n
+        t0 = time.perf_counter()
+        rc = lc.llama_decode(self._ctx, b)
+        dt = time.perf_counter() - t0
+        self.stats.n_decode += 1
+        self.stats.busy_slots += len(busy)
+        self.stats.decode_seconds += dt
+        if rc != 0:
+            log.error("llama_decode returned %d with %d tokens in %d slots", rc, n, len(busy))
+            for s in busy:
+                self._fail(s, 500, "server_error", f"llama_decode failed ({rc})")
+            return
+        for s in busy:
+            if s.i_batch >= 0:
+                self._sampled(s)
+
+    def _add(self, s: _Slot, tok: int, i: int, logits: bool) -> None:
+        b = self._batch
+        b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, s.n_past, 1, logits
+        b.seq_id[i][0] = s.id
+        s.n_past += 1
+        self.stats.n_tokens_max = max(self.stats.n_tokens_max, s.n_past)
+
+    def _sampled(self, s: _Slot) -> None:
+        t = s.ticket
+        assert t is not None and s.sampler is not None and s.asm is not None
+        now = time.perf_counter()
+        if s.n_decoded == 0 and not s.t_first:
+            s.t_first = now
+            self.stats.prompt_tokens += len(t.prompt)
+            self.stats.prompt_seconds += now - s.t_start
+            if t.params.n_predict == 0:
+                self._finish(s, "limit")
+                return
+        tok = s.sampler.sample(self._ctx, s.i_batch)
+        s.n_decoded += 1
+        s.tokens.append(tok)
+        if lc.llama_vocab_is_eog(self._vocab, tok) and not t.params.ignore_eos:
+            self._finish(s, "eos")
+            return
+        s.pending.append(tok)
+        text = s.asm.push(self._token_piece(tok))
+        if text:
+            s.has_new_line = s.has_new_line or "\n" in text
+            t.events.put(Chunk(text, s.pending, s.n_decoded))
+            s.pending = []
+        if s.asm.stopping_word:
+            self._finish(s, "word")
+        elif 0 <= t.params.n_predict <= s.n_decoded:
+            self._finish(s, "limit")
+        elif s.n_past >= s.n_ctx:
+            self._finish(s, "limit", truncated=True)
+        elif (t.params.t_max_predict_ms and s.has_new_line
+              and 1e3 * (now - s.t_first) > t.params.t_max_predict_ms):
+            self._finish(s, "limit")
+        else:
+            s.last_token = tok
+
+    def _token_piece(self, tok: int) -> bytes:
+        n = lc.llama_token_to_piece(self._vocab, tok, self._piece, len(self._piece), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self._vocab, tok, buf, -n, 0, False)
+            return buf.raw[:n]
+        return self._piece.raw[:n]
+
+    def _finish(self, s: _Slot, stop_type: str, truncated: bool = False) -> None:
+        t = s.ticket
+        assert t is not None and s.asm is not None
+        now = time.perf_counter()
+        t_first = s.t_first or now
+        predicted_ms = 1e3 * (now - t_first)
+        self.stats.predicted_tokens += s.n_decoded
+        self.stats.predicted_seconds += predicted_ms / 1e3
+        self.stats.requests_finished += 1
+        timings = Timings(len(t.prompt), 1e3 * (t_first - s.t_start), s.n_decoded, predicted_ms)
+        t.events.put(Finished(s.asm.flush(), list(s.tokens), stop_type, s.asm.stopping_word, truncated,
+                              len(t.prompt), s.n_decoded, s.id, timings))
+        self._release(s)
+
+    def _fail(self, s: _Slot, status: int, type_: str, message: str) -> None:
+        if s.ticket is not None:
+            self.stats.requests_failed += 1
+            s.ticket.events.put(Failed(status, type_, message))
+        self._release(s)
+
+    def _release(self, s: _Slot) -> None:
+        lc.llama_memory_seq_rm(self._mem, s.id, -1, -1)
+        if s.sampler is not None:
+            s.sampler.free()
+        s.ticket, s.sampler, s.asm = None, None, None
+        s.i_batch, s.last_token = -1, -1
+        with self._cv:
+            self._outstanding -= 1
+
+    def slot_state(self, s: _Slot) -> dict[str, Any]:
+        """llama-server's /slots entry for one slot (read without locking: a snapshot, maybe a step old)."""
+        t = s.ticket
+        n_predict = t.params.n_predict if t is not None else -1
+        return {
+            "id": s.id,
+            "id_task": t.id if t is not None else -1,
+            "n_ctx": self.n_ctx_slot,
+            "speculative": False,
+            "is_processing": t is not None,
+            "params": ({"n_predict": n_predict, "max_tokens": n_predict, "stop": list(t.params.stop),
+                        "ignore_eos": t.params.ignore_eos, **t.params.sampling.to_json()} if t is not None else {}),
+            "next_token": {
+                "has_next_token": t is not None,
+                "has_new_line": s.has_new_line,
+                "n_remain": (n_predict - s.n_decoded) if t is not None and n_predict >= 0 else -1,
+                "n_decoded": s.n_decoded,
+            },
+        }

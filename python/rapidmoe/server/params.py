@@ -1,0 +1,199 @@
+"""Request fields -> native types: checking every field's type and range, llama-server's names and defaults.
+
+Each reader raises errors.invalid_request with the field's name; nothing here touches the engine or sockets.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import invalid_request
+
+INT32_MAX = 2**31 - 1
+SEED_RANDOM = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp picks a random seed
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampler chain settings (llama-server names, defaults and order of application)."""
+
+    temperature: float = 0.8  # <= 0: greedy
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    repeat_last_n: int = 64
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    mirostat: int = 0  # 0 off, 1 Mirostat, 2 Mirostat 2.0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    min_keep: int = 0
+    seed: int = SEED_RANDOM
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); -inf bans the token
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "logit_bias"}
+        d["logit_bias"] = [[t, b if math.isfinite(b) else False] for t, b in self.logit_bias]
+        return d
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What the engine needs besides the prompt tokens."""
+
+    n_predict: int = -1  # -1: until the slot's context is full
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    t_max_predict_ms: int = 0  # 0: no limit
+    id_slot: int = -1  # -1: any idle slot
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+def _type_error(name: str, want: str, got: Any) -> Exception:
+    return invalid_request(f"\"{name}\" must be {want}, got {type(got).__name__}")
+
+
+def get_int(body: dict[str, Any], name: str, default: int, lo: int = -INT32_MAX, hi: int = INT32_MAX) -> int:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer() and abs(v) < 2**53:
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _type_error(name, "an integer", v)
+    if not lo <= v <= hi:
+        raise invalid_request(f"\"{name}\" must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def get_float(body: dict[str, Any], name: str, default: float, lo: float = -1e9, hi: float = 1e9) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _type_error(name, "a number", v)
+    if not (lo <= float(v) <= hi):
+        raise invalid_request(f"\"{name}\" must be in [{lo:g}, {hi:g}], got {v}")
+    return float(v)
+
+
+def get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _type_error(name, "a boolean", v)
+    return v
+
+
+def get_str(body: dict[str, Any], name: str, default: str | None = None) -> str | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise _type_error(name, "a string", v)
+    return check_utf8(v, name)
+
+
+def check_utf8(s: str, name: str) -> str:
+    """JSON can carry lone surrogates (\\ud800) that are not text; refuse them instead of failing later."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid_request(f"\"{name}\" is not valid UTF-8 text") from None
+    return s
+
+
+def get_stop(body: dict[str, Any]) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        return (check_utf8(v, "stop"),)
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise invalid_request("\"stop\" must be a string or an array of strings")
+    if len(v) > 16:
+        raise invalid_request("\"stop\" takes at most 16 strings")
+    return tuple(check_utf8(s, "stop") for s in v)
+
+
+def get_logit_bias(body: dict[str, Any], n_vocab: int) -> tuple[tuple[int, float], ...]:
+    """`[[id, bias|false], ...]` (llama-server) or `{"id": bias}` (OpenAI); string keys that are not ids refused."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    pairs: list[tuple[Any, Any]]
+    if isinstance(v, dict):
+        pairs = list(v.items())
+    elif isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v):
+        pairs = [(p[0], p[1]) for p in v]
+    else:
+        raise invalid_request("\"logit_bias\" must be [[token, bias], ...] or {\"token\": bias}")
+    out = []
+    for tok, bias in pairs:
+        try:
+            tid = int(tok) if not isinstance(tok, bool) else -1
+        except (TypeError, ValueError):
+            raise invalid_request(f"\"logit_bias\": token {tok!r} is not a token id") from None
+        if not 0 <= tid < n_vocab:
+            raise invalid_request(f"\"logit_bias\": token id {tid} out of range [0, {n_vocab})")
+        if bias is False:
+            b = -math.inf
+        elif isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias):
+            b = float(bias)
+        else:
+            raise invalid_request(f"\"logit_bias\": bias for {tid} must be a number or false")
+        out.append((tid, b))
+    return tuple(out)
+
+
+def sampling_from(body: dict[str, Any], n_vocab: int, default_seed: int, default_temp: float) -> SamplingParams:
+    seed = get_int(body, "seed", default_seed, lo=-1, hi=2**32 - 1)
+    return SamplingParams(
+        temperature=get_float(body, "temperature", default_temp, lo=-1e3, hi=1e3),
+        dynatemp_range=get_float(body, "dynatemp_range", 0.0, lo=0.0, hi=1e3),
+        dynatemp_exponent=get_float(body, "dynatemp_exponent", 1.0, lo=0.0, hi=1e3),
+        top_k=get_int(body, "top_k", 40, lo=-1, hi=n_vocab if n_vocab > 0 else INT32_MAX),
+        top_p=get_float(body, "top_p", 0.95, lo=0.0, hi=1.0),
+        min_p=get_float(body, "min_p", 0.05, lo=0.0, hi=1.0),
+        typical_p=get_float(body, "typical_p", 1.0, lo=0.0, hi=1.0),
+        repeat_last_n=get_int(body, "repeat_last_n", 64, lo=-1, hi=INT32_MAX),
+        repeat_penalty=get_float(body, "repeat_penalty", 1.0, lo=0.0, hi=1e3),
+        presence_penalty=get_float(body, "presence_penalty", 0.0, lo=-1e3, hi=1e3),
+        frequency_penalty=get_float(body, "frequency_penalty", 0.0, lo=-1e3, hi=1e3),
+        mirostat=get_int(body, "mirostat", 0, lo=0, hi=2),
+        mirostat_tau=get_float(body, "mirostat_tau", 5.0, lo=0.0, hi=1e3),
+        mirostat_eta=get_float(body, "mirostat_eta", 0.1, lo=0.0, hi=1e3),
+        xtc_probability=get_float(body, "xtc_probability", 0.0, lo=0.0, hi=1.0),
+        xtc_threshold=get_float(body, "xtc_threshold", 0.1, lo=0.0, hi=1.0),
+        min_keep=get_int(body, "min_keep", 0, lo=0, hi=INT32_MAX),
+        seed=SEED_RANDOM if seed == -1 else seed,
+        logit_bias=get_logit_bias(body, n_vocab),
+    )
+
+
+def generation_from(body: dict[str, Any], *, n_vocab: int, default_n_predict: int, default_seed: int,
+                    default_temp: float, oai: bool) -> GenerationParams:
+    """llama-server reads `n_predict`, then `max_tokens` (OpenAI), then `max_completion_tokens`."""
+    n_predict = get_int(body, "n_predict", default_n_predict, lo=-1)
+    for name in ("max_tokens", "max_completion_tokens"):
+        if name in body and body[name] is not None:
+            n_predict = get_int(body, name, n_predict, lo=-1)
+    if oai:
+        n = get_int(body, "n", 1, lo=1, hi=1)  # one choice per request
+        del n
+    return GenerationParams(
+        n_predict=n_predict,
+        stop=get_stop(body),
+        ignore_eos=get_bool(body, "ignore_eos", False),
+        t_max_predict_ms=get_int(body, "t_max_predict_ms", 0, lo=0),
+        id_slot=get_int(body, "id_slot", -1, lo=-1),
+        sampling=sampling_from(body, n_vocab, default_seed, default_temp),
+    )

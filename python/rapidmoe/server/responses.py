@@ -1,0 +1,111 @@
+"""Response bodies in llama-server's shapes: native /completion, OpenAI completions and chat (whole and chunks).
+
+Built from the engine's events; these functions only arrange fields (see server-task.cpp upstream).
+"""
+from __future__ import annotations
+
+import secrets
+import string
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .engine import Chunk, Finished
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def completion_id() -> str:
+    return "chatcmpl-" + "".join(secrets.choice(_ALNUM) for _ in range(32))
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What every response of one request repeats."""
+
+    id: str
+    model: str
+    fingerprint: str
+    created: int
+    return_tokens: bool
+    include_usage: bool = False
+
+    @classmethod
+    def new(cls, model: str, fingerprint: str, return_tokens: bool = False, include_usage: bool = False) -> Meta:
+        return cls(completion_id(), model, fingerprint, int(time.time()), return_tokens, include_usage)
+
+
+def finish_reason(f: Finished) -> str:
+    return "stop" if f.stop_type in ("eos", "word") else "length"
+
+
+def usage(f: Finished) -> dict[str, Any]:
+    return {"completion_tokens": f.n_decoded, "prompt_tokens": f.n_prompt, "total_tokens": f.n_decoded + f.n_prompt,
+            "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+# ---- native /completion ----
+
+def native_partial(m: Meta, c: Chunk, n_prompt: int, id_slot: int) -> dict[str, Any]:
+    return {"index": 0, "content": c.text, "tokens": c.tokens, "stop": False, "id_slot": id_slot,
+            "tokens_predicted": c.n_decoded, "tokens_evaluated": n_prompt}
+
+
+def native_final(m: Meta, f: Finished, content: str, prompt: str, settings: dict[str, Any],
+                 stream: bool) -> dict[str, Any]:
+    return {
+        "index": 0, "content": content,
+        "tokens": f.tokens if (m.return_tokens and not stream) else [],
+        "id_slot": f.id_slot, "stop": True, "model": m.model,
+        "tokens_predicted": f.n_decoded, "tokens_evaluated": f.n_prompt,
+        "generation_settings": settings, "prompt": prompt,
+        "has_new_line": "\n" in content, "truncated": f.truncated,
+        "stop_type": f.stop_type, "stopping_word": f.stopping_word, "tokens_cached": 0,
+        "timings": f.timings.to_json(),
+    }
+
+
+# ---- OpenAI /v1/completions ----
+
+def _oai_base(m: Meta, obj: str) -> dict[str, Any]:
+    return {"created": m.created, "model": m.model, "system_fingerprint": m.fingerprint, "object": obj, "id": m.id}
+
+
+def oai_cmpl_partial(m: Meta, text: str) -> dict[str, Any]:
+    return {"choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": None}],
+            **_oai_base(m, "text_completion")}
+
+
+def oai_cmpl_final(m: Meta, f: Finished, text: str) -> dict[str, Any]:
+    return {"choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason(f)}],
+            **_oai_base(m, "text_completion"), "usage": usage(f), "timings": f.timings.to_json()}
+
+
+# ---- OpenAI /v1/chat/completions ----
+
+def chat_final(m: Meta, f: Finished, text: str) -> dict[str, Any]:
+    return {"choices": [{"finish_reason": finish_reason(f), "index": 0,
+                         "message": {"role": "assistant", "content": text}}],
+            **_oai_base(m, "chat.completion"), "usage": usage(f), "timings": f.timings.to_json()}
+
+
+def _chat_chunk(m: Meta, delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
+    return {"choices": [{"finish_reason": reason, "index": 0, "delta": delta}],
+            **_oai_base(m, "chat.completion.chunk")}
+
+
+def chat_partial(m: Meta, text: str, first: bool) -> list[dict[str, Any]]:
+    """llama-server opens with a role-only delta, then one content delta per piece of text."""
+    out = [_chat_chunk(m, {"role": "assistant", "content": None}, None)] if first else []
+    if text:
+        out.append(_chat_chunk(m, {"content": text}, None))
+    return out
+
+
+def chat_stream_final(m: Meta, f: Finished, tail: str) -> list[dict[str, Any]]:
+    out = [_chat_chunk(m, {"content": tail}, None)] if tail else []
+    out.append(_chat_chunk(m, {}, finish_reason(f)))
+    if m.include_usage:
+        out.append({"choices": [], **_oai_base(m, "chat.completion.chunk"), "usage": usage(f)})
+    out[-1]["timings"] = f.timings.to_json()
+    return out

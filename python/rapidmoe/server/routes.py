@@ -1,0 +1,434 @@
+"""The endpoints: request JSON -> prompt tokens + GenerationParams -> engine ticket -> llama-server response.
+
+Each handler gets the app state and a parsed Request and returns a Reply (whole body) or a Stream (SSE bytes).
+Sockets, auth, limits and logging are the HTTP layer's (app.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import __version__
+from .._runtime import llama_cpp as lc
+from . import metrics, responses, sse
+from .chat import ChatTemplate, check_messages
+from .config import ServerConfig
+from .engine import Chunk, Engine, Event, Failed, Finished, QueueFull, Ticket
+from .errors import ApiError, exceed_context, invalid_request, not_found, unavailable
+from .params import GenerationParams, check_utf8, generation_from, get_bool, get_str
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    body: bytes
+    gone: Callable[[], bool]  # True once the client has closed the connection
+    _json: Any = None
+
+    def json(self) -> dict[str, Any]:
+        if self._json is None:
+            if not self.body:
+                raise invalid_request("request body is empty, expected a JSON object")
+            try:
+                self._json = json.loads(self.body.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise invalid_request("request body is not valid UTF-8") from None
+            except ValueError as e:
+                raise invalid_request(f"request body is not valid JSON: {e}") from None
+            if not isinstance(self._json, dict):
+                raise invalid_request("request body must be a JSON object")
+        return self._json
+
+
+@dataclass
+class Reply:
+    status: int
+    body: bytes
+    content_type: str = "application/json; charset=utf-8"
+    n_tokens: int = 0  # generated tokens, for the request log
+
+
+@dataclass
+class Stream:
+    chunks: Iterator[bytes]
+    on_abort: Callable[[], None]  # the client went away mid-stream
+    n_tokens: list[int] = field(default_factory=lambda: [0])
+
+
+def json_reply(obj: Any, status: int = 200, n_tokens: int = 0) -> Reply:
+    return Reply(status, json.dumps(obj, ensure_ascii=False).encode(), n_tokens=n_tokens)
+
+
+@dataclass
+class AppState:
+    config: ServerConfig
+    requests: metrics.RequestCounters = field(default_factory=metrics.RequestCounters)
+    engine: Engine | None = None  # None while the model loads
+    template: ChatTemplate | None = None
+    model_meta: dict[str, Any] = field(default_factory=dict)
+    add_bos: bool = True
+    fingerprint: str = f"rapidmoe-{__version__}"
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def check_model(self, body: dict[str, Any]) -> str:
+        """The id answered in responses; an unknown `model` is a 404 (unless --any-model)."""
+        name = body.get("model")
+        if name is None:
+            return self.config.model_id
+        if not isinstance(name, str):
+            raise invalid_request("\"model\" must be a string")
+        if self.config.any_model or name in self.config.model_names:
+            return name
+        raise not_found(f"model '{name}' not found; this server serves '{self.config.model_id}'")
+
+
+# ---- prompts ----
+
+def _tokenize(st: AppState, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
+    assert st.engine is not None
+    return st.engine.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
+
+
+def _check_ids(st: AppState, toks: list[Any], name: str) -> list[int]:
+    assert st.engine is not None
+    n_vocab = st.engine.n_vocab
+    for t in toks:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise invalid_request(f"\"{name}\" must contain token ids (integers) and strings")
+        if not 0 <= t < n_vocab:
+            raise invalid_request(f"\"{name}\": token id {t} out of range [0, {n_vocab})")
+    return toks
+
+
+def prompt_tokens(st: AppState, prompt: Any) -> list[int]:
+    """A string, token ids, or ids mixed with strings; BOS first when the prompt starts with text."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return _tokenize(st, check_utf8(prompt, "prompt"), st.add_bos)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, int)) and not isinstance(p, bool)
+                                                   for p in prompt):
+        out: list[int] = []
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                out += _tokenize(st, check_utf8(p, "prompt"), st.add_bos and i == 0)
+            else:
+                out += _check_ids(st, [p], "prompt")
+        return out
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(501, "not_supported_error", "several prompts in one request are not supported")
+    raise invalid_request("\"prompt\" must be a string, a list of tokens, or a list of mixed strings & tokens")
+
+
+def _gen_params(st: AppState, body: dict[str, Any], oai: bool) -> GenerationParams:
+    assert st.engine is not None
+    c = st.config
+    return generation_from(body, n_vocab=st.engine.n_vocab, default_n_predict=c.n_predict, default_seed=c.seed,
+                           default_temp=c.temperature, oai=oai)
+
+
+def _submit(st: AppState, toks: list[int], params: GenerationParams) -> Ticket:
+    assert st.engine is not None
+    if not toks:
+        raise invalid_request("\"prompt\" must not be empty")
+    if len(toks) >= st.engine.n_ctx_slot:
+        raise exceed_context(len(toks), st.engine.n_ctx_slot)
+    if params.id_slot >= st.engine.n_parallel:
+        raise invalid_request(f"\"id_slot\" {params.id_slot} does not exist ({st.engine.n_parallel} slots)")
+    try:
+        return st.engine.submit(toks, params)
+    except QueueFull as e:
+        raise unavailable(f"server busy: {e}") from None
+
+
+def _next(st: AppState, t: Ticket, req: Request) -> Event | None:
+    """The ticket's next event; None (and the ticket cancelled) if the client went away meanwhile."""
+    while True:
+        try:
+            return t.events.get(timeout=0.25)
+        except queue.Empty:
+            if req.gone():
+                assert st.engine is not None
+                st.engine.cancel(t)
+                return None
+
+
+def _raise_failed(ev: Failed) -> None:
+    raise ApiError(ev.status, ev.type, ev.message)
+
+
+def _collect(st: AppState, t: Ticket, req: Request) -> tuple[str, Finished] | None:
+    parts: list[str] = []
+    while True:
+        ev = _next(st, t, req)
+        if ev is None:
+            return None
+        if isinstance(ev, Failed):
+            _raise_failed(ev)
+        elif isinstance(ev, Chunk):
+            parts.append(ev.text)
+        else:
+            assert isinstance(ev, Finished)
+            parts.append(ev.text)
+            return "".join(parts), ev
+
+
+def _stream(st: AppState, t: Ticket, req: Request,
+            fmt: Callable[[Event, bool], list[bytes]], done: bool) -> Reply | Stream:
+    """SSE: the first event is waited for here, so an error before any output is a plain error reply."""
+    first = _next(st, t, req)
+    if first is None:
+        return Reply(499, b"")
+    if isinstance(first, Failed):
+        _raise_failed(first)
+    assert st.engine is not None
+    engine = st.engine
+    out = Stream(iter(()), lambda: engine.cancel(t))
+
+    def chunks() -> Iterator[bytes]:
+        ev: Event | None = first
+        is_first = True
+        while ev is not None:
+            if isinstance(ev, Failed):
+                yield sse.error_event(ApiError(ev.status, ev.type, ev.message).body())
+                return
+            if isinstance(ev, (Chunk, Finished)):
+                out.n_tokens[0] = ev.n_decoded
+            yield from fmt(ev, is_first)
+            is_first = False
+            if isinstance(ev, Finished):
+                break
+            ev = _next(st, t, req)
+        if done:
+            yield sse.DONE
+
+    out.chunks = chunks()
+    return out
+
+
+# ---- handlers ----
+
+def health(st: AppState, req: Request) -> Reply:
+    return json_reply({"status": "ok"})
+
+
+def models(st: AppState, req: Request) -> Reply:
+    c = st.config
+    data = {"id": c.model_id, "aliases": list(c.aliases), "tags": [], "object": "model",
+            "created": int(time.time()), "owned_by": "llamacpp", "meta": st.model_meta}
+    return json_reply({"models": [{"name": c.model_id, "model": c.model_id, "modified_at": "", "size": "",
+                                   "digest": "", "type": "model", "description": "", "tags": [""],
+                                   "capabilities": ["completion"], "parameters": "",
+                                   "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
+                                               "parameter_size": "", "quantization_level": ""}}],
+                       "object": "list", "data": [data]})
+
+
+def _settings(st: AppState, p: GenerationParams, n_ctx: int, model: str, stream: bool) -> dict[str, Any]:
+    return {"n_predict": p.n_predict, "max_tokens": p.n_predict, "stop": list(p.stop), "ignore_eos": p.ignore_eos,
+            "stream": stream, "n_ctx": n_ctx, "model": model, **p.sampling.to_json()}
+
+
+def completion(st: AppState, req: Request) -> Reply | Stream:
+    """POST /completion: llama-server's native endpoint."""
+    body = req.json()
+    assert st.engine is not None
+    model = st.check_model(body)
+    if "prompt" not in body:
+        raise invalid_request("\"prompt\" is required")
+    toks = prompt_tokens(st, body["prompt"])
+    params = _gen_params(st, body, oai=False)
+    stream = get_bool(body, "stream", False)
+    meta = responses.Meta.new(model, st.fingerprint, return_tokens=get_bool(body, "return_tokens", False))
+    settings = _settings(st, params, st.engine.n_ctx_slot, model, stream)
+    prompt_text = body["prompt"] if isinstance(body["prompt"], str) else st.engine.llm.detokenize(
+        toks).decode("utf-8", "replace")
+    t = _submit(st, toks, params)
+    if not stream:
+        got = _collect(st, t, req)
+        if got is None:
+            return Reply(499, b"")
+        text, fin = got
+        return json_reply(responses.native_final(meta, fin, text, prompt_text, settings, False), n_tokens=fin.n_decoded)
+
+    def fmt(ev: Event, first: bool) -> list[bytes]:
+        if isinstance(ev, Chunk):
+            return [sse.event(responses.native_partial(meta, ev, len(toks), -1))]
+        assert isinstance(ev, Finished)
+        out = []
+        if ev.text:
+            out.append(sse.event(responses.native_partial(meta, Chunk(ev.text, [], ev.n_decoded), len(toks),
+                                                          ev.id_slot)))
+        out.append(sse.event(responses.native_final(meta, ev, "", prompt_text, settings, True)))
+        return out
+
+    return _stream(st, t, req, fmt, done=False)
+
+
+def oai_completions(st: AppState, req: Request) -> Reply | Stream:
+    """POST /v1/completions."""
+    body = req.json()
+    model = st.check_model(body)
+    if "prompt" not in body:
+        raise invalid_request("\"prompt\" is required")
+    if body.get("echo"):
+        raise invalid_request("Only no echo is supported")
+    toks = prompt_tokens(st, body["prompt"])
+    params = _gen_params(st, body, oai=True)
+    stream = get_bool(body, "stream", False)
+    meta = responses.Meta.new(model, st.fingerprint)
+    t = _submit(st, toks, params)
+    if not stream:
+        got = _collect(st, t, req)
+        if got is None:
+            return Reply(499, b"")
+        text, fin = got
+        return json_reply(responses.oai_cmpl_final(meta, fin, text), n_tokens=fin.n_decoded)
+
+    def fmt(ev: Event, first: bool) -> list[bytes]:
+        if isinstance(ev, Chunk):
+            return [sse.event(responses.oai_cmpl_partial(meta, ev.text))]
+        assert isinstance(ev, Finished)
+        out = [sse.event(responses.oai_cmpl_partial(meta, ev.text))] if ev.text else []
+        return out + [sse.event(responses.oai_cmpl_final(meta, ev, ""))]
+
+    return _stream(st, t, req, fmt, done=True)
+
+
+def _chat_prompt(st: AppState, body: dict[str, Any]) -> str:
+    assert st.template is not None
+    if body.get("tools") or body.get("tool_choice"):
+        raise ApiError(501, "not_supported_error", "tool calls are not supported by this server")
+    return st.template.render(check_messages(body), body)
+
+
+def chat_completions(st: AppState, req: Request) -> Reply | Stream:
+    """POST /v1/chat/completions: the GGUF's chat template, then generation as for completions."""
+    body = req.json()
+    model = st.check_model(body)
+    toks = _tokenize(st, _chat_prompt(st, body), add_special=True)
+    params = _gen_params(st, body, oai=True)
+    stream = get_bool(body, "stream", False)
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise invalid_request("\"stream_options\" must be an object")
+    meta = responses.Meta.new(model, st.fingerprint, include_usage=get_bool(opts, "include_usage", False))
+    t = _submit(st, toks, params)
+    if not stream:
+        got = _collect(st, t, req)
+        if got is None:
+            return Reply(499, b"")
+        text, fin = got
+        return json_reply(responses.chat_final(meta, fin, text), n_tokens=fin.n_decoded)
+
+    def fmt(ev: Event, first: bool) -> list[bytes]:
+        if isinstance(ev, Chunk):
+            return [sse.event(responses.chat_partial(meta, ev.text, first))]
+        assert isinstance(ev, Finished)
+        head = [sse.event(responses.chat_partial(meta, "", True))] if first else []
+        return head + [sse.event(responses.chat_stream_final(meta, ev, ev.text))]
+
+    return _stream(st, t, req, fmt, done=True)
+
+
+def apply_template(st: AppState, req: Request) -> Reply:
+    return json_reply({"prompt": _chat_prompt(st, req.json())})
+
+
+def tokenize(st: AppState, req: Request) -> Reply:
+    body = req.json()
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise invalid_request("\"content\" (a string) is required")
+    check_utf8(content, "content")
+    toks = _tokenize(st, content, get_bool(body, "add_special", False), get_bool(body, "parse_special", True))
+    if not get_bool(body, "with_pieces", False):
+        return json_reply({"tokens": toks})
+    assert st.engine is not None
+    out = []
+    for tok in toks:
+        raw = st.engine.llm.detokenize([tok], special=True)
+        try:
+            piece: Any = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        out.append({"id": tok, "piece": piece})
+    return json_reply({"tokens": out})
+
+
+def detokenize(st: AppState, req: Request) -> Reply:
+    body = req.json()
+    toks = body.get("tokens", [])
+    if not isinstance(toks, list):
+        raise invalid_request("\"tokens\" must be an array of token ids")
+    assert st.engine is not None
+    text = st.engine.llm.detokenize(_check_ids(st, toks, "tokens"), special=True) if toks else b""
+    return json_reply({"content": text.decode("utf-8", "replace")})
+
+
+def props(st: AppState, req: Request) -> Reply:
+    assert st.engine is not None
+    c = st.config
+    default = GenerationParams()
+    settings = st.engine.slot_state(st.engine.slots[0])
+    settings["params"] = _settings(st, default, st.engine.n_ctx_slot, c.model_id, False)
+    settings["params"].pop("n_ctx")
+    settings["params"].pop("model")
+    return json_reply({
+        "default_generation_settings": settings,
+        "total_slots": st.engine.n_parallel,
+        "model_alias": c.model_id,
+        "model_path": str(c.model),
+        "chat_template": st.template.source if st.template else "",
+        "chat_template_caps": {},
+        "modalities": {"vision": False, "audio": False},
+        "build_info": st.fingerprint,
+        "is_sleeping": False,
+        "rapidmoe": {"residual": str(c.residual) if c.residual else None, "n_critical": c.n_critical,
+                     "policy": str(c.policy) if c.policy else None},
+    })
+
+
+def slots(st: AppState, req: Request) -> Reply:
+    if not st.config.slots:
+        raise ApiError(501, "not_supported_error", "This server does not support slots endpoint.")
+    assert st.engine is not None
+    states = [st.engine.slot_state(s) for s in st.engine.slots]
+    if "fail_on_no_slot=1" in req.path and all(s["is_processing"] for s in states):
+        raise unavailable("no slot available")
+    return json_reply(states)
+
+
+def get_metrics(st: AppState, req: Request) -> Reply:
+    if not st.config.metrics:
+        raise ApiError(501, "not_supported_error", "This server does not support metrics endpoint.")
+    e = st.engine
+    assert e is not None
+    snap = e.call(lambda: metrics.snapshot(e.llm))
+    text = metrics.render(e.stats, snap, st.requests.snapshot(), e.n_busy, e.n_waiting,
+                          getattr(e.llm, "residual", None) is not None)
+    return Reply(200, text.encode(), "text/plain; version=0.0.4")
+
+
+GET = {"/health": health, "/v1/health": health, "/models": models, "/v1/models": models, "/props": props,
+       "/slots": slots, "/metrics": get_metrics}
+POST = {"/completion": completion, "/completions": completion, "/v1/completions": oai_completions,
+        "/chat/completions": chat_completions, "/v1/chat/completions": chat_completions,
+        "/tokenize": tokenize, "/detokenize": detokenize, "/apply-template": apply_template}
+
+
+def model_meta(llm: Any, path: str) -> dict[str, Any]:
+    """/v1/models `meta`, from the loaded model."""
+    m = llm._model.model
+    return {"vocab_type": int(lc.llama_vocab_type(llm._model.vocab)), "n_vocab": int(llm.n_vocab()),
+            "n_ctx_train": int(lc.llama_model_n_ctx_train(m)), "n_embd": int(lc.llama_model_n_embd(m)),
+            "n_params": int(lc.llama_model_n_params(m)), "size": os.path.getsize(path)}

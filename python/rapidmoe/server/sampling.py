@@ -1,0 +1,61 @@
+"""A llama.cpp sampler chain for one slot from SamplingParams, in llama-server's default order.
+
+penalties -> top_k -> typical -> top_p -> min_p -> xtc -> temperature -> dist (or mirostat / greedy).
+Owns a native handle: free it with `free()` (the slot does when it is released).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+
+from .._runtime import llama_cpp as lc
+from .params import SamplingParams
+
+
+class SlotSampler:
+    def __init__(self, p: SamplingParams, vocab: lc.llama_vocab_p, n_vocab: int) -> None:
+        self.chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        add = lambda s: lc.llama_sampler_chain_add(self.chain, s)  # noqa: E731 - the chain takes ownership
+        if p.logit_bias:
+            arr = (lc.llama_logit_bias * len(p.logit_bias))()
+            for i, (tok, bias) in enumerate(p.logit_bias):
+                arr[i].token, arr[i].bias = tok, bias if math.isfinite(bias) else -math.inf
+            add(lc.llama_sampler_init_logit_bias(n_vocab, len(p.logit_bias), arr))
+        if p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            last_n = n_vocab if p.repeat_last_n == -1 else p.repeat_last_n
+            add(lc.llama_sampler_init_penalties(last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty))
+        seed = ctypes.c_uint32(p.seed).value
+        if p.temperature <= 0.0:
+            add(lc.llama_sampler_init_greedy())
+        elif p.mirostat == 1:
+            add(lc.llama_sampler_init_temp(p.temperature))
+            add(lc.llama_sampler_init_mirostat(n_vocab, seed, p.mirostat_tau, p.mirostat_eta, 100))
+        elif p.mirostat == 2:
+            add(lc.llama_sampler_init_temp(p.temperature))
+            add(lc.llama_sampler_init_mirostat_v2(seed, p.mirostat_tau, p.mirostat_eta))
+        else:
+            min_keep = p.min_keep
+            if p.top_k > 0:
+                add(lc.llama_sampler_init_top_k(p.top_k))
+            if p.typical_p < 1.0:
+                add(lc.llama_sampler_init_typical(p.typical_p, min_keep))
+            if p.top_p < 1.0:
+                add(lc.llama_sampler_init_top_p(p.top_p, min_keep))
+            if p.min_p > 0.0:
+                add(lc.llama_sampler_init_min_p(p.min_p, min_keep))
+            if p.xtc_probability > 0.0:
+                add(lc.llama_sampler_init_xtc(p.xtc_probability, p.xtc_threshold, min_keep, seed))
+            add(lc.llama_sampler_init_temp_ext(p.temperature, p.dynatemp_range, p.dynatemp_exponent))
+            add(lc.llama_sampler_init_dist(seed))
+
+    def accept(self, token: int) -> None:
+        lc.llama_sampler_accept(self.chain, token)
+
+    def sample(self, ctx: lc.llama_context_p, i_batch: int) -> int:
+        """Sample from the logits of batch row `i_batch` and accept the token into the chain's state."""
+        return int(lc.llama_sampler_sample(self.chain, ctx, i_batch))
+
+    def free(self) -> None:
+        if self.chain is not None:
+            lc.llama_sampler_free(self.chain)
+            self.chain = None

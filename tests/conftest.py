@@ -55,6 +55,23 @@ def make_tiny(model_dir: Path, vocab_dir: Path):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
+def make_split(model_dir: Path, vocab_dir: Path):  # type: ignore[no-untyped-def]
+    """make_split(arch, preset="cpu") -> (F16 source, .wq.gguf, .wr.gguf), converted once per session."""
+    from rapidmoe.resplit import convert, get_preset
+
+    done: dict[tuple[str, str], tuple[Path, Path, Path]] = {}
+
+    def make(arch: str, preset: str = "cpu") -> tuple[Path, Path, Path]:
+        if (arch, preset) not in done:
+            src = _make(model_dir, vocab_dir, arch, "f16")
+            res = convert(src, model_dir / f"split-{arch}-{preset}", get_preset(preset), progress=False)
+            done[arch, preset] = (src, res.wq_path, res.wr_path)
+        return done[arch, preset]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def stock_bin() -> Path:
     """Folder with STOCK (unpatched) libllama of the same pin; built on first use, reused after."""
     from stock_llama import build_stock

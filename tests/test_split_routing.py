@@ -24,12 +24,9 @@ EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 
 @pytest.fixture(scope="module", params=["qwen3moe", "deepseek2"])
-def split_pair(request: pytest.FixtureRequest, make_tiny, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def split_pair(request: pytest.FixtureRequest, make_split):  # type: ignore[no-untyped-def]
     """(F16 source, .wq.gguf, .wr.gguf) with the CPU preset (Q2_K WQ, Q2_K residual, Q4_K down copy)."""
-    src = make_tiny(request.param, "f16")
-    out = tmp_path_factory.mktemp(f"split-{request.param}")
-    res = convert(src, out, get_preset("cpu"), progress=False)
-    return src, res.wq_path, res.wr_path
+    return make_split(request.param)
 
 
 def _tokens(path: Path) -> list[int]:

@@ -15,6 +15,7 @@ import typer
 from ..errors import RapidMoEError
 from . import convert, inspect, make_model, run
 from . import serve
+from . import plan
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -47,6 +48,7 @@ app.command("make-model")(one_line_errors(make_model.make_model))
 app.command("convert")(one_line_errors(convert.convert))
 app.command("inspect")(one_line_errors(inspect.inspect))
 app.command("serve")(one_line_errors(serve.serve))
+app.command("plan")(one_line_errors(plan.plan))
 
 
 @app.callback()

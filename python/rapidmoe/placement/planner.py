@@ -17,8 +17,9 @@ from ..errors import RapidMoEError
 from ..resplit.presets import Preset
 from .footprint import Footprint, footprint
 from .frequency import ExpertFrequency
-from .tensors import EMBEDDINGS, PARTS, ModelShapes
+from .tensors import EMBEDDINGS, PARTS, ROUTED, ModelShapes
 from .typeplan import q4_k_m_types, resplit_types
+from .units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +110,11 @@ def plan(model: ModelShapes, scheme: str = "resplit", *, preset: Preset | None =
         if preset is None:
             raise PlanError("the resplit scheme needs a preset")
         fp = footprint(model, resplit_types(preset), preset)
-        types = (f"RESplit {preset.name}: WQ {preset.wq}, WR {preset.wr}, down {preset.down_mode} "
+        types = (f"preset {preset.name}: WQ {preset.wq}, WR {preset.wr}, down {preset.down_mode} "
                  f"{preset.down_hi}, other {preset.other}")
     else:
         fp = footprint(model, q4_k_m_types(model))
-        types = "Q4_K_M-like (llama-quantize's mixture)"
+        types = "Q4_K_M-like: llama-quantize's Q4_K_M type rules"
     b = _Builder(model, fp, scheme, n_ctx, reserve, gpu_mem, freq)
     return b.build(types, cpu_mem)
 
@@ -136,7 +137,8 @@ class _Builder:
     def base_rows(self, device: str) -> list[Row]:
         """Everything but the routed experts and the sidecar: parts, KV cache, reserve. llama.cpp keeps the token
         embeddings (the input layer) on the CPU even with every layer offloaded."""
-        rows = [Row(p, CPU if p == EMBEDDINGS else device, self.fp.parts[p]) for p in PARTS if p in self.fp.parts]
+        rows = [Row(p, CPU if p == EMBEDDINGS else device, self.fp.parts[p]) for p in PARTS
+                if p in self.fp.parts and p != ROUTED]
         rows.append(Row("KV cache", device, self.model.kv_cache_bytes(self.n_ctx), f"F16, {self.n_ctx} tokens"))
         if device == GPU:
             rows.append(Row("reserve", GPU, self.reserve, "compute buffers, CUDA context (estimate)"))
@@ -150,8 +152,8 @@ class _Builder:
         if cpu_only:
             rows = self.base_rows(CPU)
             if self.gpu_mem:
-                notes.append(f"the GPU budget is below the {base} bytes the non-expert tensors, KV cache and "
-                             "reserve need; planned CPU-only (split routing runs on the CPU)")
+                notes.append(f"the GPU budget is below the {format_size(base)} that the non-expert tensors, KV "
+                             "cache and reserve need; planned CPU-only (split routing runs on the CPU)")
             log.info("planner: GPU budget %s < base %d, CPU-only", self.gpu_mem, base)
             cached: dict[int, tuple[int, ...]] = {}
         elif self.scheme == "cpu-offload":
@@ -200,12 +202,12 @@ class _Builder:
         eb, n_expert = self.fp.expert_bytes, self.model.n_expert
         on_gpu = sum(eb[il] * len(v) for il, v in cached.items())
         total = self.fp.routed_bytes
-        form = "WQ" if self.scheme == "resplit" else "Q4"
+        form = "WQ" if self.scheme == "resplit" else "Q4_K_M-like"
         n_all = len(eb) * n_expert
         n_gpu = sum(len(v) for v in cached.values())
-        return [Row(f"routed experts ({form})", GPU, on_gpu, f"{n_gpu} of {n_all} experts"),
-                Row(f"routed experts ({form})", CPU, total - on_gpu,
-                    f"{n_all - n_gpu} of {n_all} experts" + (", CPU-centric misses" if n_gpu else ""))]
+        return [Row(ROUTED, GPU, on_gpu, f"{form}, {n_gpu} of {n_all} experts"),
+                Row(ROUTED, CPU, total - on_gpu,
+                    f"{form}, {n_all - n_gpu} of {n_all} experts" + (", CPU-centric misses" if n_gpu else ""))]
 
     def hit_rate(self, cached: dict[int, tuple[int, ...]]) -> float:
         layers = list(self.fp.expert_bytes)
@@ -241,7 +243,7 @@ class _Builder:
 def _with_problems(p: Plan) -> Plan:
     problems = []
     if p.gpu_mem is not None and p.vram > p.gpu_mem:
-        problems.append(f"needs {p.vram} bytes of GPU memory, the budget is {p.gpu_mem}")
+        problems.append(f"needs {format_size(p.vram)} of GPU memory, the budget is {format_size(p.gpu_mem)}")
     if p.cpu_mem is not None and p.dram > p.cpu_mem:
-        problems.append(f"needs {p.dram} bytes of CPU memory, the budget is {p.cpu_mem}")
+        problems.append(f"needs {format_size(p.dram)} of CPU memory, the budget is {format_size(p.cpu_mem)}")
     return Plan(**{**p.__dict__, "problems": tuple(problems)})

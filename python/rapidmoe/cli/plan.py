@@ -1,0 +1,47 @@
+"""`rapidmoe-cli plan`: where each part of an MoE model goes under GPU/CPU memory budgets, for RESplit and the
+all-Q4 baselines, from a GGUF's tensor shapes or a named shape set (deepseek-v3, qwen3-235b-a22b, ...)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import RapidMoEError
+
+
+def plan(
+    model: Annotated[Optional[Path], typer.Argument(help="MoE GGUF whose tensor shapes to plan for.",
+                                                    show_default=False)] = None,
+    shapes: Annotated[Optional[str], typer.Option("--shapes", help="Plan for a named shape set instead of a file: "
+                                                  "deepseek-v3, deepseek-r1, qwen3-235b-a22b, qwen3-30b-a3b.")] = None,
+    preset: Annotated[str, typer.Option("--preset", help="RESplit preset: paper, paper-residual, iq2, cpu, dense.")] = "paper",
+    gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", help="GPU memory budget, e.g. 24GiB, 80GB, 0 "
+                                                   "(default: unbounded, i.e. show what is needed).")] = None,
+    cpu_mem: Annotated[Optional[str], typer.Option("--cpu-mem", help="CPU memory (DRAM) budget, e.g. 256GiB.")] = None,
+    ctx_size: Annotated[int, typer.Option("--ctx-size", "--ctx", "-c", help="Context size (KV cache).", min=1)] = 4096,
+    reserve: Annotated[str, typer.Option("--reserve", help="GPU memory kept free for compute buffers.")] = "1GiB",
+    freq: Annotated[Optional[Path], typer.Option("--freq", help="Expert frequencies: .npy/.json counts "
+                                                 "[layers, experts] or a GGUF imatrix (default: uniform).")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the plans as JSON here.")] = None,
+) -> None:
+    """Plan placement under memory budgets: VRAM and DRAM per part for RESplit (all WQ on the GPU if it fits, else
+    the most frequently routed experts' WQ, misses on the CPU) and for the baselines (all-Q4 CPU-centric offload
+    as with --n-cpu-moe, and full GPU), with the GPU hit rate and the `run` flags that realize each plan."""
+    from ..placement import get_shape_set, load_frequency, parse_size, plan_all, read_gguf_shapes  # noqa: PLC0415
+    from ..placement.report import format_plans, write_json  # noqa: PLC0415
+    from ..resplit.presets import get_preset  # noqa: PLC0415
+
+    if (model is None) == (shapes is None):
+        raise RapidMoEError("give either a MODEL.gguf or --shapes NAME (not both)")
+    try:
+        p = get_preset(preset)
+    except ValueError as e:
+        raise RapidMoEError(str(e)) from e
+    budgets = {k: None if v is None else parse_size(v) for k, v in (("gpu_mem", gpu_mem), ("cpu_mem", cpu_mem))}
+    m = read_gguf_shapes(model) if model is not None else get_shape_set(shapes or "").model_shapes()
+    frequency = load_frequency(freq, m.moe_layers, m.n_layer, m.n_expert)
+    plans = plan_all(m, p, n_ctx=ctx_size, reserve=parse_size(reserve), frequency=frequency, **budgets)
+    typer.echo(format_plans(m, plans))
+    if json_out is not None:
+        typer.echo(f"wrote {write_json(plans, m, json_out)}")

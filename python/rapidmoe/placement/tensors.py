@@ -124,8 +124,8 @@ def read_gguf_shapes(path: str | os.PathLike[str]) -> ModelShapes:
         return r.get(f"{arch}.{key}", default)
 
     n_layer = info.n_layer
-    n_embd, n_head = int(hp("embedding_length")), hp("head_count")
-    head_kv = _per_layer(hp("head_count_kv", n_head), n_layer)
+    n_embd, n_head = int(hp("embedding_length")), hp("attention.head_count")
+    head_kv = _per_layer(hp("attention.head_count_kv", n_head), n_layer)
     heads = _per_layer(n_head, n_layer)
     # llama.cpp: key/value length default to n_embd / n_head; MLA models (both *_mla keys set) cache K only
     key_len = int(hp("attention.key_length", 0)) or (n_embd // max(1, heads[0]))

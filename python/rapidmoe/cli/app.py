@@ -16,6 +16,7 @@ from ..errors import RapidMoEError
 from . import convert, inspect, make_model, run
 from . import serve
 from . import plan
+from . import calibrate
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -47,6 +48,8 @@ app.command("run")(one_line_errors(run.run))
 app.command("make-model")(one_line_errors(make_model.make_model))
 app.command("convert")(one_line_errors(convert.convert))
 app.command("inspect")(one_line_errors(inspect.inspect))
+app.command("calibrate-latency")(one_line_errors(calibrate.calibrate_latency))
+app.command("calibrate")(one_line_errors(calibrate.calibrate))
 app.command("serve")(one_line_errors(serve.serve))
 app.command("plan")(one_line_errors(plan.plan))
 

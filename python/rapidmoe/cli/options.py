@@ -19,3 +19,5 @@ NCpuMoe = Annotated[int, typer.Option("--n-cpu-moe", "-ncmoe",
 OverrideTensor = Annotated[Optional[list[str]], typer.Option(
     "--override-tensor", "-ot", help="<tensor name pattern>=<buffer type>,... (repeatable), as in llama.cpp.")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's own log output.")]
+PolicyOpt = Annotated[Optional[Path], typer.Option(
+    "--policy", help="With --residual: a UMIA policy JSON (from `rapidmoe-cli calibrate`) instead of a fixed -r.")]

@@ -27,6 +27,7 @@ def run(
     override_tensor: options.OverrideTensor = None,
     residual: Annotated[Optional[Path], typer.Option("--residual", help="RESplit sidecar (.wr.gguf) made from MODEL: split expert routing.")] = None,
     n_critical: Annotated[int, typer.Option("--n-critical", "-r", help="With --residual: each token's r highest-weight experts run in high precision.", min=0)] = 2,
+    policy: options.PolicyOpt = None,
     verbose: options.Verbose = False,
 ) -> None:
     """Generate text from PROMPT with MODEL, streaming tokens as they come, then print prefill and decode speed."""
@@ -41,7 +42,7 @@ def run(
     try:
         llm = Llama(path, n_ctx=ctx_size, n_threads=threads, n_threads_batch=threads, seed=seed,
                     n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=override_tensor,
-                    residual_path=residual, n_critical=n_critical, verbose=verbose)
+                    residual_path=residual, n_critical=n_critical, policy=policy, verbose=verbose)
     except RapidMoEError:
         raise
     except ValueError as e:  # llama_cpp reports load failures as ValueError
@@ -62,7 +63,8 @@ def run(
     if llm.residual is not None:
         c = llm.moe_counters()
         frac = sum(x.critical_slots for x in c) / max(1, sum(x.slots for x in c))
-        split = f"\nsplit:   r = {min(n_critical, info.n_expert_used)}, critical expert slots {100 * frac:.1f}%"
+        how = llm.policy.describe() if llm.policy is not None else f"fixed r={n_critical}"
+        split = f"\nsplit:   {how}, critical expert slots {100 * frac:.1f}%"
     print(f"\nprefill: {t.prompt_tokens} tokens in {t.prompt_ms:.1f} ms = {t.prompt_tps:.2f} tokens/s\n"
           f"decode:  {t.decode_tokens} tokens in {t.decode_ms:.1f} ms = {t.decode_tps:.2f} tokens/s\n"
           f"model:   {path} ({info.architecture}, {info.n_expert} experts, top-{info.n_expert_used}){split}",

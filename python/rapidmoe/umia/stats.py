@@ -35,6 +35,12 @@ class RHistogram:
         """Critical expert slots per token summed over the MoE layers: what the latency model prices."""
         return float(self.mean_r(phase).sum())
 
+    def active_layers_per_token(self, phase: int | None = None) -> float:
+        """MoE layers per token where the token had at least one critical slot (the latency model's a)."""
+        c = self.counts.sum(axis=1) if phase is None else self.counts[:, phase]
+        n = c.sum(axis=-1)
+        return float(np.where(n > 0, 1.0 - c[:, 0] / np.maximum(n, 1), 0.0).sum())
+
     def table(self) -> str:
         """A text table: one row per layer and phase that saw tokens, the share of tokens at each r."""
         head = "layer  phase    tokens  mean r  " + " ".join(f"r={r:<4d}" for r in range(self.k + 1))

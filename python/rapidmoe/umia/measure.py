@@ -1,0 +1,110 @@
+"""Measuring the latency model on this machine: fixed-r decode steps and prefill batches, WQ path and drop baseline.
+
+Decode: after an 8-token prompt, `decode_tokens` single-token steps (the same tokens every time), the median step
+time. Prefill: one batch of `prefill_batch` tokens, time per token. Each (mode, r) is measured `repeats` times in
+alternating order (so drift of a shared machine spreads over all r) and the median kept.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..errors import RapidMoEError
+from ..modelfile import read_model_info
+from .latency import LatencyModel, Point, describe_machine, fit
+
+log = logging.getLogger(__name__)
+
+_TEXT = ("Mixture-of-Experts models route each token to a few experts; the router's weights say which experts "
+         "matter most for the token, and the rest of the network is shared by all tokens. ") * 40
+
+
+def default_r_values(k: int) -> tuple[list[int], list[int]]:
+    """(r for the WQ path, r for the drop baseline): every r up to 8, then a spread; drop at a few small r."""
+    wq = list(range(k + 1)) if k <= 8 else sorted({0, 1, 2, 3, 4, 6, k // 2, k})
+    drop = sorted({1, max(2, k // 2)} - {0}) if k > 1 else [1]
+    return wq, drop
+
+
+def measure_points(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], *, threads: int | None,
+                   r_values: Sequence[int], drop_r_values: Sequence[int], decode_tokens: int = 16,
+                   prefill_batch: int = 64, repeats: int = 3, progress: bool = True) -> list[Point]:
+    from ..llama import Llama  # noqa: PLC0415 - loads libllama
+
+    if decode_tokens < 2 or prefill_batch < 2 or repeats < 1:
+        raise RapidMoEError("decode_tokens and prefill_batch must be >= 2, repeats >= 1")
+    n_ctx = max(prefill_batch, 8 + decode_tokens) + 8
+    runs = [("wq", list(r_values)), ("drop", list(drop_r_values))]
+    total = repeats * sum(len(rs) for _, rs in runs)
+    bar = tqdm(total=total, desc="latency", unit="run", disable=not progress)
+    points: list[Point] = []
+    for mode, rs in runs:
+        if not rs:
+            continue
+        llm = Llama(wq_path, residual_path=wr_path, n_ctx=n_ctx, n_batch=max(prefill_batch, 64),
+                    n_ubatch=max(prefill_batch, 64), n_threads=threads, n_threads_batch=threads,
+                    skip_noncritical=mode == "drop", verify_residual=False, verbose=False)
+        try:
+            toks = llm.tokenize(_TEXT.encode())
+            if len(toks) < prefill_batch + 8 + decode_tokens:
+                raise RapidMoEError("the built-in measuring text is too short for this prefill batch")
+            prompt, steps, batch = toks[:8], toks[8:8 + decode_tokens], toks[:prefill_batch]
+            llm.eval(prompt)  # warm-up: first-touch of the weights, graph allocation
+            dec: dict[int, list[float]] = {r: [] for r in rs}
+            pre: dict[int, list[float]] = {r: [] for r in rs}
+            for rep in range(repeats):
+                for r in (rs if rep % 2 == 0 else rs[::-1]):
+                    llm.set_n_critical(r)
+                    llm.reset()
+                    llm.eval(prompt)
+                    step_ms = []
+                    for t in steps:
+                        t0 = time.perf_counter()
+                        llm.eval([t])
+                        step_ms.append(1e3 * (time.perf_counter() - t0))
+                    dec[r].append(statistics.median(step_ms))
+                    llm.reset()
+                    t0 = time.perf_counter()
+                    llm.eval(batch)
+                    pre[r].append(1e3 * (time.perf_counter() - t0) / prefill_batch)
+                    bar.update(1)
+            for r in rs:
+                points.append(Point("decode", mode, r, statistics.median(dec[r])))
+                points.append(Point("prefill", mode, r, statistics.median(pre[r])))
+        finally:
+            llm.close()
+    bar.close()
+    return points
+
+
+def calibrate_latency(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], *,
+                      threads: int | None = None, r_values: Sequence[int] | None = None,
+                      drop_r_values: Sequence[int] | None = None, decode_tokens: int = 16,
+                      prefill_batch: int = 64, repeats: int = 3, progress: bool = True) -> LatencyModel:
+    """Measure and fit this machine's latency model for a RESplit pair."""
+    info = read_model_info(wq_path)
+    k = info.n_expert_used
+    from ..ggufio import GGUFFile  # noqa: PLC0415
+
+    n_moe = len({t.name.split(".")[1] for t in GGUFFile(wq_path).tensors if t.name.endswith("ffn_up_exps.weight")})
+    d_wq, d_drop = default_r_values(k)
+    wq_r = sorted(set(r_values if r_values is not None else d_wq))
+    drop_r = sorted(set(drop_r_values if drop_r_values is not None else d_drop))
+    bad = [r for r in wq_r + drop_r if not 0 <= r <= k]
+    if bad:
+        raise RapidMoEError(f"r values must be in 0..{k} (top-k of this model), got {bad}")
+    t0 = time.perf_counter()
+    points = measure_points(wq_path, wr_path, threads=threads, r_values=wq_r, drop_r_values=drop_r,
+                            decode_tokens=decode_tokens, prefill_batch=prefill_batch, repeats=repeats,
+                            progress=progress)
+    model = {"wq": str(Path(wq_path)), "wr": str(Path(wr_path)), "wq_bytes": Path(wq_path).stat().st_size,
+             "wr_bytes": Path(wr_path).stat().st_size, "architecture": info.architecture,
+             "n_expert": info.n_expert, "measure_seconds": round(time.perf_counter() - t0, 1),
+             "decode_tokens": decode_tokens, "repeats": repeats}
+    return fit(points, n_moe, k, prefill_batch, describe_machine(threads), model)

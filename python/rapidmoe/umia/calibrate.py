@@ -145,14 +145,14 @@ def plot_frontier(res: CalibrationResult, path: Path) -> bool:
     return True
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
+def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     x = x - x.max(axis=-1, keepdims=True)
     return (x - np.log(np.exp(x).sum(axis=-1, keepdims=True))).astype(np.float32)
 
 
 def _kl(ref_logp: np.ndarray, logits: np.ndarray) -> np.ndarray:
-    lq = _log_softmax(logits).astype(np.float64)
+    lq = log_softmax(logits).astype(np.float64)
     lp = ref_logp.astype(np.float64)
     return (np.exp(lp) * (lp - lq)).sum(axis=-1)
 
@@ -190,7 +190,7 @@ def theta_for_level(weights: list[np.ndarray], alpha: float, level: float, r_min
     return min(cand, key=lambda t: (abs(mean_r(t) - level), t))
 
 
-class _Scorer:
+class Scorer:
     """One Llama over the chunks: logits per chunk, with optional capture of the routing weights."""
 
     def __init__(self, path: str | os.PathLike[str], chunk: int, threads: int | None, **kw: Any) -> None:
@@ -236,7 +236,7 @@ def calibrate(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], 
     drop_r = drop_r if drop_r is not None else tuple(r for r in (1, 2, 3) if r < k)
 
     # 1. reference log-probs and the routing weights (r = k pass)
-    full = _Scorer(wq_path, chunk, threads, residual_path=wr_path, verify_residual=False,
+    full = Scorer(wq_path, chunk, threads, residual_path=wr_path, verify_residual=False,
                    eval_callback=(cap := _core.TensorCapture([f"ffn_moe_weights-{il}" for il in moe_layers])))
     chunks = pick_chunks(full.llm.tokenize(text.encode()), n_tokens, chunk, seed)
     full.llm.set_n_critical(k)
@@ -246,15 +246,15 @@ def calibrate(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], 
     for c in chunks:
         lg = full.logits(c)
         if reference is None:
-            ref_logp.append(_log_softmax(lg))
+            ref_logp.append(log_softmax(lg))
         bar.update(1)
     weights = [np.concatenate([x.reshape(-1, k) for x in cap.get(f"ffn_moe_weights-{il}")]) for il in moe_layers]
     full.close()
     del cap
     if reference is not None:
-        ref = _Scorer(reference, chunk, threads)
+        ref = Scorer(reference, chunk, threads)
         for c in chunks:
-            ref_logp.append(_log_softmax(ref.logits(c)))
+            ref_logp.append(log_softmax(ref.logits(c)))
             bar.update(1)
         ref.close()
 
@@ -273,17 +273,17 @@ def calibrate(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], 
 
     # 3. evaluate, then refine alpha around the best UMIA candidate at its own cost level (pattern search)
     evals: list[Evaluation] = []
-    scorer = _Scorer(wq_path, chunk, threads, residual_path=wr_path, verify_residual=False)
+    scorer = Scorer(wq_path, chunk, threads, residual_path=wr_path, verify_residual=False)
     for label, kind, pol in cands:
-        evals.append(_evaluate(scorer, label, kind, pol, chunks, ref_logp, latency, bar))
+        evals.append(evaluate(scorer, label, kind, pol, chunks, ref_logp, latency, bar))
     if refine and any(e.kind == "umia" for e in evals):
         evals += _refine(scorer, evals, weights, chunks, ref_logp, latency, budget_ms, beta, r_min, k, bar)
     scorer.close()
     if drop_r:
-        dropper = _Scorer(wq_path, chunk, threads, residual_path=wr_path, verify_residual=False,
+        dropper = Scorer(wq_path, chunk, threads, residual_path=wr_path, verify_residual=False,
                           skip_noncritical=True)
         for r in drop_r:
-            evals.append(_evaluate(dropper, f"drop r={r}", "drop", replace(Policy.fixed(r), phase="decode"),
+            evals.append(evaluate(dropper, f"drop r={r}", "drop", replace(Policy.fixed(r), phase="decode"),
                                    chunks, ref_logp, latency, bar))
         dropper.close()
     bar.close()
@@ -306,7 +306,7 @@ def calibrate(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], 
     return CalibrationResult(evals, front, chosen, budget_ms, settings)
 
 
-def _refine(scorer: _Scorer, evals: list[Evaluation], weights: list[np.ndarray], chunks: list[list[int]],
+def _refine(scorer: Scorer, evals: list[Evaluation], weights: list[np.ndarray], chunks: list[list[int]],
             ref_logp: list[np.ndarray], latency: LatencyModel, budget_ms: float | None, beta: float, r_min: int,
             k: int, bar: tqdm) -> list[Evaluation]:  # type: ignore[type-arg]
     """Around the best UMIA candidate (lowest KL within the budget, or its level's best without one), try alpha
@@ -330,7 +330,7 @@ def _refine(scorer: _Scorer, evals: list[Evaluation], weights: list[np.ndarray],
             if (theta, alpha) in tried:
                 continue
             tried.add((theta, alpha))
-            e = _evaluate(scorer, f"refine a={alpha:g} ~r{level:.2f}", "umia",
+            e = evaluate(scorer, f"refine a={alpha:g} ~r{level:.2f}", "umia",
                           Policy(theta=theta, alpha=alpha, beta=beta, r_min=r_min, phase="decode"), chunks, ref_logp,
                           latency, bar)
             out.append(e)
@@ -339,7 +339,7 @@ def _refine(scorer: _Scorer, evals: list[Evaluation], weights: list[np.ndarray],
     return out
 
 
-def _evaluate(scorer: _Scorer, label: str, kind: str, pol: Policy, chunks: list[list[int]],
+def evaluate(scorer: Scorer, label: str, kind: str, pol: Policy, chunks: list[list[int]],
               ref_logp: list[np.ndarray], latency: LatencyModel, bar: tqdm) -> Evaluation:  # type: ignore[type-arg]
     scorer.llm.set_policy(pol)
     scorer.llm.r_histogram(reset=True)

@@ -37,7 +37,7 @@ def templated_model(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -
 def server(templated_model: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """4 slots of 512 tokens, a small body limit, the model also known as "tiny"."""
     log = tmp_path_factory.mktemp("server") / "main.log"
-    s = ServerProc(templated_model, "--parallel", "4", "--queue-size", "8", "-c", "2048", "--alias", "tiny,other",
+    s = ServerProc(templated_model, "--parallel", "4", "--queue-size", "8", "-c", "2048", "--alias", "tiny,zz-other",
                    "--max-body", "65536", "--timeout", "3", "-t", "1", log_path=log)
     yield s
     s.stop()
@@ -311,3 +311,37 @@ def test_api_key(tight: ServerProc) -> None:
     assert r.usage.completion_tokens == 2  # the file's stem is a model name too
     assert tight.request("GET", "/v1/models", headers={"X-Api-Key": "sekret"})[0] == 200
     good(tight, KEY)
+
+
+# ---- split routing and UMIA policy: what /metrics reports comes from the engine's counters ----
+
+def test_split_policy_metrics(make_split, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from rapidmoe.umia.policy import Policy
+
+    _, wq, wr = make_split("qwen3moe")
+    policy = Policy.fixed(1).save(tmp_path / "r1.json")
+    s = ServerProc(wq, "--residual", str(wr), "--policy", str(policy), "-t", "1", "-c", "1024",
+                   log_path=tmp_path / "split.log")
+    try:
+        good(s)
+        _, props = s.request("GET", "/props")
+        assert props["rapidmoe"]["policy"] == str(policy)
+        _, text = s.request("GET", "/metrics")
+        v = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] not in "#"}
+        k = v["rapidmoe:moe_expert_slots_total"] / (v["rapidmoe:moe_critical_slots_total"] or 1)
+        assert v["rapidmoe:moe_critical_slots_total"] > 0 and k == int(k) > 1  # r = 1 of top-k, every token
+        assert v["rapidmoe:critical_expert_fraction"] == pytest.approx(1 / k, rel=1e-4)
+        assert v['rapidmoe:moe_weight_bytes_total{path="wr"}'] > 0
+    finally:
+        s.stop()
+
+
+def test_bad_policy_is_one_line_error(tiny_qwen: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"r_min": "two"}')
+    for extra in (["--policy", str(bad)], ["--residual", str(tiny_qwen), "--policy", str(bad)]):
+        r = subprocess.run([sys.executable, "-m", "rapidmoe.cli", "serve", str(tiny_qwen), "--port", "0", *extra],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1, r.stderr
+        err = [line for line in r.stderr.splitlines() if line.startswith("rapidmoe-cli: error:")]
+        assert len(err) == 1 and ("policy" in err[0] or "r_min" in err[0]), r.stderr

@@ -15,7 +15,8 @@ def serve(
     model: options.ModelArg = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free port).", min=0, max=65535)] = 8080,
-    alias: Annotated[Optional[str], typer.Option("--alias", "-a", help="Model names for the API, comma-separated (the first is the id).")] = None,
+    alias: Annotated[Optional[str], typer.Option("--alias", "-a", help="Model names for the API, comma-separated (the alphabetically first is the id, as in llama-server).")] = None,
+    tags: Annotated[Optional[str], typer.Option("--tags", help="Model tags, comma-separated (informational, in /v1/models).")] = None,
     any_model: Annotated[bool, typer.Option("--any-model", help="Accept any \"model\" in requests, as llama-server does with one model (default: unknown names get 404).")] = False,
     parallel: Annotated[int, typer.Option("--parallel", "-np", help="Slots decoded together (continuous batching).", min=1, max=64)] = 2,
     queue_size: Annotated[int, typer.Option("--queue-size", help="Requests that may wait for a slot; beyond that 503.", min=0)] = 16,
@@ -57,7 +58,8 @@ def serve(
     keys = tuple(k.strip() for k in (api_key or "").split(",") if k.strip())
     config = ServerConfig(
         model=model if model is not None else ensure_default_model(), host=host, port=port,
-        aliases=tuple(a.strip() for a in (alias or "").split(",") if a.strip()), any_model=any_model,
+        aliases=tuple(a.strip() for a in (alias or "").split(",") if a.strip()),
+        tags=tuple(a.strip() for a in (tags or "").split(",") if a.strip()), any_model=any_model,
         parallel=parallel, queue_size=queue_size, ctx_size=ctx_size, n_batch=n_batch, n_predict=n_predict,
         threads=threads, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=tuple(override_tensor or ()),
         residual=residual, n_critical=n_critical, policy=policy, api_keys=keys, timeout=timeout,

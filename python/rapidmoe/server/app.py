@@ -209,6 +209,13 @@ def _load(config: ServerConfig, st: routes.AppState) -> Any:
     from .engine import Engine  # noqa: PLC0415
 
     info = require_moe(config.model)
+    policy = None
+    if config.policy is not None:  # checked before the model loads: a bad file fails fast
+        if config.residual is None:
+            raise RapidMoEError("--policy needs --residual (a UMIA policy picks critical experts of a split model)")
+        from ..umia import load_policy  # noqa: PLC0415
+
+        policy = load_policy(config.policy)
     try:
         llm = Llama(config.model, n_ctx=config.ctx_size, n_batch=config.n_batch, n_ubatch=config.n_batch,
                     n_threads=config.threads, n_threads_batch=config.threads, n_gpu_layers=config.n_gpu_layers,
@@ -219,14 +226,9 @@ def _load(config: ServerConfig, st: routes.AppState) -> Any:
         raise
     except ValueError as e:
         raise ModelFileError(f"llama.cpp could not load {config.model} ({info.architecture}): {e}") from e
-    if config.policy is not None:
+    if policy is not None:
         try:
-            from ..umia import load_policy  # noqa: PLC0415
-        except ImportError as e:
-            llm.close()
-            raise RapidMoEError(f"--policy needs rapidmoe.umia, which this build lacks ({e})") from None
-        try:
-            llm.set_policy(load_policy(config.policy))
+            llm.set_policy(policy)
         except Exception:
             llm.close()
             raise

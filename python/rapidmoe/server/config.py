@@ -10,7 +10,8 @@ class ServerConfig:
     model: Path
     host: str = "127.0.0.1"
     port: int = 8080
-    aliases: tuple[str, ...] = ()  # model names in the API; the first is the id (default: the model path)
+    aliases: tuple[str, ...] = ()  # model names in the API; the id is the alphabetically first, as llama-server's
+    tags: tuple[str, ...] = ()  # informational, listed in /v1/models
     any_model: bool = False  # accept any "model" in requests (llama-server's single-model behaviour)
     parallel: int = 2  # slots decoded together, one llama sequence each
     queue_size: int = 16  # requests waiting for a slot beyond `parallel`; more get 503 at once
@@ -37,7 +38,7 @@ class ServerConfig:
 
     @property
     def model_id(self) -> str:
-        return self.aliases[0] if self.aliases else str(self.model)
+        return min(self.aliases) if self.aliases else str(self.model)
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -395,7 +395,8 @@ class Engine:
             self._outstanding -= 1
 
     def slot_state(self, s: _Slot) -> dict[str, Any]:
-        """llama-server's /slots entry for one slot (read without locking: a snapshot, maybe a step old)."""
+        """llama-server's /slots entry for one slot, without `params` as the pinned llama-server (read without
+        locking: a snapshot, maybe a step old)."""
         t = s.ticket
         n_predict = t.params.n_predict if t is not None else -1
         return {
@@ -404,8 +405,6 @@ class Engine:
             "n_ctx": self.n_ctx_slot,
             "speculative": False,
             "is_processing": t is not None,
-            "params": ({"n_predict": n_predict, "max_tokens": n_predict, "stop": list(t.params.stop),
-                        "ignore_eos": t.params.ignore_eos, **t.params.sampling.to_json()} if t is not None else {}),
             "next_token": {
                 "has_next_token": t is not None,
                 "has_new_line": s.has_new_line,

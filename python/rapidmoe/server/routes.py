@@ -20,7 +20,7 @@ from .chat import ChatTemplate, check_messages
 from .config import ServerConfig
 from .engine import Chunk, Engine, Event, Failed, Finished, QueueFull, Ticket
 from .errors import ApiError, exceed_context, invalid_request, not_found, unavailable
-from .params import GenerationParams, check_utf8, generation_from, get_bool, get_str
+from .params import SEED_RANDOM, GenerationParams, SamplingParams, check_utf8, generation_from, get_bool
 
 
 @dataclass
@@ -223,7 +223,7 @@ def health(st: AppState, req: Request) -> Reply:
 
 def models(st: AppState, req: Request) -> Reply:
     c = st.config
-    data = {"id": c.model_id, "aliases": list(c.aliases), "tags": [], "object": "model",
+    data = {"id": c.model_id, "aliases": sorted(set(c.aliases)), "tags": list(c.tags), "object": "model",
             "created": int(time.time()), "owned_by": "llamacpp", "meta": st.model_meta}
     return json_reply({"models": [{"name": c.model_id, "model": c.model_id, "modified_at": "", "size": "",
                                    "digest": "", "type": "model", "description": "", "tags": [""],
@@ -378,7 +378,8 @@ def detokenize(st: AppState, req: Request) -> Reply:
 def props(st: AppState, req: Request) -> Reply:
     assert st.engine is not None
     c = st.config
-    default = GenerationParams()
+    default = GenerationParams(n_predict=c.n_predict, sampling=SamplingParams(
+        temperature=c.temperature, seed=SEED_RANDOM if c.seed == -1 else c.seed))
     settings = st.engine.slot_state(st.engine.slots[0])
     settings["params"] = _settings(st, default, st.engine.n_ctx_slot, c.model_id, False)
     settings["params"].pop("n_ctx")

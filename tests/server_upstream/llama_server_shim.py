@@ -1,0 +1,48 @@
+#!/usr/bin/env python3
+"""Stands in for `llama-server` in llama.cpp's own server test-suite: maps its flags to `rapidmoe-cli serve`.
+
+The model is always $RAPIDMOE_UPSTREAM_MODEL (the tests' --hf-repo models cannot be downloaded here). Flags for
+features we do not have (embeddings, LoRA, draft models, ...) make the shim exit with status 2 and a message,
+so those tests fail at server start and are recorded as not applicable.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+VALUE = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": "--seed", "--ctx-size": "-c",
+         "--parallel": "--parallel", "--n-predict": "--n-predict", "--alias": "--alias", "--api-key": "--api-key",
+         "--batch-size": "--batch-size", "--threads": "--threads", "--chat-template": "--chat-template",
+         "--chat-template-file": "--chat-template-file", "--n-gpu-layers": "-ngl", "--tags": "--tags"}
+FLAG = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots"}
+IGNORED_VALUE = {"--hf-repo", "--hf-file", "--ubatch-size", "-ctk", "-ctv", "-fa", "--model-url", "--cache-ram",
+                 "--reasoning-format", "--reasoning", "--cors-origins"}
+IGNORED_FLAG = {"--offline", "--no-jinja", "--jinja", "--no-mmproj", "--cont-batching", "--kv-unified", "--no-ui",
+                "--swa-full", "--no-cache-idle-slots", "--verbose"}
+
+
+def main(argv: list[str]) -> int:
+    model = os.environ["RAPIDMOE_UPSTREAM_MODEL"]
+    out = [sys.executable, "-m", "rapidmoe.cli", "serve", model, "--any-model", "--threads", "1"]
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in VALUE:
+            out += [VALUE[a], argv[i + 1]]
+            i += 2
+        elif a in FLAG:
+            out.append(FLAG[a])
+            i += 1
+        elif a in IGNORED_VALUE:
+            i += 2
+        elif a in IGNORED_FLAG:
+            i += 1
+        else:
+            print(f"llama_server_shim: not supported by rapidmoe-cli serve: {a}", file=sys.stderr)
+            return 2
+    os.execv(out[0], out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -130,11 +130,12 @@ def main() -> int:
     k = lat.k
     alphas = tuple(float(x) for x in a.alphas.split(","))
     levels = tuple(float(x) for x in a.levels.split(",")) if a.levels else None
+    fixed_r = tuple(sorted({r for r in (0, 1, 2, 3, 4, k) if r <= k}))
     budget = lat.predict_ms(lat.n_moe_layers * 2)  # the cost of fixed r = 2: a common budget for both texts
     runs = {}
     for tag, text in (("A", a.text_a), ("B", a.text_b)):
         res = calibrate(wq, wr, text, lat, reference=a.model, budget_ms=budget, n_tokens=a.tokens, chunk=a.chunk,
-                        seed=0, alphas=alphas, levels=levels, threads=a.threads, refine=True)
+                        seed=0, alphas=alphas, levels=levels, fixed_r=fixed_r, threads=a.threads, refine=True)
         runs[f"{tag}-budget"] = res
         res.save(a.work / f"calib-{tag}")
     stab = []
@@ -146,7 +147,7 @@ def main() -> int:
 
     # proof: fixed r, drop, and text A's UMIA frontier points, scored on held-out text B and timed
     ra = runs["A-budget"]
-    fixed = sorted({r for r in (0, 1, 2, 3, 4, k) if r <= k})
+    fixed = list(fixed_r)
     pols: list[tuple[str, str, Policy]] = [(f"r={r}", "fixed", replace(Policy.fixed(r), phase="decode")) for r in fixed]
     pols += [(f"drop r={r}", "drop", replace(Policy.fixed(r), phase="decode")) for r in (1, 2, 3) if r < k]
     umia = [i for i in ra.frontier if ra.evaluations[i].kind == "umia"]
@@ -161,7 +162,7 @@ def main() -> int:
     chosen_umia = sorted(set(umia) | set(by_level.values()))
     for i in chosen_umia:
         e = ra.evaluations[i]
-        pols.append((f"umia {e.policy.describe()}", "umia", e.policy))
+        pols.append((f"umia {e.policy.describe()}", "umia", replace(e.policy, phase="decode", meta={})))
     held = score_heldout(wq, wr, a.model, a.text_b, pols, a.tokens, a.chunk, a.threads, lat)
     speed = measure_decode(wq, wr, pols, a.tg, a.reps, a.threads)
     rows = []

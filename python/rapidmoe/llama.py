@@ -16,6 +16,7 @@ from .errors import ModelFileError, RapidMoEError
 from .modelfile import read_model_info
 from .overrides import BufferOverrides, build_overrides
 from .residual import MoELayerCounters, ResidualInfo, load_residual_info
+from .rpc import RPCDevice, model_devices, register_rpc_servers
 from .umia.policy import Policy, PolicyError, load_policy
 from .umia.stats import RHistogram
 
@@ -54,6 +55,9 @@ class Llama(llama_cpp.Llama):
     verify_residual: check the base file's sha256 recorded in the sidecar (reads the whole base once).
     n_seq_max: sequences one context holds (llama.cpp's n_seq_max) for callers that batch several sequences
         through the low-level API; llama_cpp.Llama itself uses one.
+    rpc_servers: "host:port" of llama.cpp rpc-servers (llama.cpp's `--rpc`), registered once per process before
+        the model loads; their devices come first in this model's device list (n_gpu_layers offloads to them)
+        and their buffer types ("RPC0[host:port]") work in override_tensor (rapidmoe.rpc, docs/execution.md).
     """
 
     _buffer_overrides: BufferOverrides | None
@@ -71,9 +75,14 @@ class Llama(llama_cpp.Llama):
         skip_noncritical: bool = False,
         verify_residual: bool = True,
         n_seq_max: int = 1,
+        rpc_servers: Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
         info = read_model_info(model_path)  # a clear error for missing, truncated and non-GGUF files
+        if isinstance(rpc_servers, str):
+            rpc_servers = rpc_servers.split(",")
+        self.rpc_devices: list[RPCDevice] = register_rpc_servers(rpc_servers or [])  # before overrides name them
+        self._devices = model_devices(self.rpc_devices)
         self._buffer_overrides = build_overrides(n_cpu_moe, override_tensor)
         self._eval_callback = eval_callback
         if n_seq_max < 1:
@@ -102,6 +111,9 @@ class Llama(llama_cpp.Llama):
         overrides = getattr(self, "_buffer_overrides", None)
         if overrides is not None:
             params.tensor_buft_overrides = overrides.address
+        devices = getattr(self, "_devices", None)
+        if devices is not None:
+            params.devices = ctypes.addressof(devices)
         self._model_params = params
 
     @property
@@ -187,6 +199,11 @@ class Llama(llama_cpp.Llama):
             return []
         raw = _core.moe_counters(self._model.model, reset)
         return self.residual.counters(raw)
+
+    def tensor_buffer(self, name: str) -> str:
+        """The buffer (device memory) holding the model's or the sidecar's tensor `name`: "CPU", "CPU_REPACK",
+        "CUDA0", "RPC0[127.0.0.1:50052]", ...; '' when there is no such tensor."""
+        return str(_core.tensor_buffer(self._model.model, name))
 
     def close(self) -> None:
         if not hasattr(self, "_stack"):  # __init__ refused its arguments before llama_cpp set anything up

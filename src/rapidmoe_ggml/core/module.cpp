@@ -28,6 +28,19 @@ NB_MODULE(_core, m) {
           "llama.cpp's system info line (backends and CPU features compiled in).");
     m.def("buffer_types", &rapidmoe::buffer_types,
           "Buffer types of every ggml device: list of (name, address) usable as tensor_buft_overrides.");
+    m.def("devices", &rapidmoe::devices,
+          "Every ggml device: list of (name, description, type, backend registry name, address).");
+    m.def("rpc_add_server", &rapidmoe::rpc_add_server, "endpoint"_a,
+          "Register the devices of the rpc-server at endpoint (host:port), once per process; returns "
+          "(device name, buffer type name) per device. The endpoint must answer: ggml aborts otherwise.");
+    m.def("tensor_buffer", [](uintptr_t model, const std::string & name) -> std::string {
+              if (model == 0) {
+                  throw std::invalid_argument("model address is null (model not loaded or already closed)");
+              }
+              const char * buf = rapidmoe_llama_tensor_buffer(reinterpret_cast<const llama_model *>(model), name.c_str());
+              return buf != nullptr ? std::string(buf) : std::string();
+          }, "model"_a, "name"_a,
+          "Name of the backend buffer holding the model's (or its sidecar's) tensor `name`; '' if none.");
     rapidmoe::bind_quant(m);
     rapidmoe::bind_imatrix(m);
     rapidmoe::bind_residual(m);

@@ -46,6 +46,10 @@ LLAMA_API int32_t rapidmoe_llama_counters(const struct llama_model * model, int6
 // critical slots, since the last reset. Returns the number of layers written (0 without a sidecar).
 LLAMA_API int32_t rapidmoe_llama_r_histogram(const struct llama_model * model, int64_t * out, int32_t n_layer_max,
                                              bool reset);
+// The name of the backend buffer holding the model's tensor `name` (e.g. "CPU", "CUDA0", "RPC0[127.0.0.1:50052]"),
+// or of the attached sidecar's tensor of that name (e.g. "blk.0.ffn_up_exps.wr"); NULL when there is none.
+// Where placement (-ngl, -ot) really put a weight.
+LLAMA_API const char * rapidmoe_llama_tensor_buffer(const struct llama_model * model, const char * name);
 // Test entry: run UMIA's op on the CPU backend for one layer il of a policy, weights F32 [n_tokens, k] (selected
 // ids are the slot numbers 0..k-1), in the given phase (0 decode, 1 prefill; the policy's phase_mode applies).
 // ids_out [n_tokens, k], hist_out [k + 1]. 0, or -1 on bad arguments.

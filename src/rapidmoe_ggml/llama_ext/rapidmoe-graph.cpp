@@ -27,6 +27,14 @@ void keep_mask_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
 }
 
+// Run this node on the CPU backend whatever other devices claim (the scheduler's assignment, kept until the
+// graph is rebuilt). Used for our custom ops and the residual matmuls, whose weights live in CPU memory.
+void on_cpu(const llm_graph_context & g, ggml_tensor * t) {
+    if (g.sched != nullptr && g.backend_cpu != nullptr) {
+        ggml_backend_sched_set_tensor_backend(g.sched, t, g.backend_cpu);
+    }
+}
+
 }  // namespace
 
 rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor * x, ggml_tensor * selected,
@@ -49,6 +57,10 @@ rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor *
     g.cb(s.crit_ids, "rapidmoe_critical_ids", il);
     s.keep = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, k, T, 1, &s.crit_ids, 1, keep_mask_op, 1, nullptr); // [1, k, T]
     g.cb(s.keep, "rapidmoe_keep", il);
+    // our custom ops run on the CPU: a device that claims every op (RPC) must not get them (their function
+    // pointers mean nothing in another process), and a GPU refuses them anyway
+    on_cpu(g, s.crit_ids);
+    on_cpu(g, s.keep);
     s.g = &g;
     s.layer = &layer;
     s.x = x;
@@ -75,6 +87,7 @@ ggml_tensor * add_residual(const rapidmoe_moe_split & s, ggml_tensor * t, ggml_t
     wq_critical_only(s, t);
     ggml_tensor * r = ggml_mul_mat_id_masked(s.g->ctx0, wr, s.x, s.crit_ids);
     s.g->cb(r, name, s.il);
+    on_cpu(*s.g, r); // the sidecar is in CPU memory: the residual work is the CPU's
     return ggml_add(s.g->ctx0, t, r);
 }
 
@@ -96,6 +109,7 @@ ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * expe
     wq_critical_only(s, experts);
     ggml_tensor * hi = ggml_mul_mat_id_masked(ctx, s.layer->down_hi, act, s.crit_ids); // [n_embd, k, T]
     s.g->cb(hi, s.layer->down_is_copy ? "rapidmoe_down_hi" : "rapidmoe_down_wr", s.il);
+    on_cpu(*s.g, hi);
     if (s.layer->down_is_copy) {
         experts = ggml_mul(ctx, experts, s.keep); // WQ result only where the slot is not critical
     }

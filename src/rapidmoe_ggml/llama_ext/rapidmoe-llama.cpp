@@ -4,6 +4,8 @@
 
 #include "rapidmoe-residual.h"
 
+#include "llama-model.h" // llama_internal_get_tensor_map
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -133,4 +135,22 @@ int32_t rapidmoe_llama_counters(const llama_model * model, int64_t * out, int32_
 int32_t rapidmoe_llama_umia_eval(const float * weights, int64_t n_tokens, int32_t k, const float * policy,
                                  int32_t n_layer, int32_t il, int32_t phase, int32_t * ids_out, int64_t * hist_out) {
     return rapidmoe_umia_eval(weights, n_tokens, k, policy, n_layer, il, phase, ids_out, hist_out);
+}
+
+const char * rapidmoe_llama_tensor_buffer(const llama_model * model, const char * name) {
+    if (model == nullptr || name == nullptr) {
+        return nullptr;
+    }
+    const ggml_tensor * t = nullptr;
+    for (const auto & [tname, tensor] : llama_internal_get_tensor_map(model)) {
+        if (tname == name) {
+            t = tensor;
+            break;
+        }
+    }
+    if (t == nullptr) {
+        const rapidmoe_residual_state * st = rapidmoe_residual_get(model);
+        t = st != nullptr && st->ctx != nullptr ? ggml_get_tensor(st->ctx, name) : nullptr;
+    }
+    return t != nullptr && t->buffer != nullptr ? ggml_backend_buffer_name(t->buffer) : nullptr;
 }

@@ -1,0 +1,116 @@
+"""A second ggml device on a CPU-only machine: llama.cpp's RPC backend with a local rpc-server as the stand-in.
+
+The routed-expert WQ tensors (or whole layers, -ngl) live in the rpc-server process and are computed there; the
+sidecar stays in this process's CPU memory and its masked matmuls run here. Logits must match the all-CPU run,
+at every r and under a UMIA policy, and the tensors must really be where the placement says."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rapidmoe import Llama, RapidMoEError
+from rapidmoe.ggufio import GGUFFile
+from rapidmoe.rpc import RPCServer, parse_endpoint
+from rapidmoe.umia import Policy
+
+TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense."
+TOL = 1e-3  # relative L2 of the logits; the same CPU kernels run in both processes, up to repacked layouts
+
+
+@pytest.fixture(scope="module")
+def rpc() -> Iterator[RPCServer]:
+    with RPCServer(threads=2) as srv:
+        yield srv
+
+
+def _logits(path: Path, toks: list[int], n_critical: int | Policy | None = None, **kw) -> tuple[np.ndarray, dict[str, str]]:  # type: ignore[no-untyped-def]
+    """Logits of every position, and where the named tensors ended up."""
+    names = kw.pop("where", [])
+    if isinstance(n_critical, Policy):
+        kw["policy"] = n_critical
+    elif n_critical is not None:
+        kw["n_critical"] = n_critical
+    llm = Llama(path, n_ctx=128, logits_all=True, verbose=False, n_threads=2, **kw)
+    try:
+        llm.eval(toks)
+        out = np.array(llm.scores[: len(toks)], dtype=np.float64)
+        return out, {n: llm.tensor_buffer(n) for n in names}
+    finally:
+        llm.close()
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _tokens(path: Path) -> list[int]:
+    llm = Llama(path, n_ctx=128, vocab_only=True, verbose=False)
+    toks = llm.tokenize(TEXT, add_bos=False)[:24]
+    llm.close()
+    return toks
+
+
+def _first_moe_layer(path: Path) -> int:
+    return min(int(t.name.split(".")[1]) for t in GGUFFile(path).tensors if t.name.endswith("ffn_up_exps.weight"))
+
+
+def test_bad_and_unreachable_addresses(make_split) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RapidMoEError, match="bad RPC server address"):
+        parse_endpoint("localhost")
+    with pytest.raises(RapidMoEError, match="bad RPC server address"):
+        parse_endpoint("127.0.0.1:99999")
+    srv = RPCServer()
+    endpoint = srv.endpoint
+    srv.stop()  # nothing listens there now: a clear error, not ggml's abort
+    with pytest.raises(RapidMoEError, match="not reachable"):
+        Llama(make_split("qwen3moe")[1], rpc_servers=[endpoint])
+    with pytest.raises(RapidMoEError, match="bad RPC server address"):
+        Llama(make_split("qwen3moe")[1], rpc_servers=["127.0.0.1"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
+def test_stock_model_on_the_rpc_device(arch: str, make_split, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
+    """No sidecar: the stock graph with every layer on the stand-in device (-ngl) equals the all-CPU run."""
+    _, wq, _ = make_split(arch)
+    toks = _tokens(wq)
+    buft = f"RPC0[{rpc.endpoint}]"
+    exps = f"blk.{_first_moe_layer(wq)}.ffn_up_exps.weight"
+    cpu, _ = _logits(wq, toks)
+    dev, where = _logits(wq, toks, rpc_servers=[rpc.endpoint], n_gpu_layers=-1, where=[exps, "blk.1.attn_norm.weight"])
+    assert where == {exps: buft, "blk.1.attn_norm.weight": buft}
+    print(f"{arch} stock -ngl: rel {_rel(dev, cpu):.2e}")
+    assert _rel(dev, cpu) < TOL, _rel(dev, cpu)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
+@pytest.mark.parametrize("placement", ["exps", "ngl"])
+def test_split_routing_with_wq_on_the_rpc_device(arch: str, placement: str, make_split, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
+    """WQ experts on the stand-in (only them, or every layer), sidecar in CPU memory: the same logits as all-CPU
+    at r = 0, 1, 2 and k, and under a UMIA policy."""
+    _, wq, wr = make_split(arch)
+    toks = _tokens(wq)
+    f = GGUFFile(wq)
+    k = int(f.get(f"{f.get('general.architecture')}.expert_used_count"))
+    buft = f"RPC0[{rpc.endpoint}]"
+    layer = _first_moe_layer(wq)
+    names = [f"blk.{layer}.ffn_{p}_exps.weight" for p in ("up", "gate", "down")]
+    side = [f"blk.{layer}.ffn_up_exps.wr", f"blk.{layer}.ffn_gate_exps.wr"]
+    placed = ({"override_tensor": f"exps={buft}"} if placement == "exps" else {"n_gpu_layers": -1})
+    for r in sorted({0, 1, 2, k}):
+        cpu, _ = _logits(wq, toks, r, residual_path=wr)
+        dev, where = _logits(wq, toks, r, residual_path=wr, rpc_servers=[rpc.endpoint], where=names + side, **placed)
+        assert all(where[n] == buft for n in names), where
+        assert all(where[n] == "CPU" for n in side), where  # the sidecar never leaves this process's memory
+        print(f"{arch} {placement} r={r}: rel {_rel(dev, cpu):.2e}")
+        assert _rel(dev, cpu) < TOL, (r, _rel(dev, cpu))
+    policy = Policy(theta=0.6, alpha=0.5, beta=0.25)
+    cpu, _ = _logits(wq, toks, policy, residual_path=wr)
+    dev, _ = _logits(wq, toks, policy, residual_path=wr, rpc_servers=[rpc.endpoint], **placed)
+    print(f"{arch} {placement} UMIA: rel {_rel(dev, cpu):.2e}")
+    assert _rel(dev, cpu) < TOL, _rel(dev, cpu)
+

@@ -16,9 +16,12 @@ N_LAYER = 5
 MOE_LAYERS = [1, 2, 3, 4]  # layer 0 dense, as in deepseek2
 
 
-def _tau_reference(theta: float, alpha: float, beta: float, m: int, n_moe: int, prefill: bool) -> float:
+def _tau_reference(theta: float, alpha: float, beta: float, m: int, n_moe: int, prefill: bool,
+                   cutoff: float = 1.0) -> float:
     """The documented threshold, written out independently of Policy.thresholds."""
     depth = m / (n_moe - 1) if n_moe > 1 else 0.0
+    if not prefill and depth > cutoff:
+        return 0.0
     tau = theta * (1.0 + alpha * (1.0 - depth)) * ((1.0 + beta) if prefill else 1.0)
     return min(max(tau, 0.0), 1.0)
 
@@ -65,6 +68,7 @@ def _router_weights(rng: np.random.Generator, T: int, k: int) -> np.ndarray:
     Policy(theta=0.3, beta=0.8, phase="decode"),
     Policy(theta=0.3, beta=0.8, phase="prefill"),
     Policy(theta=0.9, layer_scale=[1.1, 0.5, 0.9, 1.0]),
+    Policy(theta=0.6, alpha=0.2, beta=0.3, depth_cutoff=0.5),
 ], ids=lambda p: p.describe() if isinstance(p, Policy) else str(p))
 def test_op_matches_numpy_every_layer_and_phase(policy: Policy, phase: int) -> None:
     rng = np.random.default_rng(7)
@@ -76,7 +80,8 @@ def test_op_matches_numpy_every_layer_and_phase(policy: Policy, phase: int) -> N
         if policy.layer_scale is not None:
             tau = min(policy.theta * policy.layer_scale[m] * ((1 + policy.beta) if eff_phase else 1.0), 1.0)
         else:
-            tau = _tau_reference(policy.theta, policy.alpha, policy.beta, m, len(MOE_LAYERS), eff_phase == 1)
+            tau = _tau_reference(policy.theta, policy.alpha, policy.beta, m, len(MOE_LAYERS), eff_phase == 1,
+                                 policy.depth_cutoff)
         r_max = k if policy.r_max is None else policy.r_max
         r_loop = _r_loop(w, tau, policy.r_min, r_max)
         np.testing.assert_array_equal(n_critical(w, tau, policy.r_min, r_max), r_loop)
@@ -128,6 +133,7 @@ def test_op_edge_cases() -> None:
     ({"theta": "high"}, "theta must be a number"),
     ({"theta": True}, "theta must be a number"),
     ({"alpha": -0.1}, "alpha must be in"),
+    ({"depth_cutoff": 1.5}, r"depth_cutoff must be in \[0, 1\]"),
     ({"beta": 11}, "beta must be in"),
     ({"r_min": 3, "r_max": 2}, r"r_max \(2\) must be >= r_min \(3\)"),
     ({"r_min": 1.5}, "r_min must be an integer"),

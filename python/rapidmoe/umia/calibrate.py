@@ -6,7 +6,7 @@
 2. Candidates: fixed r (r_min = r_max = r), the drop baseline at small r (non-critical experts skipped), and UMIA
    policies at equal cost to fixed r: for each alpha on a grid and each target mean r per layer, theta is found
    by bisection on the recorded weights (the numpy arbitration predicts the r every token would get), then put
-   on the 0.01 grid.
+   on the 0.01 grid; below a mean r of 1, policies whose deeper layers get no critical expert (depth cutoffs).
 3. Each candidate runs over the chunks with decode thresholds (phase forced to decode, since decode latency is
    what the budget is about): KL(P_ref || P) per position against the reference, and the r histogram it
    realised, priced by the latency model R.
@@ -169,15 +169,18 @@ def pick_chunks(tokens: list[int], n_tokens: int, chunk: int, seed: int) -> list
 
 
 def theta_for_level(weights: list[np.ndarray], alpha: float, level: float, r_min: int, r_max: int,
-                    iters: int = 40) -> float:
-    """theta (decode) whose predicted mean r per MoE layer over the recorded weights is closest to `level`.
+                    iters: int = 40, depth_cutoff: float = 1.0) -> float:
+    """theta (decode) whose predicted mean r per MoE layer over the recorded weights is closest to `level`
+    (over the layers the depth cutoff keeps).
 
     weights: per MoE layer, float32 [n_tokens, k]. Bisection: the mean r grows with theta."""
     n_moe = len(weights)
+    depth = np.arange(n_moe) / max(n_moe - 1, 1)
+    kept = [m for m in range(n_moe) if depth[m] <= depth_cutoff + 1e-9]
 
     def mean_r(theta: float) -> float:
         tau = Policy(theta=theta, alpha=alpha, r_min=r_min, r_max=r_max).thresholds(n_moe)[:, 0]
-        return float(np.mean([n_critical(w, tau[m], r_min, r_max).mean() for m, w in enumerate(weights)]))
+        return float(np.mean([n_critical(weights[m], tau[m], r_min, r_max).mean() for m in kept]))
 
     lo, hi = 0.0, 1.0
     for _ in range(iters):
@@ -212,7 +215,8 @@ def calibrate(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], 
               latency: LatencyModel, *, reference: str | os.PathLike[str] | None = None,
               budget_ms: float | None = None, n_tokens: int = 1024, chunk: int = 256, seed: int = 0,
               alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0), levels: tuple[float, ...] | None = None,
-              fixed_r: tuple[int, ...] | None = None, drop_r: tuple[int, ...] | None = None, beta: float = 0.25,
+              fixed_r: tuple[int, ...] | None = None, drop_r: tuple[int, ...] | None = None,
+              cutoffs: tuple[float, ...] = (0.25, 0.5, 0.75), beta: float = 0.25,
               r_min: int = 0, threads: int | None = None, refine: bool = True, progress: bool = True,
               command: str = "") -> CalibrationResult:
     from .. import _core  # noqa: PLC0415
@@ -240,7 +244,8 @@ def calibrate(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], 
                    eval_callback=(cap := _core.TensorCapture([f"ffn_moe_weights-{il}" for il in moe_layers])))
     chunks = pick_chunks(full.llm.tokenize(text.encode()), n_tokens, chunk, seed)
     full.llm.set_n_critical(k)
-    bar = tqdm(total=len(chunks) * (1 + len(fixed_r) + len(drop_r) + len(alphas) * len(levels) + (reference is not None)),
+    bar = tqdm(total=len(chunks) * (1 + len(fixed_r) + len(drop_r) + len(alphas) * len(levels) + 2 * len(cutoffs)
+                                    + (reference is not None)),
                desc="calibrate", unit="chunk", disable=not progress)
     ref_logp = []
     for c in chunks:
@@ -270,6 +275,15 @@ def calibrate(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], 
             seen.add((theta, alpha))
             cands.append((f"umia a={alpha:g} ~r{level:g}", "umia",
                           Policy(theta=theta, alpha=alpha, beta=beta, r_min=r_min, phase="decode")))
+    # below a mean r of 1: critical experts only in the shallower layers (the deeper ones skip the residual path
+    # and its per-layer set-up cost entirely), with one or ~1.5 critical experts there
+    for cut in cutoffs:
+        for level in (1.0, 1.5):
+            if level >= k:
+                continue
+            theta = theta_for_level(weights, 0.0, level, r_min, k, depth_cutoff=cut)
+            cands.append((f"umia cutoff={cut:g} ~r{level:g}", "umia",
+                          Policy(theta=theta, beta=beta, depth_cutoff=cut, r_min=r_min, phase="decode")))
 
     # 3. evaluate, then refine alpha around the best UMIA candidate at its own cost level (pattern search)
     evals: list[Evaluation] = []
@@ -317,7 +331,9 @@ def _refine(scorer: Scorer, evals: list[Evaluation], weights: list[np.ndarray], 
     best = min(umia, key=lambda e: e.kl_mean) if budget_ms is not None else evals[
         choose([e.predicted_ms for e in evals], [e.kl_mean for e in evals], None,
                [i for i, e in enumerate(evals) if e.kind == "umia"])]
-    level = float(np.mean(best.mean_r))
+    n = len(best.mean_r)
+    kept = [r for m, r in enumerate(best.mean_r) if m / max(n - 1, 1) <= best.policy.depth_cutoff + 1e-9]
+    level = float(np.mean(kept))
     tried = {(e.policy.theta, e.policy.alpha) for e in evals if e.kind == "umia"}
     out: list[Evaluation] = []
     bar.total += 4 * len(chunks)
@@ -326,13 +342,13 @@ def _refine(scorer: Scorer, evals: list[Evaluation], weights: list[np.ndarray], 
             alpha = round(best.policy.alpha + sign * step, 2)
             if not 0.0 <= alpha <= 2.0:
                 continue
-            theta = theta_for_level(weights, alpha, level, r_min, k)
+            theta = theta_for_level(weights, alpha, level, r_min, k, depth_cutoff=best.policy.depth_cutoff)
             if (theta, alpha) in tried:
                 continue
             tried.add((theta, alpha))
             e = evaluate(scorer, f"refine a={alpha:g} ~r{level:.2f}", "umia",
-                          Policy(theta=theta, alpha=alpha, beta=beta, r_min=r_min, phase="decode"), chunks, ref_logp,
-                          latency, bar)
+                         Policy(theta=theta, alpha=alpha, beta=beta, r_min=r_min, phase="decode",
+                                depth_cutoff=best.policy.depth_cutoff), chunks, ref_logp, latency, bar)
             out.append(e)
             if e.kl_mean < best.kl_mean and (budget_ms is None or e.predicted_ms <= budget_ms):
                 best = e

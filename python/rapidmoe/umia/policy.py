@@ -6,6 +6,7 @@ For token t at MoE layer l in phase φ, with its top-k routing weights sorted w1
         a_l = 1 + alpha * (1 - d_l)          d_l = m / (M - 1): depth of the m-th of M MoE layers (0 first)
                                              (or a_l = layer_scale[m] when an explicit profile is given)
         b_φ = 1 for decode, 1 + beta for prefill
+        decode only: tau = 0 in MoE layers deeper than depth_cutoff (d_l > depth_cutoff)
     r = smallest r with w1 + ... + wr >= tau * (w1 + ... + wk), clamped to [r_min, r_max]
 
 Fixed r is the special case r_min = r_max = r. docs/umia.md explains the choice.
@@ -27,7 +28,8 @@ FORMAT = "rapidmoe-umia-policy"
 VERSION = 1
 PHASES = ("auto", "decode", "prefill")
 _PHASE_MODE = {"auto": -1.0, "decode": 0.0, "prefill": 1.0}
-_KEYS = {"format", "version", "theta", "alpha", "beta", "r_min", "r_max", "phase", "layer_scale", "meta"}
+_KEYS = {"format", "version", "theta", "alpha", "beta", "depth_cutoff", "r_min", "r_max", "phase", "layer_scale",
+         "meta"}
 
 
 class PolicyError(RapidMoEError, ValueError):
@@ -39,6 +41,7 @@ class Policy:
     theta: float = 1.0  # share of the token's routing mass its critical experts must cover (decode, deepest layer)
     alpha: float = 0.0  # layer modulation: the first MoE layer's threshold is (1 + alpha) times the last one's
     beta: float = 0.0  # phase modulation: prefill thresholds are (1 + beta) times decode ones
+    depth_cutoff: float = 1.0  # decode: MoE layers deeper than this fraction of the stack get no critical expert
     r_min: int = 0  # at least this many critical experts per token
     r_max: int | None = None  # at most this many (None: top-k)
     phase: str = "auto"  # "auto" (from the batch: <= 1 token per sequence is decode), or force one phase
@@ -46,7 +49,7 @@ class Policy:
     meta: dict[str, Any] = field(default_factory=dict, compare=False)  # provenance (calibration), not used
 
     def __post_init__(self) -> None:
-        for name in ("theta", "alpha", "beta"):
+        for name in ("theta", "alpha", "beta", "depth_cutoff"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise PolicyError(f"{name} must be a number, got {v!r}")
@@ -56,6 +59,8 @@ class Policy:
             raise PolicyError(f"alpha must be in [0, 10], got {self.alpha}")
         if not 0.0 <= self.beta <= 10.0:
             raise PolicyError(f"beta must be in [0, 10], got {self.beta}")
+        if not 0.0 <= self.depth_cutoff <= 1.0:
+            raise PolicyError(f"depth_cutoff must be in [0, 1], got {self.depth_cutoff}")
         for name in ("r_min", "r_max"):
             v = getattr(self, name)
             if v is None and name == "r_max":
@@ -92,11 +97,11 @@ class Policy:
                 raise PolicyError(f"layer_scale has {len(self.layer_scale)} values, the model has "
                                   f"{n_moe_layers} MoE layers")
             a = np.asarray(self.layer_scale, dtype=np.float64)
-        else:
-            depth = np.arange(n_moe_layers) / max(n_moe_layers - 1, 1)
+        depth = np.arange(n_moe_layers) / max(n_moe_layers - 1, 1)
+        if self.layer_scale is None:
             a = 1.0 + self.alpha * (1.0 - depth)
         tau = np.empty((n_moe_layers, 2))
-        tau[:, 0] = self.theta * a
+        tau[:, 0] = np.where(depth > self.depth_cutoff + 1e-9, 0.0, self.theta * a)
         tau[:, 1] = self.theta * a * (1.0 + self.beta)
         return np.clip(tau, 0.0, 1.0)
 
@@ -129,7 +134,8 @@ class Policy:
             return f"fixed r={self.r_min}"
         scale = "profile" if self.layer_scale is not None else f"alpha={self.alpha:g}"
         r_max = "k" if self.r_max is None else str(self.r_max)
-        return f"theta={self.theta:g} {scale} beta={self.beta:g} r in [{self.r_min}, {r_max}]"
+        cut = f" cutoff={self.depth_cutoff:g}" if self.depth_cutoff < 1.0 else ""
+        return f"theta={self.theta:g} {scale} beta={self.beta:g}{cut} r in [{self.r_min}, {r_max}]"
 
 
 def policy_from_dict(d: Any, *, source: str = "policy") -> Policy:

@@ -1,0 +1,32 @@
+"""bench/gpu_check.sh without a GPU: it refuses clearly, and its driver's CPU dry run (same steps, -ngl 0, tiny
+sizes) runs end to end and writes its table, with the "GPU" path equal to the CPU path."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU may be present")
+def test_fails_fast_without_a_gpu(tmp_path: Path) -> None:
+    p = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], capture_output=True, text=True,
+                       env=dict(os.environ, OUT=str(tmp_path)), timeout=30)
+    assert p.returncode == 3 and "no NVIDIA GPU" in p.stderr
+
+
+@pytest.mark.slow
+def test_cpu_dry_run(tmp_path: Path) -> None:
+    p = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--cpu"], capture_output=True, text=True,
+                       env=dict(os.environ, OUT=str(tmp_path)), timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "stock Q4_K_M, -ngl 99 -ot exps=CPU" in md and "ours UMIA" in md
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert all(c["rel_gpu_vs_cpu"] == 0.0 for c in res["checks"])  # -ngl 0: the same computation
+    assert all(r["decode_tps"] > 0 and r["prefill_tps"] > 0 for r in res["runs"])

@@ -67,4 +67,4 @@ printf '%s\n' "${targets[@]}"
 ninja -C "$OUT/build" -j "$JOBS" "${targets[@]}"
 end=$(date +%s)
 echo "cuda_build_check: OK: compiled ${objs[*]} for sm_$ARCH with nvcc $CUDA_MAJOR" \
-     "(cuBLAS ${t_cublas}s, configure $((t_cfg - t_cublas))s, compile $((end - t_cfg))s, total $((end - start))s)"
+     "(cuBLAS ${t_cublas}s, configure $((t_cfg - t_cublas))s, compile $((end - start - t_cfg))s, total $((end - start))s)"

@@ -23,7 +23,8 @@ IGNORED_FLAG = {"--offline", "--no-jinja", "--jinja", "--no-mmproj", "--cont-bat
 
 def main(argv: list[str]) -> int:
     model = os.environ["RAPIDMOE_UPSTREAM_MODEL"]
-    out = [sys.executable, "-m", "rapidmoe.cli", "serve", model, "--any-model", "--threads", "1"]
+    # llama-server's defaults where ours differ: /metrics off unless --metrics
+    out = [sys.executable, "-m", "rapidmoe.cli", "serve", model, "--any-model", "--threads", "1", "--no-metrics"]
     i = 0
     while i < len(argv):
         a = argv[i]

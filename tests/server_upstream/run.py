@@ -49,8 +49,9 @@ def _reason(case: ET.Element) -> tuple[str, str]:
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="upstream-server-tests-") as tmp:
         work = Path(tmp)
-        tests = work / "tests"
+        tests = work / "tools" / "server" / "tests"  # same depth as upstream: ../../../models/templates resolves
         shutil.copytree(SUITE, tests)
+        (work / "models").symlink_to(SUITE.parent.parent.parent / "models")
         env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(HERE / "llama_server_shim.py"),
                "RAPIDMOE_UPSTREAM_MODEL": str(_model(work)), "LLAMA_CACHE": str(work / "cache"),
                "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}

@@ -23,7 +23,7 @@ def serve(
     ctx_size: options.CtxSize = 4096,
     n_batch: Annotated[int, typer.Option("--batch-size", "-b", help="Tokens per llama_decode call.", min=1)] = 512,
     n_predict: Annotated[int, typer.Option("--n-predict", "-n", help="Default tokens to generate (-1: until the context is full).", min=-1)] = -1,
-    threads: options.Threads = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: all cores but one, which serves HTTP).", min=1)] = None,
     n_gpu_layers: options.GpuLayers = 0,
     n_cpu_moe: options.NCpuMoe = 0,
     override_tensor: options.OverrideTensor = None,

@@ -48,8 +48,10 @@ class Timings:
             "prompt_per_second": 1e3 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0,
             "predicted_n": self.predicted_n,
             "predicted_ms": self.predicted_ms,
-            "predicted_per_token_ms": self.predicted_ms / self.predicted_n if self.predicted_n else 0.0,
-            "predicted_per_second": 1e3 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0,
+            # the first token comes from the prompt's logits: rates are over the predicted_n - 1 decode steps
+            "predicted_per_token_ms": self.predicted_ms / (self.predicted_n - 1) if self.predicted_n > 1 else 0.0,
+            "predicted_per_second": (1e3 * (self.predicted_n - 1) / self.predicted_ms
+                                     if self.predicted_n > 1 and self.predicted_ms > 0 else 0.0),
         }
 
 
@@ -146,6 +148,7 @@ class Engine:
         self._ctx = llm.ctx
         self._vocab = llm._model.vocab
         self._mem = lc.llama_get_memory(self._ctx)
+        lc.llama_memory_clear(self._mem, True)  # the slots own every sequence from here on
         self.n_vocab = int(lc.llama_vocab_n_tokens(self._vocab))
         self.n_ctx_slot = int(lc.llama_n_ctx_seq(self._ctx))
         self.n_batch = min(n_batch, int(lc.llama_n_batch(self._ctx)))
@@ -405,10 +408,10 @@ class Engine:
             "n_ctx": self.n_ctx_slot,
             "speculative": False,
             "is_processing": t is not None,
-            "next_token": {
+            "next_token": [{
                 "has_next_token": t is not None,
-                "has_new_line": s.has_new_line,
+                "has_new_line": s.has_new_line if t is not None else False,
                 "n_remain": (n_predict - s.n_decoded) if t is not None and n_predict >= 0 else -1,
-                "n_decoded": s.n_decoded,
-            },
+                "n_decoded": s.n_decoded if t is not None else 0,
+            }],
         }

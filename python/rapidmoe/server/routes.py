@@ -52,6 +52,7 @@ class Reply:
     body: bytes
     content_type: str = "application/json; charset=utf-8"
     n_tokens: int = 0  # generated tokens, for the request log
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class AppState:
     model_meta: dict[str, Any] = field(default_factory=dict)
     add_bos: bool = True
     fingerprint: str = f"rapidmoe-{__version__}"
+    started: float = field(default_factory=time.time)
 
     @property
     def ready(self) -> bool:
@@ -417,7 +419,8 @@ def get_metrics(st: AppState, req: Request) -> Reply:
     snap = e.call(lambda: metrics.snapshot(e.llm))
     text = metrics.render(e.stats, snap, st.requests.snapshot(), e.n_busy, e.n_waiting,
                           getattr(e.llm, "residual", None) is not None)
-    return Reply(200, text.encode(), "text/plain; version=0.0.4")
+    return Reply(200, text.encode(), "text/plain; version=0.0.4",
+                 headers={"Process-Start-Time-Unix": str(int(st.started))})
 
 
 GET = {"/health": health, "/v1/health": health, "/models": models, "/v1/models": models, "/props": props,

@@ -246,6 +246,19 @@ def test_disconnect_frees_the_slot(tight: ServerProc) -> None:
     assert "client gone" in tight.log()
 
 
+def test_disconnect_without_streaming_frees_the_slot(tight: ServerProc) -> None:
+    sock = socket.create_connection(("127.0.0.1", tight.port))
+    body = json.dumps({"prompt": "Once upon a time", "n_predict": 100000, "ignore_eos": True}).encode()
+    sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
+                 b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    time.sleep(0.3)
+    _, slots = tight.request("GET", "/slots", headers=KEY)
+    assert slots[0]["is_processing"]
+    sock.close()
+    assert not _wait_idle(tight, 3.0)[0]["is_processing"]
+    good(tight, KEY)
+
+
 def test_slow_client_times_out(server: ServerProc) -> None:
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")

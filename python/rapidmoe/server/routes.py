@@ -29,6 +29,7 @@ class Request:
     path: str
     body: bytes
     gone: Callable[[], bool]  # True once the client has closed the connection
+    checked: float = 0.0  # monotonic time `gone` was last asked
     _json: Any = None
 
     def json(self) -> dict[str, Any]:
@@ -153,15 +154,22 @@ def _submit(st: AppState, toks: list[int], params: GenerationParams) -> Ticket:
 
 
 def _next(st: AppState, t: Ticket, req: Request) -> Event | None:
-    """The ticket's next event; None (and the ticket cancelled) if the client went away meanwhile."""
+    """The ticket's next event; None (and the ticket cancelled) if the client went away meanwhile.
+    The socket is looked at every 250 ms even while events keep coming (a non-streaming request)."""
     while True:
         try:
-            return t.events.get(timeout=0.25)
+            ev = t.events.get(timeout=0.25)
         except queue.Empty:
+            ev = None
+        now = time.monotonic()
+        if ev is None or now - req.checked > 0.25:
+            req.checked = now
             if req.gone():
                 assert st.engine is not None
                 st.engine.cancel(t)
                 return None
+        if ev is not None:
+            return ev
 
 
 def _raise_failed(ev: Failed) -> None:

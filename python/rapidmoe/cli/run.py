@@ -28,6 +28,7 @@ def run(
     residual: Annotated[Optional[Path], typer.Option("--residual", help="RESplit sidecar (.wr.gguf) made from MODEL: split expert routing.")] = None,
     n_critical: Annotated[int, typer.Option("--n-critical", "-r", help="With --residual: each token's r highest-weight experts run in high precision.", min=0)] = 2,
     policy: options.PolicyOpt = None,
+    stats: Annotated[bool, typer.Option("--stats", help="With --residual: print the r chosen per layer and phase (histogram).")] = False,
     verbose: options.Verbose = False,
 ) -> None:
     """Generate text from PROMPT with MODEL, streaming tokens as they come, then print prefill and decode speed."""
@@ -65,6 +66,8 @@ def run(
         frac = sum(x.critical_slots for x in c) / max(1, sum(x.slots for x in c))
         how = llm.policy.describe() if llm.policy is not None else f"fixed r={n_critical}"
         split = f"\nsplit:   {how}, critical expert slots {100 * frac:.1f}%"
+        if stats:
+            split += "\n" + llm.r_histogram().table()
     print(f"\nprefill: {t.prompt_tokens} tokens in {t.prompt_ms:.1f} ms = {t.prompt_tps:.2f} tokens/s\n"
           f"decode:  {t.decode_tokens} tokens in {t.decode_ms:.1f} ms = {t.decode_tps:.2f} tokens/s\n"
           f"model:   {path} ({info.architecture}, {info.n_expert} experts, top-{info.n_expert_used}){split}",

@@ -358,3 +358,13 @@ def test_bad_policy_is_one_line_error(tiny_qwen: Path, tmp_path: Path) -> None:
         assert r.returncode == 1, r.stderr
         err = [line for line in r.stderr.splitlines() if line.startswith("rapidmoe-cli: error:")]
         assert len(err) == 1 and ("policy" in err[0] or "r_min" in err[0]), r.stderr
+
+
+def test_port_in_use_is_one_line_error(tiny_qwen: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "rapidmoe.cli", "serve", str(tiny_qwen), "--port", str(port)],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and f"rapidmoe-cli: error: cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr

@@ -161,7 +161,7 @@ def main() -> int:
     meta = {"model": str(model), "command": "python bench/bench_server.py " + " ".join(sys.argv[1:]),
             "threads": args.threads, "ctx": args.ctx, "slots": int(slots), "n_predict": args.n_predict,
             "prompt_words": args.prompt_words, "rate": args.rate, "requests": args.requests,
-            "loadavg_at_start": os.getloadavg(), "cpus": os.cpu_count(), "rows": rows}
+            "loadavg_at_end": os.getloadavg(), "cpus": os.cpu_count(), "rows": rows}
     (out_dir / f"server-{stem}.json").write_text(json.dumps(meta, indent=2) + "\n")
     lines = [f"# Serving latency: rapidmoe-cli serve vs stock llama-server ({stem})", "",
              f"`{meta['command']}`; {args.threads} threads, {slots} slots, {args.ctx} context, streaming "

@@ -57,6 +57,15 @@ def test_latency_fit_with_noise_and_round_trip(tmp_path: Path) -> None:
     assert "leave-one-out" in lm.table()
 
 
+def test_latency_fit_never_negative() -> None:
+    # a noisy machine can make more work look faster; the fit must still not predict negative costs
+    pts = [Point("decode", "wq", r, 10.0 - r) for r in range(K + 1)] + [Point("decode", "drop", 1, 12.0),
+                                                                       Point("decode", "drop", 4, 3.0)]
+    lm = fit(pts, N_MOE, K, prefill_batch=64)
+    assert min(lm.decode.fixed_ms, lm.decode.wq_ms, lm.decode.wr_ms, lm.decode.active_ms) >= 0
+    assert all(lm.predict_ms(N_MOE * r) >= 0 for r in range(K + 1))
+
+
 def test_latency_fit_refuses_what_it_cannot_separate(tmp_path: Path) -> None:
     only_wq = [p for p in _points() if p.mode == "wq"]
     with pytest.raises(RapidMoEError, match="cannot separate"):

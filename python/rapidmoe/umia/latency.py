@@ -11,9 +11,9 @@ making one slot critical (WR residuals + high-precision down), active_ms the per
 when it has any work (activation conversion, threads woken for non-empty masked matmuls), fixed_ms everything
 else (attention, dense and shared parts, router, sampling, graph overheads). Runs with the drop baseline (only the
 c critical slots computed, in high precision) give R_drop(c, a) = fixed_ms + c * (wq_ms + wr_ms) + a * active_ms,
-which separates wq_ms from fixed_ms. The coefficients are fitted by least squares over all measured points; the
-report shows every point's measured and predicted time and the leave-one-out prediction (each point predicted by
-a fit without it).
+which separates wq_ms from fixed_ms. The coefficients (all >= 0) are fitted by least squares over all measured
+points; the report shows every point's measured and predicted time and the leave-one-out prediction (each point
+predicted by a fit without it).
 """
 from __future__ import annotations
 
@@ -139,8 +139,21 @@ def _design(points: list[Point], n_moe: int, k: int) -> np.ndarray:
 
 
 def _solve(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-    return coef
+    """Least squares with every coefficient >= 0 (costs cannot be negative): the best unconstrained fit over
+    each subset of the columns whose solution is non-negative (exact for our 4 columns: 16 subsets)."""
+    n = a.shape[1]
+    best, best_err = np.zeros(n), float(np.sum(y * y))
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        sub, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+        if (sub < 0).any():
+            continue
+        coef = np.zeros(n)
+        coef[cols] = sub
+        err = float(np.sum((a @ coef - y) ** 2))
+        if err < best_err - 1e-12:
+            best, best_err = coef, err
+    return best
 
 
 def fit_phase(points: list[Point], n_moe: int, k: int) -> tuple[PhaseCosts, list[Point]]:

@@ -52,7 +52,7 @@ def calibrate_latency(
     repeats: Annotated[int, typer.Option("--repeats", help="Measurements per point (median kept).", min=1)] = 3,
 ) -> None:
     """Measure this machine's per-token cost of the WQ and WR paths (decode and prefill) and fit the latency
-    model R that `calibrate` and the planner use; print measured vs predicted time for every fixed-r run."""
+    model R that `calibrate` uses; print measured vs predicted time for every fixed-r run."""
     from ..umia.measure import calibrate_latency as measure  # noqa: PLC0415
 
     _check_files(model, residual)

@@ -45,6 +45,7 @@ def measure_decode(wq: Path, wr: Path, policies: list[tuple[str, str, object]], 
                    threads: int) -> dict[str, float]:
     """Decode tokens/s per policy label (drop ones on a drop-mode context)."""
     from rapidmoe import Llama
+    from rapidmoe.umia.measure import decode_step_ms
 
     out: dict[str, list[float]] = {label: [] for label, _, _ in policies}
     for drop in (False, True):
@@ -59,14 +60,7 @@ def measure_decode(wq: Path, wr: Path, policies: list[tuple[str, str, object]], 
         for rep in range(reps):
             for lab, pol in (sel if rep % 2 == 0 else sel[::-1]):
                 llm.set_policy(replace(pol, phase="auto"))
-                llm.reset()
-                llm.eval(prompt)
-                ms = []
-                for t in steps:
-                    t0 = time.perf_counter()
-                    llm.eval([t])
-                    ms.append(time.perf_counter() - t0)
-                out[lab].append(1.0 / statistics.median(ms))
+                out[lab].append(1e3 / decode_step_ms(llm, prompt, steps))
         llm.close()
     return {lab: statistics.median(v) for lab, v in out.items()}
 

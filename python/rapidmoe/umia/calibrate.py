@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from ..atomic import write_text
 from ..errors import RapidMoEError
 from .arbitration import n_critical
 from .frontier import choose, pareto
@@ -83,7 +84,7 @@ class CalibrationResult:
         out.mkdir(parents=True, exist_ok=True)
         paths = {"policy": out / "policy.json", "json": out / "frontier.json", "md": out / "frontier.md"}
         self.policy.save(paths["policy"])
-        _write(paths["json"], json.dumps({"settings": self.settings, "budget_ms": self.budget_ms,
+        write_text(paths["json"], json.dumps({"settings": self.settings, "budget_ms": self.budget_ms,
                                           "chosen": self.chosen, "frontier": self.frontier,
                                           "evaluations": [e.to_dict() for e in self.evaluations]}, indent=2))
         e = self.evaluations[self.chosen]
@@ -91,18 +92,12 @@ class CalibrationResult:
                 f"Chosen: **{e.label}** ({e.policy.describe()}), KL {e.kl_mean:.5f}, predicted "
                 f"{e.predicted_ms:.2f} ms/token" + (f" (budget {self.budget_ms:.2f})" if self.budget_ms else
                                                      " (knee of the frontier, no budget)") + "\n\n")
-        _write(paths["md"], head + self.table() + "\n")
+        write_text(paths["md"], head + self.table() + "\n")
         if plot:
             png = out / "frontier.png"
             if plot_frontier(self, png):
                 paths["png"] = png
         return paths
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def plot_frontier(res: CalibrationResult, path: Path) -> bool:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ..atomic import write_text
 from ..errors import RapidMoEError
 
 FORMAT = "rapidmoe-latency-model"
@@ -106,11 +107,7 @@ class LatencyModel:
                             for k, v in asdict(p).items()} for p in self.points]}
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
+        return write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     def table(self) -> str:
         rows = ["phase    path  r   measured ms/token  predicted  error   leave-one-out error"]

@@ -25,6 +25,18 @@ _TEXT = ("Mixture-of-Experts models route each token to a few experts; the route
          "matter most for the token, and the rest of the network is shared by all tokens. ") * 40
 
 
+def decode_step_ms(llm: object, prompt: Sequence[int], steps: Sequence[int]) -> float:
+    """Median time (ms) of single-token decode steps after a fresh prompt, with whatever policy is set."""
+    llm.reset()  # type: ignore[attr-defined]
+    llm.eval(prompt)  # type: ignore[attr-defined]
+    step_ms = []
+    for t in steps:
+        t0 = time.perf_counter()
+        llm.eval([t])  # type: ignore[attr-defined]
+        step_ms.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(step_ms)
+
+
 def default_r_values(k: int) -> tuple[list[int], list[int]]:
     """(r for the WQ path, r for the drop baseline): every r up to 8, then a spread; drop at a few small r."""
     wq = list(range(k + 1)) if k <= 8 else sorted({0, 1, 2, 3, 4, 6, k // 2, k})
@@ -61,14 +73,7 @@ def measure_points(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[s
             for rep in range(repeats):
                 for r in (rs if rep % 2 == 0 else rs[::-1]):
                     llm.set_n_critical(r)
-                    llm.reset()
-                    llm.eval(prompt)
-                    step_ms = []
-                    for t in steps:
-                        t0 = time.perf_counter()
-                        llm.eval([t])
-                        step_ms.append(1e3 * (time.perf_counter() - t0))
-                    dec[r].append(statistics.median(step_ms))
+                    dec[r].append(decode_step_ms(llm, prompt, steps))
                     llm.reset()
                     t0 = time.perf_counter()
                     llm.eval(batch)

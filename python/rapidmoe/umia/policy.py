@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..atomic import write_text
 from ..errors import RapidMoEError
 
 FORMAT = "rapidmoe-umia-policy"
@@ -123,11 +124,7 @@ class Policy:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the JSON (to a temporary name, then renamed)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
+        return write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     def describe(self) -> str:
         if self.is_fixed:

@@ -15,7 +15,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -23,6 +22,8 @@ import http.client
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from rapidmoe.server.sse import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -50,24 +51,17 @@ def one_request(port: int, prompt: str, n_predict: int) -> dict[str, Any]:
         return {"error": f"status {r.status}"}
     t_first = t_last = 0.0
     n_tokens = 0
-    buf = b""
-    while True:
-        chunk = r.read1(65536)
-        if not chunk:
-            break
-        buf += chunk
-        while b"\n\n" in buf:
-            ev, buf = buf.split(b"\n\n", 1)
-            payload = ev[len(b"data: "):]
-            if payload == b"[DONE]":
-                continue
-            d = json.loads(payload)
-            if d["choices"] and d["choices"][0].get("text"):
-                now = time.perf_counter()
-                t_first = t_first or now
-                t_last = now
-            if d.get("usage"):
-                n_tokens = d["usage"]["completion_tokens"]
+    for ev in read_events(r):
+        payload = ev[len(b"data: "):]
+        if payload == b"[DONE]":
+            continue
+        d = json.loads(payload)
+        if d["choices"] and d["choices"][0].get("text"):
+            now = time.perf_counter()
+            t_first = t_first or now
+            t_last = now
+        if d.get("usage"):
+            n_tokens = d["usage"]["completion_tokens"]
     conn.close()
     if not t_first or n_tokens < 2:
         return {"error": f"no tokens ({n_tokens})"}

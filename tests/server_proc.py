@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rapidmoe.server import sse
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -74,16 +76,7 @@ class ServerProc:
         if r.status != 200:
             raise AssertionError(f"status {r.status}: {r.read()!r}")
         assert r.getheader("Content-Type", "").startswith("text/event-stream")
-        buf = b""
-        while True:
-            chunk = r.read1(65536)
-            if not chunk:
-                break
-            buf += chunk
-            while b"\n\n" in buf:
-                ev, buf = buf.split(b"\n\n", 1)
-                yield ev
-        assert buf == b"", f"stream ended inside an event: {buf!r}"
+        yield from sse.read_events(r)  # raises if the stream ends inside an event
         conn.close()
 
     def log(self) -> str:

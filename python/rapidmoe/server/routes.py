@@ -192,6 +192,15 @@ def _collect(st: AppState, t: Ticket, req: Request) -> tuple[str, Finished] | No
             return "".join(parts), ev
 
 
+def _whole(st: AppState, t: Ticket, req: Request, final: Callable[[str, Finished], Any]) -> Reply:
+    """A non-streamed answer: the whole text, shaped by `final`; 499 when the client left first."""
+    got = _collect(st, t, req)
+    if got is None:
+        return Reply(499, b"")
+    text, fin = got
+    return json_reply(final(text, fin), n_tokens=fin.n_decoded)
+
+
 def _stream(st: AppState, t: Ticket, req: Request,
             fmt: Callable[[Event, bool], list[bytes]], done: bool) -> Reply | Stream:
     """SSE: the first event is waited for here, so an error before any output is a plain error reply."""
@@ -264,11 +273,8 @@ def completion(st: AppState, req: Request) -> Reply | Stream:
         toks).decode("utf-8", "replace")
     t = _submit(st, toks, params)
     if not stream:
-        got = _collect(st, t, req)
-        if got is None:
-            return Reply(499, b"")
-        text, fin = got
-        return json_reply(responses.native_final(meta, fin, text, prompt_text, settings, False), n_tokens=fin.n_decoded)
+        return _whole(st, t, req, lambda text, fin: responses.native_final(meta, fin, text, prompt_text, settings,
+                                                                           False))
 
     def fmt(ev: Event, first: bool) -> list[bytes]:
         if isinstance(ev, Chunk):
@@ -298,11 +304,7 @@ def oai_completions(st: AppState, req: Request) -> Reply | Stream:
     meta = responses.Meta.new(model, st.fingerprint)
     t = _submit(st, toks, params)
     if not stream:
-        got = _collect(st, t, req)
-        if got is None:
-            return Reply(499, b"")
-        text, fin = got
-        return json_reply(responses.oai_cmpl_final(meta, fin, text), n_tokens=fin.n_decoded)
+        return _whole(st, t, req, lambda text, fin: responses.oai_cmpl_final(meta, fin, text))
 
     def fmt(ev: Event, first: bool) -> list[bytes]:
         if isinstance(ev, Chunk):
@@ -334,11 +336,7 @@ def chat_completions(st: AppState, req: Request) -> Reply | Stream:
     meta = responses.Meta.new(model, st.fingerprint, include_usage=get_bool(opts, "include_usage", False))
     t = _submit(st, toks, params)
     if not stream:
-        got = _collect(st, t, req)
-        if got is None:
-            return Reply(499, b"")
-        text, fin = got
-        return json_reply(responses.chat_final(meta, fin, text), n_tokens=fin.n_decoded)
+        return _whole(st, t, req, lambda text, fin: responses.chat_final(meta, fin, text))
 
     def fmt(ev: Event, first: bool) -> list[bytes]:
         if isinstance(ev, Chunk):

@@ -5,7 +5,8 @@ Each event is `data: <json>\\n\\n`; a list is one event per item; the OpenAI rou
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 DONE = b"data: [DONE]\n\n"
 
@@ -19,3 +20,23 @@ def event(data: Any) -> bytes:
 def error_event(error_body: dict[str, Any]) -> bytes:
     """An error after the stream started: llama-server sends `data: {"error": {...}}`."""
     return event(error_body)
+
+
+class _Readable(Protocol):
+    def read1(self, n: int = ...) -> bytes: ...
+
+
+def read_events(resp: _Readable) -> Iterator[bytes]:
+    """Client side: the raw events (without the blank line) of an SSE response as they arrive; ValueError if the
+    stream ends inside an event."""
+    buf = b""
+    while True:
+        chunk = resp.read1(65536)
+        if not chunk:
+            break
+        buf += chunk
+        while b"\n\n" in buf:
+            ev, buf = buf.split(b"\n\n", 1)
+            yield ev
+    if buf:
+        raise ValueError(f"stream ended inside an event: {buf!r}")

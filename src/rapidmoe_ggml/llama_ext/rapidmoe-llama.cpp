@@ -50,15 +50,9 @@ int32_t rapidmoe_llama_set_n_critical(const llama_model * model, int32_t n_criti
     if (st == nullptr) {
         return -1;
     }
-    const float r = (float) std::clamp<int32_t>(n_critical, 0, st->n_expert_used);
-    auto * p = (float *) st->policy->data;
-    p[0] = -1.0f;
-    for (size_t il = 0; il < st->layers.size(); ++il) {
-        float * row = p + RAPIDMOE_UMIA_ROW * (il + 1);
-        row[0] = row[1] = 1.0f;
-        row[2] = row[3] = r;
-    }
-    return (int32_t) r;
+    const int32_t r = std::clamp<int32_t>(n_critical, 0, st->n_expert_used);
+    rapidmoe_umia_set_fixed(st->policy, r);
+    return r;
 }
 
 int32_t rapidmoe_llama_set_policy(const llama_model * model, const float * params, int64_t n_params) {

@@ -146,14 +146,7 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         if (st->buf == nullptr) {
             err = "out of memory allocating the sidecar's tensors";
         } else { // every slot critical until a policy is set: the graph computes exactly the full-precision model
-            auto * p = (float *) st->policy->data;
-            p[0] = -1.0f;
-            p[1] = p[2] = p[3] = 0.0f;
-            for (size_t il = 0; il < st->layers.size(); ++il) {
-                float * row = p + RAPIDMOE_UMIA_ROW * (il + 1);
-                row[0] = row[1] = 1.0f;
-                row[2] = row[3] = (float) st->n_expert_used;
-            }
+            rapidmoe_umia_set_fixed(st->policy, st->n_expert_used);
         }
     }
     if (err.empty()) {

@@ -81,6 +81,17 @@ void rapidmoe_umia_critical_ids_op(ggml_tensor * dst, int ith, int nth, void * u
     }
 }
 
+void rapidmoe_umia_set_fixed(ggml_tensor * policy, int r) {
+    auto * p = (float *) policy->data;
+    p[0] = -1.0f;
+    p[1] = p[2] = p[3] = 0.0f;
+    for (int64_t il = 1; il < policy->ne[1]; ++il) {
+        float * row = p + RAPIDMOE_UMIA_ROW * il;
+        row[0] = row[1] = 1.0f;
+        row[2] = row[3] = (float) r;
+    }
+}
+
 ggml_tensor * rapidmoe_umia_critical_ids(ggml_context * ctx, ggml_tensor * weights, ggml_tensor * selected,
                                          ggml_tensor * policy, rapidmoe_umia_site * site) {
     GGML_ASSERT(selected->ne[0] <= RAPIDMOE_UMIA_MAX_K);

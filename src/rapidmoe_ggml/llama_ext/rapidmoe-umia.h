@@ -34,6 +34,9 @@ int rapidmoe_umia_n_critical(const float * w, int k, size_t stride, float tau, i
 // src[0] weights [1, k, T] F32, src[1] selected [k, T] I32, src[2] policy; userdata: rapidmoe_umia_site.
 void rapidmoe_umia_critical_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 
+// Write the fixed-r policy (every layer, both phases: r_min = r_max = r, phase from the graph) into `policy`.
+void rapidmoe_umia_set_fixed(ggml_tensor * policy, int r);
+
 // Test entry behind rapidmoe_llama_umia_eval (rapidmoe-llama.h): the op alone on the CPU backend.
 int32_t rapidmoe_umia_eval(const float * weights, int64_t n_tokens, int32_t k, const float * policy, int32_t n_layer,
                            int32_t il, int32_t phase, int32_t * ids_out, int64_t * hist_out);

@@ -18,7 +18,7 @@ from ..resplit.presets import Preset
 from .footprint import Footprint, footprint
 from .frequency import ExpertFrequency
 from .tensors import EMBEDDINGS, PARTS, ROUTED, ModelShapes
-from .typeplan import q4_k_m_types, resplit_types
+from .typeplan import native_types, q4_k_m_types, resplit_types
 from .units import format_size
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,12 @@ class Plan:
 
 def plan(model: ModelShapes, scheme: str = "resplit", *, preset: Preset | None = None, gpu_mem: int | None = None,
          cpu_mem: int | None = None, n_ctx: int = 4096, reserve: int = DEFAULT_RESERVE,
-         frequency: ExpertFrequency | None = None) -> Plan:
-    """Plan one scheme for `model` under the budgets (bytes). `preset` is required for resplit."""
+         frequency: ExpertFrequency | None = None, as_stored: bool = False) -> Plan:
+    """Plan one scheme for `model` under the budgets (bytes). `preset` is required for resplit, unless `as_stored`.
+
+    as_stored: size every tensor in the type the file stores it, for a file that is loaded as it is (`run
+    --gpu-mem` on a .wq.gguf, or on any MoE GGUF without a sidecar); a preset then only sizes the sidecar, and
+    None means there is none."""
     if scheme not in SCHEMES:
         raise PlanError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
     for name, v in (("gpu_mem", gpu_mem), ("cpu_mem", cpu_mem), ("reserve", reserve)):
@@ -106,7 +110,17 @@ def plan(model: ModelShapes, scheme: str = "resplit", *, preset: Preset | None =
         raise PlanError(f"n_ctx must be >= 1, got {n_ctx}")
     layers = model.moe_layers
     freq = (frequency or ExpertFrequency.uniform(layers, model.n_expert)).for_model(layers, model.n_expert)
-    if scheme == "resplit":
+    form = "WQ" if scheme == "resplit" else "Q4_K_M-like"
+    if as_stored:
+        sidecar = preset if scheme == "resplit" else None
+        fp = footprint(model, native_types(model), sidecar)
+        types = "as stored"
+        if sidecar is not None:
+            types += f", sidecar of preset {sidecar.name}: WR {sidecar.wr}, down {sidecar.down_mode} {sidecar.down_hi}"
+        elif scheme == "resplit":
+            types += ", no sidecar"
+        form = "WQ" if sidecar is not None else "as stored"
+    elif scheme == "resplit":
         if preset is None:
             raise PlanError("the resplit scheme needs a preset")
         fp = footprint(model, resplit_types(preset), preset)
@@ -115,7 +129,7 @@ def plan(model: ModelShapes, scheme: str = "resplit", *, preset: Preset | None =
     else:
         fp = footprint(model, q4_k_m_types(model))
         types = "Q4_K_M-like: llama-quantize's Q4_K_M type rules"
-    b = _Builder(model, fp, scheme, n_ctx, reserve, gpu_mem, freq)
+    b = _Builder(model, fp, scheme, n_ctx, reserve, gpu_mem, freq, form)
     return b.build(types, cpu_mem)
 
 
@@ -133,6 +147,7 @@ class _Builder:
     reserve: int
     gpu_mem: int | None
     freq: ExpertFrequency
+    form: str = "WQ"  # what the routed experts' main form is called in the rows
 
     def base_rows(self, device: str) -> list[Row]:
         """Everything but the routed experts and the sidecar: parts, KV cache, reserve. llama.cpp keeps the token
@@ -153,7 +168,8 @@ class _Builder:
             rows = self.base_rows(CPU)
             if self.gpu_mem:
                 notes.append(f"the GPU budget is below the {format_size(base)} that the non-expert tensors, KV "
-                             "cache and reserve need; planned CPU-only (split routing runs on the CPU)")
+                             "cache and reserve need; planned CPU-only"
+                             + (" (split routing runs on the CPU)" if self.fp.sidecar else ""))
             log.info("planner: GPU budget %s < base %d, CPU-only", self.gpu_mem, base)
             cached: dict[int, tuple[int, ...]] = {}
         elif self.scheme == "cpu-offload":
@@ -202,7 +218,7 @@ class _Builder:
         eb, n_expert = self.fp.expert_bytes, self.model.n_expert
         on_gpu = sum(eb[il] * len(v) for il, v in cached.items())
         total = self.fp.routed_bytes
-        form = "WQ" if self.scheme == "resplit" else "Q4_K_M-like"
+        form = self.form
         n_all = len(eb) * n_expert
         n_gpu = sum(len(v) for v in cached.values())
         return [Row(ROUTED, GPU, on_gpu, f"{form}, {n_gpu} of {n_all} experts"),

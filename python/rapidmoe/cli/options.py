@@ -13,11 +13,36 @@ Threads = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU thr
                                                 min=1)]
 CtxSize = Annotated[int, typer.Option("--ctx-size", "-c", help="Context size in tokens.", min=1)]
 GpuLayers = Annotated[int, typer.Option("--n-gpu-layers", "-ngl",
-                                        help="Layers to offload to the GPU (-1: all).", min=-1)]
+                                        help="Layers to offload to the GPU (-1: all). Not with --gpu-mem.", min=-1)]
 NCpuMoe = Annotated[int, typer.Option("--n-cpu-moe", "-ncmoe",
-                                      help="Keep the routed experts of the first N layers on the CPU.", min=0)]
+                                      help="Keep the routed experts of the first N layers on the CPU. Not with "
+                                      "--gpu-mem.", min=0)]
 OverrideTensor = Annotated[Optional[list[str]], typer.Option(
-    "--override-tensor", "-ot", help="<tensor name pattern>=<buffer type>,... (repeatable), as in llama.cpp.")]
+    "--override-tensor", "-ot", help="<tensor name pattern>=<buffer type>,... (repeatable), as in llama.cpp. "
+    "Not with --gpu-mem.")]
+
+
+def _size(value: str) -> int:
+    """A memory size read with the planner's unit parser; a bad one is a usage error naming the option."""
+    from ..placement.units import SizeError, parse_size  # noqa: PLC0415 - keep --help fast
+
+    try:
+        return parse_size(value)
+    except SizeError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+GpuMem = Annotated[Optional[int], typer.Option(
+    "--gpu-mem", parser=_size, show_default=False, metavar="SIZE",
+    help="GPU memory budget (e.g. 24GiB, 80GB, 0): place the model with the planner (as `rapidmoe-cli plan`: "
+    "every routed expert on the GPU if all fit, else the deepest whole layers' experts that fit, else CPU-only) instead of -ngl/--n-cpu-moe/-ot, "
+    "and log the plan. With no GPU device llama.cpp runs every layer on the CPU, as with -ngl.")]
+Reserve = Annotated[Optional[int], typer.Option(
+    "--reserve", parser=_size, show_default=False, metavar="SIZE",
+    help="With --gpu-mem: GPU memory kept free for compute buffers (default 1GiB).")]
+Freq = Annotated[Optional[Path], typer.Option(
+    "--freq", help="With --gpu-mem: expert frequencies, .npy/.json counts [layers, experts] or a GGUF imatrix "
+    "(default: uniform).")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's own log output.")]
 PolicyOpt = Annotated[Optional[Path], typer.Option(
     "--policy", help="With --residual: a UMIA policy JSON (from `rapidmoe-cli calibrate`) instead of a fixed -r.")]

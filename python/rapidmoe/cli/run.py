@@ -9,9 +9,11 @@ import typer
 
 from ..errors import ModelFileError, RapidMoEError
 from . import options
+from .budget import placement
 
 
 def run(
+    ctx: typer.Context,
     model: options.ModelArg = None,
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt text.")] = "Once upon a time",
     n_predict: Annotated[int, typer.Option("--n-predict", "-n", help="Tokens to generate.", min=0)] = 64,
@@ -25,13 +27,18 @@ def run(
     n_gpu_layers: options.GpuLayers = 0,
     n_cpu_moe: options.NCpuMoe = 0,
     override_tensor: options.OverrideTensor = None,
+    gpu_mem: options.GpuMem = None,
+    reserve: options.Reserve = None,
+    freq: options.Freq = None,
     residual: Annotated[Optional[Path], typer.Option("--residual", help="RESplit sidecar (.wr.gguf) made from MODEL: split expert routing.")] = None,
     n_critical: Annotated[int, typer.Option("--n-critical", "-r", help="With --residual: each token's r highest-weight experts run in high precision.", min=0)] = 2,
     policy: options.PolicyOpt = None,
     stats: Annotated[bool, typer.Option("--stats", help="With --residual: print the r chosen per layer and phase (histogram).")] = False,
     verbose: options.Verbose = False,
 ) -> None:
-    """Generate text from PROMPT with MODEL, streaming tokens as they come, then print prefill and decode speed."""
+    """Generate text from PROMPT with MODEL, streaming tokens as they come, then print prefill and decode speed.
+
+    Placement: -ngl/--n-cpu-moe/-ot by hand, or --gpu-mem BUDGET to let the planner choose them (logged)."""
     from ..default_model import ensure_default_model  # noqa: PLC0415 - keep --help fast
     from ..llama import Llama  # noqa: PLC0415
     from ..modelfile import require_moe  # noqa: PLC0415
@@ -40,9 +47,10 @@ def run(
     info = require_moe(path)
     if n_predict + 8 > ctx_size:
         raise ModelFileError(f"--n-predict {n_predict} does not fit in --ctx-size {ctx_size}")
+    place = placement(ctx, model=path, residual=residual, ctx_size=ctx_size, gpu_mem=gpu_mem, reserve=reserve,
+                      freq=freq, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=override_tensor)
     try:
-        llm = Llama(path, n_ctx=ctx_size, n_threads=threads, n_threads_batch=threads, seed=seed,
-                    n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=override_tensor,
+        llm = Llama(path, n_threads=threads, n_threads_batch=threads, seed=seed, **place,
                     residual_path=residual, n_critical=n_critical, policy=policy, verbose=verbose)
     except RapidMoEError:
         raise

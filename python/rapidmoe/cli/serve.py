@@ -9,9 +9,11 @@ import typer
 
 from ..errors import RapidMoEError
 from . import options
+from .budget import placement
 
 
 def serve(
+    ctx: typer.Context,
     model: options.ModelArg = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free port).", min=0, max=65535)] = 8080,
@@ -27,6 +29,9 @@ def serve(
     n_gpu_layers: options.GpuLayers = 0,
     n_cpu_moe: options.NCpuMoe = 0,
     override_tensor: options.OverrideTensor = None,
+    gpu_mem: options.GpuMem = None,
+    reserve: options.Reserve = None,
+    freq: options.Freq = None,
     residual: Annotated[Optional[Path], typer.Option("--residual", help="RESplit sidecar (.wr.gguf) made from MODEL: split expert routing.")] = None,
     n_critical: Annotated[int, typer.Option("--n-critical", "-r", help="With --residual: each token's r highest-weight experts run in high precision.", min=0)] = 2,
     policy: Annotated[Optional[Path], typer.Option("--policy", help="UMIA policy file (adaptive critical-set sizes).")] = None,
@@ -45,7 +50,8 @@ def serve(
     """Serve MODEL with llama-server's HTTP API: /completion, /v1/completions, /v1/chat/completions, /tokenize, ...
 
     Tools written for llama.cpp's llama-server or an OpenAI endpoint work unchanged. Binds to 127.0.0.1 unless
-    --host says otherwise; logs one line per request.
+    --host says otherwise; logs one line per request. Placement: -ngl/--n-cpu-moe/-ot by hand, or --gpu-mem
+    BUDGET to let the planner choose them for the whole context (-c), logged before the model loads.
     """
     from ..default_model import ensure_default_model  # noqa: PLC0415 - keep --help fast
     from ..server import ServerConfig, run_server  # noqa: PLC0415
@@ -56,12 +62,16 @@ def serve(
         except OSError as e:
             raise RapidMoEError(f"cannot read --chat-template-file {chat_template_file}: {e.strerror}") from None
     keys = tuple(k.strip() for k in (api_key or "").split(",") if k.strip())
+    path = model if model is not None else ensure_default_model()
+    place = placement(ctx, model=path, residual=residual, ctx_size=ctx_size, gpu_mem=gpu_mem, reserve=reserve,
+                      freq=freq, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=override_tensor)
     config = ServerConfig(
-        model=model if model is not None else ensure_default_model(), host=host, port=port,
+        model=path, host=host, port=port,
         aliases=tuple(a.strip() for a in (alias or "").split(",") if a.strip()),
         tags=tuple(a.strip() for a in (tags or "").split(",") if a.strip()), any_model=any_model,
         parallel=parallel, queue_size=queue_size, ctx_size=ctx_size, n_batch=n_batch, n_predict=n_predict,
-        threads=threads, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=tuple(override_tensor or ()),
+        threads=threads, n_gpu_layers=place["n_gpu_layers"], n_cpu_moe=place["n_cpu_moe"],
+        override_tensor=tuple(place["override_tensor"] or ()),
         residual=residual, n_critical=n_critical, policy=policy, api_keys=keys, timeout=timeout,
         queue_timeout=queue_timeout, max_body=max_body, chat_template=chat_template, seed=seed, temperature=temp,
         metrics=metrics, slots=slots, verbose=verbose)

@@ -14,6 +14,7 @@ from typing import Any
 from ._runtime import _core, llama_cpp
 from .errors import ModelFileError, RapidMoEError
 from .modelfile import read_model_info
+from .overlap import OverlapStats, overlap_mode
 from .overrides import BufferOverrides, build_overrides
 from .residual import MoELayerCounters, ResidualInfo, load_residual_info
 from .rpc import RPCDevice, model_devices, register_rpc_servers
@@ -52,6 +53,10 @@ class Llama(llama_cpp.Llama):
     policy: with a sidecar, a UMIA policy (rapidmoe.umia.Policy or the path of its JSON) instead of a fixed
         n_critical; change it later with `set_policy`, read what it chose with `r_histogram`.
     skip_noncritical: the "drop" baseline: non-critical experts are not computed at all (benchmarks only).
+    overlap: with a sidecar, "auto" (default): layers whose routed WQ experts are on a device (GPU, RPC) compute
+        the critical residuals on a worker thread while the device runs WQ (docs/execution.md); "off": after it;
+        "on": every split layer, also all-CPU (same results; for tests). Timing: `overlap_stats`.
+    overlap_threads: the residual worker's CPU threads (default: n_threads).
     verify_residual: check the base file's sha256 recorded in the sidecar (reads the whole base once).
     n_seq_max: sequences one context holds (llama.cpp's n_seq_max) for callers that batch several sequences
         through the low-level API; llama_cpp.Llama itself uses one.
@@ -73,6 +78,8 @@ class Llama(llama_cpp.Llama):
         n_critical: int = 2,
         policy: Policy | str | os.PathLike[str] | None = None,
         skip_noncritical: bool = False,
+        overlap: str = "auto",
+        overlap_threads: int | None = None,
         verify_residual: bool = True,
         n_seq_max: int = 1,
         rpc_servers: Sequence[str] | None = None,
@@ -91,6 +98,10 @@ class Llama(llama_cpp.Llama):
         self.residual: ResidualInfo | None = None
         self._policy_init = _as_policy(policy) if policy is not None else None
         self._skip_noncritical = skip_noncritical
+        self._overlap_mode = overlap_mode(overlap)
+        if overlap_threads is not None and overlap_threads < 1:
+            raise RapidMoEError(f"overlap_threads must be >= 1, got {overlap_threads}")
+        self._overlap_threads = overlap_threads
         if residual_path is None and (policy is not None or skip_noncritical):
             raise RapidMoEError("policy and skip_noncritical need a residual sidecar (residual_path=...)")
         if residual_path is not None:
@@ -149,6 +160,8 @@ class Llama(llama_cpp.Llama):
                 self._write_policy(model.model, self._policy_init)
             if self._skip_noncritical:
                 _core.set_skip_noncritical(model.model, True)
+            threads = self._overlap_threads or max(1, int(getattr(self, "n_threads", 1) or 1))
+            _core.set_overlap(model.model, self._overlap_mode, threads)
 
     def set_n_critical(self, n_critical: int) -> int:
         """Fixed r for the next calls: each token's r highest-weight experts run WQ+WR (0 <= r <= top-k)."""
@@ -199,6 +212,13 @@ class Llama(llama_cpp.Llama):
             return []
         raw = _core.moe_counters(self._model.model, reset)
         return self.residual.counters(raw)
+
+    def overlap_stats(self, reset: bool = False) -> OverlapStats:
+        """Per stage (gate/up, down) since the last reset: begin/join pairs and the time of the worker's residual
+        matmuls, of the device's work meanwhile, of join's wait and of the whole stage (all zero without overlap)."""
+        if self.residual is None:
+            raise RapidMoEError("no residual sidecar attached (pass residual_path=...)")
+        return OverlapStats.from_raw(_core.overlap_stats(self._model.model, reset))
 
     def tensor_buffer(self, name: str) -> str:
         """The buffer (device memory) holding the model's or the sidecar's tensor `name`: "CPU", "CPU_REPACK",

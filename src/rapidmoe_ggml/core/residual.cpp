@@ -88,6 +88,27 @@ void bind_residual(nb::module_ & m) {
               }
           }, "model"_a, "skip"_a,
           "Drop baseline: non-critical slots are not computed at all. Read at graph build: set before the context.");
+    m.def("set_overlap", [](uintptr_t model, int32_t mode, int32_t n_threads) {
+              if (mode < 0 || mode > 2) {
+                  throw std::invalid_argument("overlap mode is 0 (off), 1 (auto) or 2 (on), got " + std::to_string(mode));
+              }
+              if (n_threads < 1) {
+                  throw std::invalid_argument("overlap threads must be >= 1, got " + std::to_string(n_threads));
+              }
+              if (rapidmoe_llama_set_overlap(as_model(model), mode, n_threads) != 0) {
+                  throw std::invalid_argument("no residual sidecar is attached to this model");
+              }
+          }, "model"_a, "mode"_a, "n_threads"_a,
+          "Overlap of the residual work with the device's WQ work: mode 0 off, 1 auto (WQ on a device), 2 on; the "
+          "residual worker's threads. The mode is read at graph build: set it before the context.");
+    m.def("overlap_stats", [](uintptr_t model, bool reset) {
+              auto * out = new int64_t[10]();
+              rapidmoe_llama_overlap_stats(as_model(model), out, reset);
+              nb::capsule owner(out, [](void * q) noexcept { delete[] (int64_t *) q; });
+              return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(out, {2, 5}, owner);
+          }, "model"_a, "reset"_a = false,
+          "Overlap timing since the last reset, int64 [stage (0 gate/up, 1 down), 5]: begin/join pairs, then ns "
+          "of the worker's matmuls, of the device's work (begin returned -> join started), join's wait, wall.");
     m.def("r_histogram", [](uintptr_t model, bool reset) {
               constexpr int W = 65;
               std::vector<int64_t> buf((size_t) 2 * W * 4096);

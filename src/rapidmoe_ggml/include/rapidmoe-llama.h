@@ -38,6 +38,16 @@ LLAMA_API int32_t rapidmoe_llama_set_n_critical(const struct llama_model * model
 // The "drop" baseline: non-critical slots are not computed at all (no WQ either). Read when a graph is built:
 // set it before creating a context. 0, or -1 without a sidecar.
 LLAMA_API int32_t rapidmoe_llama_set_skip_noncritical(const struct llama_model * model, bool skip);
+// Overlap of the CPU's residual work with the device's WQ work (docs/execution.md): mode 0 off (residual nodes in
+// the graph, computed after the device's work), 1 auto (layers whose WQ experts are not in host memory), 2 on
+// (every split layer, also all-CPU); n_threads: the residual worker's CPU threads. The mode is read when a graph
+// is built (set it before creating a context); the threads apply from the next task. 0, or -1 without a sidecar
+// or for a bad mode.
+LLAMA_API int32_t rapidmoe_llama_set_overlap(const struct llama_model * model, int32_t mode, int32_t n_threads);
+// Overlap timing per stage (0 gate/up, 1 down) since the last reset: out[5*stage + 0] begin/join pairs, then the
+// sums in ns of [1] the worker's residual matmuls, [2] begin returned -> join started (the device's work and
+// copies), [3] join blocked on the worker after that, [4] begin started -> join done. 2, or 0 without a sidecar.
+LLAMA_API int32_t rapidmoe_llama_overlap_stats(const struct llama_model * model, int64_t * out, bool reset);
 // Per layer i: out[3*i + 0] tokens, [3*i + 1] expert slots, [3*i + 2] critical slots, since the last reset
 // (of these counters or of the histogram: they share it). Returns the number of layers written (0 without a sidecar).
 LLAMA_API int32_t rapidmoe_llama_counters(const struct llama_model * model, int64_t * out, int32_t n_layer_max,

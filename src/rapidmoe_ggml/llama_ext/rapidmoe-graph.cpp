@@ -3,7 +3,8 @@
 // others use WQ only. Residual matmuls use ggml_mul_mat_id_masked with -1 ids for non-critical slots, so the
 // CPU reads residual weights only for critical experts. r comes from UMIA's op (rapidmoe-umia.h), which reads
 // its policy tensor when the graph is computed (not built), so the policy changes between calls without
-// rebuilding anything.
+// rebuilding anything. When the WQ experts are on another device the residual work overlaps with theirs
+// (rapidmoe-overlap.h).
 #include "rapidmoe-graph.h"
 
 #include "rapidmoe-residual.h"
@@ -55,17 +56,17 @@ rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor *
     s.crit_ids = rapidmoe_umia_critical_ids(ctx, weights, selected, layer.state->policy,
                                             layer.sites[phase].get()); // [k, T]
     g.cb(s.crit_ids, "rapidmoe_critical_ids", il);
-    s.keep = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, k, T, 1, &s.crit_ids, 1, keep_mask_op, 1, nullptr); // [1, k, T]
-    g.cb(s.keep, "rapidmoe_keep", il);
     // our custom ops run on the CPU: a device that claims every op (RPC) must not get them (their function
     // pointers mean nothing in another process), and a GPU refuses them anyway
     on_cpu(g, s.crit_ids);
-    on_cpu(g, s.keep);
     s.g = &g;
     s.layer = &layer;
     s.x = x;
     s.il = il;
     s.skip_noncritical = layer.state->skip_noncritical.load();
+    const int mode = layer.state->overlap_mode.load();
+    const bool wq_on_device = up_exps->buffer != nullptr && !ggml_backend_buffer_is_host(up_exps->buffer);
+    s.overlap = mode == RAPIDMOE_OVERLAP_ON || (mode == RAPIDMOE_OVERLAP_AUTO && wq_on_device);
     return s;
 }
 
@@ -81,24 +82,39 @@ void wq_critical_only(const rapidmoe_moe_split & s, ggml_tensor * wq) {
 
 // t + the residual matmul of the critical slots (zeros elsewhere): [n_ff, k, T]
 ggml_tensor * add_residual(const rapidmoe_moe_split & s, ggml_tensor * t, ggml_tensor * wr, const char * name) {
-    if (s.layer == nullptr) {
-        return t;
-    }
-    wq_critical_only(s, t);
     ggml_tensor * r = ggml_mul_mat_id_masked(s.g->ctx0, wr, s.x, s.crit_ids);
     s.g->cb(r, name, s.il);
     on_cpu(*s.g, r); // the sidecar is in CPU memory: the residual work is the CPU's
     return ggml_add(s.g->ctx0, t, r);
 }
 
-}  // namespace
-
-ggml_tensor * rapidmoe_moe_up(const rapidmoe_moe_split & s, ggml_tensor * up) {
-    return add_residual(s, up, s.layer ? s.layer->up_wr : nullptr, "rapidmoe_up_wr");
+rapidmoe_overlap_site * site(const rapidmoe_moe_split & s, int stage) {
+    return const_cast<rapidmoe_overlap_site *>(&s.layer->overlap[stage]);
 }
 
-ggml_tensor * rapidmoe_moe_gate(const rapidmoe_moe_split & s, ggml_tensor * gate) {
-    return add_residual(s, gate, s.layer ? s.layer->gate_wr : nullptr, "rapidmoe_gate_wr");
+}  // namespace
+
+void rapidmoe_moe_gate_up(const rapidmoe_moe_split & s, ggml_tensor *& gate, ggml_tensor *& up) {
+    if (s.layer == nullptr) {
+        return;
+    }
+    wq_critical_only(s, gate);
+    wq_critical_only(s, up);
+    if (!s.overlap) {
+        up = add_residual(s, up, s.layer->up_wr, "rapidmoe_up_wr");
+        gate = add_residual(s, gate, s.layer->gate_wr, "rapidmoe_gate_wr");
+        return;
+    }
+    ggml_context * ctx = s.g->ctx0;
+    // begin comes before the WQ matmuls in the graph's order (join's first input), join after them
+    ggml_tensor * r = rapidmoe_overlap_begin_gate_up(ctx, site(s, RAPIDMOE_OVERLAP_GATE_UP), s.x, s.crit_ids);
+    s.g->cb(r, "rapidmoe_gate_up_wr_begin", s.il);
+    on_cpu(*s.g, r);
+    ggml_tensor * j = rapidmoe_overlap_join_gate_up(ctx, site(s, RAPIDMOE_OVERLAP_GATE_UP), r, gate, up);
+    s.g->cb(j, "rapidmoe_gate_up_wr_join", s.il);
+    on_cpu(*s.g, j);
+    gate = ggml_view_3d(ctx, j, j->ne[0], j->ne[1], j->ne[2], j->nb[1], j->nb[2], 0);
+    up = ggml_view_3d(ctx, j, j->ne[0], j->ne[1], j->ne[2], j->nb[1], j->nb[2], j->nb[3]);
 }
 
 ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * experts, ggml_tensor * act) {
@@ -107,11 +123,25 @@ ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * expe
     }
     ggml_context * ctx = s.g->ctx0;
     wq_critical_only(s, experts);
+    if (s.overlap) {
+        ggml_tensor * r = rapidmoe_overlap_begin_down(ctx, site(s, RAPIDMOE_OVERLAP_DOWN), act, s.crit_ids);
+        s.g->cb(r, "rapidmoe_down_begin", s.il);
+        on_cpu(*s.g, r);
+        ggml_tensor * j = rapidmoe_overlap_join_down(ctx, site(s, RAPIDMOE_OVERLAP_DOWN), r, experts, s.crit_ids);
+        s.g->cb(j, "rapidmoe_down_join", s.il);
+        on_cpu(*s.g, j);
+        return j;
+    }
     ggml_tensor * hi = ggml_mul_mat_id_masked(ctx, s.layer->down_hi, act, s.crit_ids); // [n_embd, k, T]
     s.g->cb(hi, s.layer->down_is_copy ? "rapidmoe_down_hi" : "rapidmoe_down_wr", s.il);
     on_cpu(*s.g, hi);
-    if (s.layer->down_is_copy) {
-        experts = ggml_mul(ctx, experts, s.keep); // WQ result only where the slot is not critical
+    if (s.layer->down_is_copy) { // WQ result only where the slot is not critical
+        ggml_tensor * ids = s.crit_ids;
+        ggml_tensor * keep = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, act->ne[1], act->ne[2], 1, &ids, 1,
+                                            keep_mask_op, 1, nullptr); // [1, k, T]
+        s.g->cb(keep, "rapidmoe_keep", s.il);
+        on_cpu(*s.g, keep);
+        experts = ggml_mul(ctx, experts, keep);
     }
     return ggml_add(ctx, experts, hi);
 }

@@ -85,6 +85,31 @@ int32_t rapidmoe_llama_set_skip_noncritical(const llama_model * model, bool skip
     return 0;
 }
 
+int32_t rapidmoe_llama_set_overlap(const llama_model * model, int32_t mode, int32_t n_threads) {
+    rapidmoe_residual_state * st = rapidmoe_residual_get(model);
+    if (st == nullptr || mode < RAPIDMOE_OVERLAP_OFF || mode > RAPIDMOE_OVERLAP_ON || st->worker == nullptr) {
+        return -1;
+    }
+    st->overlap_mode = mode;
+    st->worker->set_n_threads(n_threads);
+    return 0;
+}
+
+int32_t rapidmoe_llama_overlap_stats(const llama_model * model, int64_t * out, bool reset) {
+    rapidmoe_residual_state * st = rapidmoe_residual_get(model);
+    if (st == nullptr) {
+        return 0;
+    }
+    for (int stage = 0; stage < RAPIDMOE_OVERLAP_N_STAGES; ++stage) {
+        auto & t = st->overlap_timing[stage];
+        std::atomic<int64_t> * f[5] = { &t.n, &t.cpu_ns, &t.device_ns, &t.wait_ns, &t.wall_ns };
+        for (int i = 0; i < 5; ++i) {
+            out[5 * stage + i] = reset ? f[i]->exchange(0) : f[i]->load();
+        }
+    }
+    return RAPIDMOE_OVERLAP_N_STAGES;
+}
+
 int32_t rapidmoe_llama_r_histogram(const llama_model * model, int64_t * out, int32_t n_layer_max, bool reset) {
     rapidmoe_residual_state * st = rapidmoe_residual_get(model);
     if (st == nullptr) {

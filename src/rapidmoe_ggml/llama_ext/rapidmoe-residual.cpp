@@ -44,6 +44,7 @@ bool parse_name(const std::string & name, int & il, std::string & role, std::str
 }  // namespace
 
 rapidmoe_residual_state::~rapidmoe_residual_state() {
+    worker.reset(); // finishes any queued residual task before the weights it reads are freed
     if (buf != nullptr) {
         ggml_backend_buffer_free(buf);
     }
@@ -124,6 +125,9 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
             lr.sites[phase]->il = il;
             lr.sites[phase]->phase = phase;
         }
+        for (int stage = 0; stage < RAPIDMOE_OVERLAP_N_STAGES; ++stage) {
+            lr.overlap[stage] = { &lr, stage, nullptr, &st->overlap_timing[stage] };
+        }
         if (r == "up" && f == "wr") lr.up_wr = t;
         else if (r == "gate" && f == "wr") lr.gate_wr = t;
         else if (r == "down" && (f == "wr" || f == "hi")) { lr.down_hi = t; lr.down_is_copy = f == "hi"; }
@@ -147,6 +151,13 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
             err = "out of memory allocating the sidecar's tensors";
         } else { // every slot critical until a policy is set: the graph computes exactly the full-precision model
             rapidmoe_umia_set_fixed(st->policy, st->n_expert_used);
+            // idle until a graph overlaps (one sleeping thread); rapidmoe_llama_set_overlap sets its threads
+            st->worker = std::make_unique<rapidmoe_residual_worker>(1);
+            for (auto & lr : st->layers) {
+                for (auto & site : lr.overlap) {
+                    site.worker = st->worker.get();
+                }
+            }
         }
     }
     if (err.empty()) {

@@ -5,6 +5,7 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 
+#include "rapidmoe-overlap.h"
 #include "rapidmoe-umia.h"
 
 #include <array>
@@ -32,6 +33,8 @@ struct rapidmoe_layer_residual {
     // UMIA's op state and r histogram, one per phase (index rapidmoe_umia_phase)
     std::array<std::unique_ptr<rapidmoe_umia_site>, 2> sites = { std::make_unique<rapidmoe_umia_site>(),
                                                                  std::make_unique<rapidmoe_umia_site>() };
+    // the begin/join ops' userdata when this layer overlaps its residual work with the device's (per stage)
+    std::array<rapidmoe_overlap_site, RAPIDMOE_OVERLAP_N_STAGES> overlap;
 };
 
 struct rapidmoe_residual_state {
@@ -39,6 +42,9 @@ struct rapidmoe_residual_state {
     int n_expert_used = 0;
     ggml_tensor * policy = nullptr;          // UMIA parameters (rapidmoe-umia.h), CPU memory, read at compute time
     std::atomic<bool> skip_noncritical{false}; // "drop" baseline: non-critical slots are not computed at all
+    std::atomic<int> overlap_mode{RAPIDMOE_OVERLAP_AUTO}; // rapidmoe_overlap_mode, read at graph build
+    std::unique_ptr<rapidmoe_residual_worker> worker;     // runs the overlapped residual work
+    std::array<rapidmoe_overlap_timing, RAPIDMOE_OVERLAP_N_STAGES> overlap_timing;
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;
     std::vector<rapidmoe_layer_residual> layers; // index = layer; layers without experts stay empty

@@ -1,0 +1,270 @@
+// The residual worker and the begin/join ops that overlap the CPU's residual work with the device's WQ work
+// (design in rapidmoe-overlap.h and docs/execution.md).
+#include "rapidmoe-overlap.h"
+
+#include "rapidmoe-residual.h"
+
+#include "ggml-cpu.h"
+
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+int64_t rapidmoe_overlap_now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// ---- worker ----------------------------------------------------------------------------------------------
+
+rapidmoe_residual_worker::rapidmoe_residual_worker(int n_threads) : n_threads_(n_threads < 1 ? 1 : n_threads) {
+    backend_ = ggml_backend_cpu_init();
+    GGML_ASSERT(backend_ != nullptr);
+    ggml_backend_cpu_set_n_threads(backend_, n_threads_);
+    thread_ = std::thread([this] { loop(); });
+}
+
+rapidmoe_residual_worker::~rapidmoe_residual_worker() {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stop_ = true; // the loop drains the queue first: a queued task writes into a live compute buffer
+    }
+    wake_.notify_all();
+    thread_.join();
+    ggml_backend_free(backend_);
+}
+
+void rapidmoe_residual_worker::set_n_threads(int n_threads) {
+    std::lock_guard<std::mutex> lock(mutex_); // the loop reads the backend's thread count under the same lock
+    n_threads_ = n_threads < 1 ? 1 : n_threads;
+    ggml_backend_cpu_set_n_threads(backend_, n_threads_);
+}
+
+void rapidmoe_residual_worker::submit(const void * key, work_fn work, int64_t t_begin_ns) {
+    auto t = std::make_shared<task>();
+    t->work = std::move(work);
+    t->t.begin_ns = t_begin_ns;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        t->t.returned_ns = rapidmoe_overlap_now_ns();
+        queue_.push_back(t);
+        tasks_[key] = t;
+    }
+    wake_.notify_one();
+}
+
+bool rapidmoe_residual_worker::wait(const void * key, times * out) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto it = tasks_.find(key);
+    if (it == tasks_.end()) {
+        return false;
+    }
+    std::shared_ptr<task> t = it->second;
+    done_.wait(lock, [&] { return t->done; });
+    if (out != nullptr) {
+        *out = t->t;
+    }
+    return true;
+}
+
+void rapidmoe_residual_worker::loop() {
+    for (;;) {
+        std::shared_ptr<task> t;
+        {
+            std::unique_lock<std::mutex> lock(mutex_);
+            wake_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+            if (queue_.empty()) {
+                return; // stop_ and drained
+            }
+            t = queue_.front();
+            queue_.pop_front();
+        }
+        const int64_t t0 = rapidmoe_overlap_now_ns();
+        t->work(backend_);
+        const int64_t t1 = rapidmoe_overlap_now_ns();
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            t->t.cpu_ns = t1 - t0;
+            t->done = true;
+            t->work = nullptr; // frees the task's input copies now
+        }
+        done_.notify_all();
+    }
+}
+
+// ---- the worker's graphs ---------------------------------------------------------------------------------
+
+namespace {
+
+// A contiguous copy of a 3-d F32 or I32 tensor, taken in the begin op (the allocator may reuse the source
+// as soon as begin returns).
+std::vector<char> copy_3d(const ggml_tensor * t) {
+    const size_t row = (size_t) t->ne[0] * ggml_type_size(t->type);
+    std::vector<char> out(row * (size_t) (t->ne[1] * t->ne[2]));
+    char * dst = out.data();
+    for (int64_t i2 = 0; i2 < t->ne[2]; ++i2) {
+        for (int64_t i1 = 0; i1 < t->ne[1]; ++i1) {
+            std::memcpy(dst, (const char *) t->data + i1 * t->nb[1] + i2 * t->nb[2], row);
+            dst += row;
+        }
+    }
+    return out;
+}
+
+// The masked residual matmuls of one stage, computed on the worker's CPU backend straight into `out`.
+struct residual_job {
+    const rapidmoe_layer_residual * layer;
+    int stage;
+    int64_t in_ne[3];
+    int64_t k, T;
+    std::vector<char> in;  // the stage's input, contiguous F32
+    std::vector<char> ids; // critical ids [k, T], -1 elsewhere
+    char * out;            // begin's output (allocated until join has read it)
+    size_t out_part;       // bytes between the gate and up residuals (gate/up stage)
+
+    void operator()(ggml_backend_t cpu) {
+        ggml_init_params p = { 8 * ggml_tensor_overhead() + ggml_graph_overhead_custom(8, false), nullptr, true };
+        ggml_context * ctx = ggml_init(p);
+        ggml_tensor * x = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, in_ne[0], in_ne[1], in_ne[2]);
+        x->data = in.data();
+        ggml_tensor * id = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, T);
+        id->data = ids.data();
+        ggml_cgraph * gf = ggml_new_graph_custom(ctx, 8, false);
+        if (stage == RAPIDMOE_OVERLAP_GATE_UP) {
+            ggml_tensor * gate = ggml_mul_mat_id_masked(ctx, layer->gate_wr, x, id);
+            ggml_tensor * up = ggml_mul_mat_id_masked(ctx, layer->up_wr, x, id);
+            gate->data = out;
+            up->data = out + out_part;
+            ggml_build_forward_expand(gf, gate);
+            ggml_build_forward_expand(gf, up);
+        } else {
+            ggml_tensor * down = ggml_mul_mat_id_masked(ctx, layer->down_hi, x, id);
+            down->data = out;
+            ggml_build_forward_expand(gf, down);
+        }
+        ggml_backend_graph_compute(cpu, gf);
+        ggml_free(ctx);
+    }
+};
+
+// begin: dst->src = {input, critical ids}
+void begin_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    const int64_t t0 = rapidmoe_overlap_now_ns();
+    auto * site = (rapidmoe_overlap_site *) userdata;
+    const ggml_tensor * in = dst->src[0];
+    const ggml_tensor * ids = dst->src[1];
+    auto job = std::make_shared<residual_job>();
+    job->layer = site->layer;
+    job->stage = site->stage;
+    job->in_ne[0] = in->ne[0];
+    job->in_ne[1] = in->ne[1];
+    job->in_ne[2] = in->ne[2];
+    job->k = ids->ne[0];
+    job->T = ids->ne[1];
+    job->in = copy_3d(in);
+    job->ids = copy_3d(ids);
+    job->out = (char *) dst->data;
+    job->out_part = dst->nb[3];
+    site->worker->submit(dst->data, [job](ggml_backend_t cpu) { (*job)(cpu); }, t0);
+}
+
+// Wait for the task whose output is `r` (every thread: each combines its share after it); thread 0 records
+// the stage's timing. Returns the time the device's results were here (join started).
+void join_wait(const rapidmoe_overlap_site * site, const ggml_tensor * r, int ith) {
+    const int64_t t_enter = rapidmoe_overlap_now_ns();
+    rapidmoe_residual_worker::times t;
+    GGML_ASSERT(site->worker->wait(r->data, &t) && "rapidmoe: join without its begin");
+    if (ith == 0) {
+        const int64_t t_done = rapidmoe_overlap_now_ns();
+        rapidmoe_overlap_timing & tm = *site->timing;
+        tm.n += 1;
+        tm.cpu_ns += t.cpu_ns;
+        tm.device_ns += t_enter - t.returned_ns;
+        tm.wait_ns += t_done - t_enter;
+        tm.wall_ns += t_done - t.begin_ns; // the combine after it is a few adds
+    }
+}
+
+inline const float * row_of(const ggml_tensor * t, int64_t i1, int64_t i2, int64_t i3 = 0) {
+    return (const float *) ((const char *) t->data + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3]);
+}
+
+inline float * row_of(ggml_tensor * t, int64_t i1, int64_t i2, int64_t i3 = 0) {
+    return (float *) ((char *) t->data + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3]);
+}
+
+// join (gate/up): dst->src = {R, gate, up}; dst [n_ff, k, T, 2] = (gate + R[.., 0], up + R[.., 1])
+void join_gate_up_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const ggml_tensor * r = dst->src[0];
+    join_wait((const rapidmoe_overlap_site *) userdata, r, ith);
+    const int64_t n = dst->ne[0], rows = dst->ne[1] * dst->ne[2];
+    for (int64_t row = ith; row < 2 * rows; row += nth) {
+        const int64_t part = row / rows, i1 = (row % rows) % dst->ne[1], i2 = (row % rows) / dst->ne[1];
+        const float * wq = row_of(dst->src[1 + part], i1, i2);
+        const float * res = row_of(r, i1, i2, part);
+        float * out = row_of(dst, i1, i2, part);
+        for (int64_t i = 0; i < n; ++i) {
+            out[i] = wq[i] + res[i];
+        }
+    }
+}
+
+// join (down): dst->src = {R, WQ down, critical ids}; critical slots: R (a copy) or WQ + R (a residual)
+void join_down_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto * site = (const rapidmoe_overlap_site *) userdata;
+    const ggml_tensor * r = dst->src[0];
+    const ggml_tensor * ids = dst->src[2];
+    join_wait(site, r, ith);
+    const bool copy = site->layer->down_is_copy;
+    const int64_t n = dst->ne[0], rows = dst->ne[1] * dst->ne[2];
+    for (int64_t row = ith; row < rows; row += nth) {
+        const int64_t i1 = row % dst->ne[1], i2 = row / dst->ne[1];
+        const bool critical = *(const int32_t *) ((const char *) ids->data + i1 * ids->nb[0] + i2 * ids->nb[1]) >= 0;
+        const float * wq = row_of(dst->src[1], i1, i2);
+        const float * res = row_of(r, i1, i2);
+        float * out = row_of(dst, i1, i2);
+        for (int64_t i = 0; i < n; ++i) {
+            out[i] = critical ? (copy ? res[i] : wq[i] + res[i]) : wq[i];
+        }
+    }
+}
+
+}  // namespace
+
+ggml_tensor * rapidmoe_overlap_begin_gate_up(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * x,
+                                             ggml_tensor * crit_ids) {
+    ggml_tensor * args[2] = { x, crit_ids };
+    const int64_t n_ff = site->layer->gate_wr->ne[1];
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, n_ff, crit_ids->ne[0], crit_ids->ne[1], 2, args, 2, begin_op, 1, site);
+}
+
+ggml_tensor * rapidmoe_overlap_join_gate_up(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * r,
+                                            ggml_tensor * gate, ggml_tensor * up) {
+    GGML_ASSERT(gate->type == GGML_TYPE_F32 && up->type == GGML_TYPE_F32);
+    GGML_ASSERT(ggml_are_same_shape(gate, up) && gate->ne[0] == r->ne[0] && gate->ne[1] == r->ne[1] &&
+                gate->ne[2] == r->ne[2]);
+    ggml_tensor * args[3] = { r, gate, up };
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, r->ne[0], r->ne[1], r->ne[2], 2, args, 3, join_gate_up_op,
+                          GGML_N_TASKS_MAX, site);
+}
+
+ggml_tensor * rapidmoe_overlap_begin_down(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * act,
+                                          ggml_tensor * crit_ids) {
+    GGML_ASSERT(act->type == GGML_TYPE_F32);
+    ggml_tensor * args[2] = { act, crit_ids };
+    const int64_t n_embd = site->layer->down_hi->ne[1];
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, crit_ids->ne[0], crit_ids->ne[1], 1, args, 2, begin_op, 1,
+                          site);
+}
+
+ggml_tensor * rapidmoe_overlap_join_down(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * r,
+                                         ggml_tensor * experts, ggml_tensor * crit_ids) {
+    GGML_ASSERT(experts->type == GGML_TYPE_F32 && ggml_are_same_shape(experts, r));
+    ggml_tensor * args[3] = { r, experts, crit_ids };
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, r->ne[0], r->ne[1], r->ne[2], 1, args, 3, join_down_op,
+                          GGML_N_TASKS_MAX, site);
+}

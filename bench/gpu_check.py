@@ -8,8 +8,9 @@ baseline) and a RESplit pair (preset cpu), then
   2. speed: prefill and decode tokens/s of "stock" (our build on the plain Q4_K_M file: no sidecar, so every
      hook returns its input and the graph is stock llama.cpp's) with -ngl 99 -ot exps=CPU, vs ours with all
      WQ on the GPU at fixed r = 0, 1, 2 and with a UMIA policy;
-  3. serial CPU residual cost: decode time at r minus decode time at r = 0 (the CPU work that overlap would
-     hide; there is no overlap today, docs/execution.md).
+  3. overlap: ours at each r twice, with the residual work after the GPU's (overlap "off") and on the residual
+     worker while the GPU computes ("auto"), the decode overlap timing (worker, device, wall per token) and the
+     serial CPU residual cost (decode time at r minus at r = 0, overlap off; docs/execution.md).
 It writes a markdown table and JSON. `--cpu` runs the same steps with -ngl 0 (tiny sizes, no GPU): the test.
 """
 from __future__ import annotations
@@ -66,11 +67,20 @@ def speed(path: Path, n_prompt: int, n_gen: int, threads: int, **kw) -> dict[str
         t0 = time.perf_counter()
         llm.eval(toks)
         t1 = time.perf_counter()
+        if llm.residual is not None:
+            llm.overlap_stats(reset=True)
         for _ in range(n_gen):
             llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
         t2 = time.perf_counter()
-        return {"prefill_tps": len(toks) / (t1 - t0), "decode_tps": n_gen / (t2 - t1),
-                "decode_ms_per_token": 1e3 * (t2 - t1) / n_gen}
+        out: dict[str, float] = {"prefill_tps": len(toks) / (t1 - t0), "decode_tps": n_gen / (t2 - t1),
+                                 "decode_ms_per_token": 1e3 * (t2 - t1) / n_gen}
+        if llm.residual is not None:  # per decoded token, both stages together
+            st = llm.overlap_stats()
+            stages = (st.gate_up, st.down)
+            out.update({f"overlap_{f}_ms": sum(getattr(x, f"{f}_ms") for x in stages) / n_gen
+                        for f in ("cpu", "device", "wall", "hidden")})
+            out["overlap_pairs"] = st.pairs
+        return out
     finally:
         llm.close()
 
@@ -123,11 +133,15 @@ def main() -> int:
 
     checks: list[dict[str, object]] = []
     ref = logits(f16, toks, args.threads)
+    # with -ngl 0 (the dry run) "auto" would not overlap: force the overlapped graph there
+    overlapped = "on" if args.cpu else "auto"
     for label, cfg in [("r=0", {"n_critical": 0}), ("r=1", {"n_critical": 1}), ("r=2", {"n_critical": 2}),
                        ("UMIA", {"policy": policy})]:
-        cpu = logits(wq, toks, args.threads, residual_path=wr, **cfg)
-        dev = logits(wq, toks, args.threads, residual_path=wr, n_gpu_layers=gpu, **cfg)
-        checks.append({"variant": f"ours {label}", "rel_gpu_vs_cpu": rel(dev, cpu), **kl_stats(ref, dev)})
+        cpu = logits(wq, toks, args.threads, residual_path=wr, overlap="off", **cfg)
+        for mode in ("off", overlapped):
+            dev = logits(wq, toks, args.threads, residual_path=wr, n_gpu_layers=gpu, overlap=mode, **cfg)
+            checks.append({"variant": f"ours {label}, overlap {mode}", "rel_gpu_vs_cpu": rel(dev, cpu),
+                           **kl_stats(ref, dev)})
     cpu = logits(q4, toks, args.threads)
     dev = logits(q4, toks, args.threads, n_gpu_layers=gpu, override_tensor="exps=CPU")
     checks.append({"variant": "stock Q4_K_M -ot exps=CPU", "rel_gpu_vs_cpu": rel(dev, cpu), **kl_stats(ref, dev)})
@@ -137,11 +151,14 @@ def main() -> int:
                  **speed(q4, args.prompt, args.gen, args.threads, n_gpu_layers=gpu, override_tensor="exps=CPU")})
     for label, cfg in [("r=0", {"n_critical": 0}), ("r=1", {"n_critical": 1}), ("r=2", {"n_critical": 2}),
                        (f"r={k}", {"n_critical": k}), ("UMIA", {"policy": policy})]:
-        runs.append({"variant": f"ours {label}, WQ -ngl 99, sidecar CPU",
-                     **speed(wq, args.prompt, args.gen, args.threads, residual_path=wr, n_gpu_layers=gpu, **cfg)})
-    base = float(runs[1]["decode_ms_per_token"])  # type: ignore[arg-type]
+        for mode in ("off", overlapped):
+            runs.append({"variant": f"ours {label}, WQ -ngl 99, sidecar CPU, overlap {mode}", "overlap": mode,
+                         **speed(wq, args.prompt, args.gen, args.threads, residual_path=wr, n_gpu_layers=gpu,
+                                 overlap=mode, **cfg)})
+    base = float(runs[1]["decode_ms_per_token"])  # type: ignore[arg-type]  # ours r=0, overlap off
     for r in runs[1:]:
-        r["serial_cpu_residual_ms"] = float(r["decode_ms_per_token"]) - base  # type: ignore[arg-type]
+        if r["overlap"] == "off":
+            r["serial_cpu_residual_ms"] = float(r["decode_ms_per_token"]) - base  # type: ignore[arg-type]
 
     md = [f"# gpu_check ({'CPU dry run, -ngl 0' if args.cpu else 'GPU'}; {args.size} qwen3moe, "
           f"{args.n_layer or 'all'} layers; prep {t_prep:.0f} s)", "",
@@ -149,12 +166,18 @@ def main() -> int:
           + ", ".join(f"{n} {s / 2**30:.2f} GiB{' (> budget)' if s > budget else ''}" for n, s in sizes.items()), "",
           "| variant | rel. logits GPU path vs CPU path | KL vs F16 | top-1 same |", "|---|---|---|---|"]
     md += [f"| {c['variant']} | {c['rel_gpu_vs_cpu']:.2e} | {c['kl_mean']:.4f} | {c['top1_same']:.2f} |" for c in checks]
+    nan = float("nan")
     md += ["", f"| variant | prefill tok/s ({args.prompt}) | decode tok/s ({args.gen}) | decode ms/token | "
-           "serial CPU residual ms/token (vs r=0) |", "|---|---|---|---|---|"]
+           "serial CPU residual ms/token (vs r=0) | overlap worker / device / wall / hidden ms/token |",
+           "|---|---|---|---|---|---|"]
     md += [f"| {r['variant']} | {r['prefill_tps']:.1f} | {r['decode_tps']:.1f} | {r['decode_ms_per_token']:.2f} | "
-           f"{r.get('serial_cpu_residual_ms', float('nan')):.2f} |" for r in runs]
-    md += ["", "Overlap: none built; the last column is the CPU residual time the scheduler runs after the GPU's "
-           "work of each layer (docs/execution.md)."]
+           f"{r.get('serial_cpu_residual_ms', nan):.2f} | "
+           + (" / ".join(f"{r[f'overlap_{f}_ms']:.2f}" for f in ("cpu", "device", "wall", "hidden"))
+              if r.get("overlap_pairs") else "-") + " |" for r in runs]
+    md += ["", "Overlap off: the CPU residual work runs after the GPU's work of each layer (serial column). Overlap "
+           f"{overlapped}: on the residual worker while the GPU computes WQ (worker = its matmuls, device = begin "
+           "returned to join started, wall = the two stages as the layers saw them, hidden = worker + device - "
+           "wall; docs/execution.md)."]
     out = args.out or wd / "gpu_check.md"
     out.write_text("\n".join(md) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"checks": checks, "runs": runs, "sizes": sizes}, indent=1))

@@ -30,3 +30,8 @@ def test_cpu_dry_run(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert all(c["rel_gpu_vs_cpu"] == 0.0 for c in res["checks"])  # -ngl 0: the same computation
     assert all(r["decode_tps"] > 0 and r["prefill_tps"] > 0 for r in res["runs"])
+    # ours twice per r: overlap off (no begin/join pairs) and forced on (-ngl 0 would not overlap on "auto")
+    ours = [r for r in res["runs"] if "overlap" in r]
+    assert {r["overlap"] for r in ours} == {"off", "on"}
+    assert all((r["overlap_pairs"] > 0) == (r["overlap"] == "on") for r in ours)
+    assert sum("overlap off" in c["variant"] for c in res["checks"]) == sum("overlap on" in c["variant"] for c in res["checks"]) == 4

@@ -97,3 +97,22 @@ def test_bad_overlap_arguments(make_split) -> None:  # type: ignore[no-untyped-d
         finally:
             llm.close()
     assert overlap_mode("on") == 2
+
+
+def test_cli_run_overlap_and_stats(make_split) -> None:  # type: ignore[no-untyped-def]
+    """`run --overlap on --stats` reports the overlap timing; greedy text equals `--overlap off`; a bad mode is
+    a usage error naming the choices."""
+    import subprocess
+    import sys
+
+    _, wq, wr = make_split("qwen3moe")
+    base = [sys.executable, "-m", "rapidmoe.cli", "run", str(wq), "--residual", str(wr), "-p", "Hello", "-n", "8",
+            "--temp", "0", "-c", "128", "--stats"]
+    on = subprocess.run([*base, "--overlap", "on"], capture_output=True, text=True, timeout=300)
+    off = subprocess.run([*base, "--overlap", "off"], capture_output=True, text=True, timeout=300)
+    assert on.returncode == 0 and off.returncode == 0, on.stderr[-2000:] + off.stderr[-2000:]
+    assert on.stdout == off.stdout
+    assert "overlap gate/up:" in on.stderr and "overlap down:" in on.stderr and "hidden" in on.stderr
+    assert "overlap gate/up:" not in off.stderr
+    bad = subprocess.run([*base, "--overlap", "maybe"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "maybe" in bad.stderr and "auto" in bad.stderr

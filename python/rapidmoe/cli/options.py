@@ -1,6 +1,7 @@
 """Option declarations shared by several commands, spelled like llama.cpp's flags."""
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -20,6 +21,19 @@ NCpuMoe = Annotated[int, typer.Option("--n-cpu-moe", "-ncmoe",
 OverrideTensor = Annotated[Optional[list[str]], typer.Option(
     "--override-tensor", "-ot", help="<tensor name pattern>=<buffer type>,... (repeatable), as in llama.cpp. "
     "Not with --gpu-mem.")]
+
+
+class OverlapMode(str, Enum):
+    auto = "auto"
+    off = "off"
+    on = "on"
+
+
+OverlapOpt = Annotated[OverlapMode, typer.Option(
+    "--overlap",
+    help="With --residual: run the critical experts' residual work on a worker thread while the device computes "
+    "WQ (auto: where the routed WQ experts are on a GPU or RPC device; on: also all-CPU, for tests; off: after "
+    "the device's work). docs/execution.md.")]
 
 
 def _size(value: str) -> int:

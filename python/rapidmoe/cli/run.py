@@ -33,7 +33,8 @@ def run(
     residual: Annotated[Optional[Path], typer.Option("--residual", help="RESplit sidecar (.wr.gguf) made from MODEL: split expert routing.")] = None,
     n_critical: Annotated[int, typer.Option("--n-critical", "-r", help="With --residual: each token's r highest-weight experts run in high precision.", min=0)] = 2,
     policy: options.PolicyOpt = None,
-    stats: Annotated[bool, typer.Option("--stats", help="With --residual: print the r chosen per layer and phase (histogram).")] = False,
+    overlap: options.OverlapOpt = options.OverlapMode.auto,
+    stats: Annotated[bool, typer.Option("--stats", help="With --residual: print the r chosen per layer and phase (histogram), and the overlap timing when layers overlapped.")] = False,
     verbose: options.Verbose = False,
 ) -> None:
     """Generate text from PROMPT with MODEL, streaming tokens as they come, then print prefill and decode speed.
@@ -51,7 +52,7 @@ def run(
                       freq=freq, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=override_tensor)
     try:
         llm = Llama(path, n_threads=threads, n_threads_batch=threads, seed=seed, **place,
-                    residual_path=residual, n_critical=n_critical, policy=policy, verbose=verbose)
+                    residual_path=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, verbose=verbose)
     except RapidMoEError:
         raise
     except ValueError as e:  # llama_cpp reports load failures as ValueError
@@ -76,6 +77,11 @@ def run(
         split = f"\nsplit:   {how}, critical expert slots {100 * frac:.1f}%"
         if stats:
             split += "\n" + llm.r_histogram().table()
+            ov = llm.overlap_stats()
+            for name, st in (("gate/up", ov.gate_up), ("down", ov.down)):
+                if st.pairs:
+                    split += (f"\noverlap {name}: {st.pairs} layer steps, worker {st.cpu_ms:.1f} ms, device "
+                              f"{st.device_ms:.1f} ms, wall {st.wall_ms:.1f} ms, hidden {st.hidden_ms:.1f} ms")
     print(f"\nprefill: {t.prompt_tokens} tokens in {t.prompt_ms:.1f} ms = {t.prompt_tps:.2f} tokens/s\n"
           f"decode:  {t.decode_tokens} tokens in {t.decode_ms:.1f} ms = {t.decode_tps:.2f} tokens/s\n"
           f"model:   {path} ({info.architecture}, {info.n_expert} experts, top-{info.n_expert_used}){split}",

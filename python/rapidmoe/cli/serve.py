@@ -35,6 +35,7 @@ def serve(
     residual: Annotated[Optional[Path], typer.Option("--residual", help="RESplit sidecar (.wr.gguf) made from MODEL: split expert routing.")] = None,
     n_critical: Annotated[int, typer.Option("--n-critical", "-r", help="With --residual: each token's r highest-weight experts run in high precision.", min=0)] = 2,
     policy: Annotated[Optional[Path], typer.Option("--policy", help="UMIA policy file (adaptive critical-set sizes).")] = None,
+    overlap: options.OverlapOpt = options.OverlapMode.auto,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="API keys, comma-separated; requests need 'Authorization: Bearer KEY'.", envvar="LLAMA_API_KEY")] = None,
     timeout: Annotated[float, typer.Option("--timeout", "-to", help="Socket read/write timeout, seconds.", min=0.1)] = 600.0,
     queue_timeout: Annotated[float, typer.Option("--queue-timeout", help="Longest wait for a free slot before 503, seconds.", min=0.0)] = 600.0,
@@ -72,7 +73,7 @@ def serve(
         parallel=parallel, queue_size=queue_size, ctx_size=ctx_size, n_batch=n_batch, n_predict=n_predict,
         threads=threads, n_gpu_layers=place["n_gpu_layers"], n_cpu_moe=place["n_cpu_moe"],
         override_tensor=tuple(place["override_tensor"] or ()),
-        residual=residual, n_critical=n_critical, policy=policy, api_keys=keys, timeout=timeout,
+        residual=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, api_keys=keys, timeout=timeout,
         queue_timeout=queue_timeout, max_body=max_body, chat_template=chat_template, seed=seed, temperature=temp,
         metrics=metrics, slots=slots, verbose=verbose)
     logging.getLogger("rapidmoe.server").setLevel(logging.INFO)

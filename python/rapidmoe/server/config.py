@@ -25,6 +25,7 @@ class ServerConfig:
     residual: Path | None = None
     n_critical: int = 2
     policy: Path | None = None
+    overlap: str = "auto"  # rapidmoe.Llama's overlap mode for split layers
     api_keys: tuple[str, ...] = ()
     timeout: float = 600.0  # socket read/write timeout, seconds (llama-server's --timeout)
     queue_timeout: float = 600.0  # longest wait for a slot before 503, seconds

@@ -53,6 +53,15 @@ void rapidmoe_residual_worker::submit(const void * key, work_fn work, int64_t t_
     wake_.notify_one();
 }
 
+void rapidmoe_residual_worker::complete(const void * key, int64_t t_begin_ns) {
+    auto t = std::make_shared<task>();
+    t->t.begin_ns = t_begin_ns;
+    t->done = true;
+    std::lock_guard<std::mutex> lock(mutex_);
+    t->t.returned_ns = rapidmoe_overlap_now_ns();
+    tasks_[key] = t;
+}
+
 bool rapidmoe_residual_worker::wait(const void * key, times * out) {
     std::unique_lock<std::mutex> lock(mutex_);
     auto it = tasks_.find(key);
@@ -157,6 +166,18 @@ void begin_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     auto * site = (rapidmoe_overlap_site *) userdata;
     const ggml_tensor * in = dst->src[0];
     const ggml_tensor * ids = dst->src[1];
+    bool any = false; // no critical slot in the batch (r = 0, or UMIA's depth cutoff): zeros, no worker
+    for (int64_t t = 0; t < ids->ne[1] && !any; ++t) {
+        const auto * row = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
+        for (int64_t j = 0; j < ids->ne[0] && !any; ++j) {
+            any = row[j] >= 0;
+        }
+    }
+    if (!any) {
+        std::memset(dst->data, 0, ggml_nbytes(dst));
+        site->worker->complete(dst->data, t0);
+        return;
+    }
     auto job = std::make_shared<residual_job>();
     job->layer = site->layer;
     job->stage = site->stage;

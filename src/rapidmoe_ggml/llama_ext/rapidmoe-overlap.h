@@ -68,6 +68,8 @@ class rapidmoe_residual_worker {
 
     // queue `work`; `key` (the output's data pointer) names the task for wait(). t_begin_ns: when begin started
     void submit(const void * key, work_fn work, int64_t t_begin_ns);
+    // record a task with nothing to compute as done (no thread wake-up)
+    void complete(const void * key, int64_t t_begin_ns);
 
     struct times {
         int64_t begin_ns = 0;    // begin started

@@ -13,6 +13,7 @@ from typing import Any
 
 from ._runtime import _core, llama_cpp
 from .errors import ModelFileError, RapidMoEError
+from .expert_cache import ExpertCacheStats, check_device, check_expert_cache, moe_layers_of
 from .modelfile import read_model_info
 from .overlap import OverlapStats, overlap_mode
 from .overrides import BufferOverrides, build_overrides
@@ -63,6 +64,11 @@ class Llama(llama_cpp.Llama):
     rpc_servers: "host:port" of llama.cpp rpc-servers (llama.cpp's `--rpc`), registered once per process before
         the model loads; their devices come first in this model's device list (n_gpu_layers offloads to them)
         and their buffer types ("RPC0[host:port]") work in override_tensor (rapidmoe.rpc, docs/execution.md).
+    expert_cache: {MoE layer: [expert ids]}: a per-expert WQ cache on `expert_cache_device` (a device or buffer
+        type name, e.g. "RPC0[127.0.0.1:50052]"). The routed experts must be in CPU memory
+        (override_tensor="exps=CPU"; CPU weight repacking is turned off); the chosen experts' WQ is copied to the
+        device, which computes them, the CPU the rest, each slot exactly as that backend alone would
+        (docs/execution.md). Hit counters: `expert_cache_stats`.
     """
 
     _buffer_overrides: BufferOverrides | None
@@ -83,6 +89,8 @@ class Llama(llama_cpp.Llama):
         verify_residual: bool = True,
         n_seq_max: int = 1,
         rpc_servers: Sequence[str] | None = None,
+        expert_cache: dict[int, Sequence[int]] | None = None,
+        expert_cache_device: str | None = None,
         **kwargs: Any,
     ) -> None:
         info = read_model_info(model_path)  # a clear error for missing, truncated and non-GGUF files
@@ -102,6 +110,15 @@ class Llama(llama_cpp.Llama):
         if overlap_threads is not None and overlap_threads < 1:
             raise RapidMoEError(f"overlap_threads must be >= 1, got {overlap_threads}")
         self._overlap_threads = overlap_threads
+        self._expert_cache: dict[int, list[int]] | None = None
+        if expert_cache is not None:
+            if skip_noncritical:
+                raise RapidMoEError("skip_noncritical (a CPU benchmark baseline) does not combine with expert_cache")
+            self._expert_cache = check_expert_cache(expert_cache, moe_layers_of(model_path), info.n_layer,
+                                                    info.n_expert)
+            self._expert_cache_device = check_device(expert_cache_device, self._known_devices())
+        elif expert_cache_device is not None:
+            raise RapidMoEError("expert_cache_device needs expert_cache={layer: [expert ids]}")
         if residual_path is None and (policy is not None or skip_noncritical):
             raise RapidMoEError("policy and skip_noncritical need a residual sidecar (residual_path=...)")
         if residual_path is not None:
@@ -125,6 +142,10 @@ class Llama(llama_cpp.Llama):
         devices = getattr(self, "_devices", None)
         if devices is not None:
             params.devices = ctypes.addressof(devices)
+        if getattr(self, "_expert_cache", None) is not None:
+            # the CPU computes the misses from the stacked experts with a masked matmul, and the cache copies their
+            # slices: both need the plain layout, which repacked CPU buffers do not keep
+            params.use_extra_bufts = False
         self._model_params = params
 
     @property
@@ -162,6 +183,22 @@ class Llama(llama_cpp.Llama):
                 _core.set_skip_noncritical(model.model, True)
             threads = self._overlap_threads or max(1, int(getattr(self, "n_threads", 1) or 1))
             _core.set_overlap(model.model, self._overlap_mode, threads)
+        if getattr(self, "_expert_cache", None) is not None:
+            self._set_expert_cache(model.model)
+
+    def _known_devices(self) -> list[str]:
+        names = [n for d in self.rpc_devices for n in (d.name, d.buffer_type)]
+        names += [d[0] for d in _core.devices()] + [b[0] for b in _core.buffer_types()]
+        return list(dict.fromkeys(names))
+
+    def _set_expert_cache(self, model: Any) -> None:
+        assert self._expert_cache is not None
+        for layer, ids in self._expert_cache.items():
+            try:
+                _core.expert_cache_set(model, layer, ids, self._expert_cache_device)
+            except ValueError as e:
+                _core.expert_cache_clear(model)  # nothing half set stays keyed by this model's tensors
+                raise RapidMoEError(f"expert_cache: {e}") from e
 
     def set_n_critical(self, n_critical: int) -> int:
         """Fixed r for the next calls: each token's r highest-weight experts run WQ+WR (0 <= r <= top-k)."""
@@ -220,9 +257,16 @@ class Llama(llama_cpp.Llama):
             raise RapidMoEError("no residual sidecar attached (pass residual_path=...)")
         return OverlapStats.from_raw(_core.overlap_stats(self._model.model, reset))
 
+    def expert_cache_stats(self, reset: bool = False) -> ExpertCacheStats:
+        """Per MoE layer since the last reset: cached experts, expert slots served from the cache, all slots."""
+        if self._expert_cache is None:
+            raise RapidMoEError("no expert cache (pass expert_cache=... and expert_cache_device=...)")
+        return ExpertCacheStats.from_raw(_core.expert_cache_stats(self._model.model, reset))
+
     def tensor_buffer(self, name: str) -> str:
-        """The buffer (device memory) holding the model's or the sidecar's tensor `name`: "CPU", "CPU_REPACK",
-        "CUDA0", "RPC0[127.0.0.1:50052]", ...; '' when there is no such tensor."""
+        """The buffer (device memory) holding the model's, the sidecar's or the expert cache's tensor `name`
+        ("blk.N.ffn_up_exps.cache"): "CPU", "CPU_REPACK", "CUDA0", "RPC0[127.0.0.1:50052]", ...; '' when there is
+        no such tensor."""
         return str(_core.tensor_buffer(self._model.model, name))
 
     def close(self) -> None:
@@ -231,6 +275,8 @@ class Llama(llama_cpp.Llama):
         model = self.__dict__.get("_model")
         if self.residual is not None and model is not None and model.model is not None:
             _core.detach_residual(model.model)  # before llama.cpp frees the model
+        if getattr(self, "_expert_cache", None) is not None and model is not None and model.model is not None:
+            _core.expert_cache_clear(model.model)
         super().close()
 
     def reset_timings(self) -> None:

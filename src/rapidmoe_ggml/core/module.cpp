@@ -9,6 +9,7 @@
 #include "rapidmoe-llama.h"
 
 #include "backends.h"
+#include "expert_cache.h"
 #include "imatrix.h"
 #include "quant.h"
 #include "residual.h"
@@ -44,5 +45,6 @@ NB_MODULE(_core, m) {
     rapidmoe::bind_quant(m);
     rapidmoe::bind_imatrix(m);
     rapidmoe::bind_residual(m);
+    rapidmoe::bind_expert_cache(m);
     rapidmoe::bind_testing(m);
 }

@@ -57,9 +57,26 @@ LLAMA_API int32_t rapidmoe_llama_counters(const struct llama_model * model, int6
 LLAMA_API int32_t rapidmoe_llama_r_histogram(const struct llama_model * model, int64_t * out, int32_t n_layer_max,
                                              bool reset);
 // The name of the backend buffer holding the model's tensor `name` (e.g. "CPU", "CUDA0", "RPC0[127.0.0.1:50052]"),
-// or of the attached sidecar's tensor of that name (e.g. "blk.0.ffn_up_exps.wr"); NULL when there is none.
+// or of the attached sidecar's tensor of that name (e.g. "blk.0.ffn_up_exps.wr") or of an expert cache tensor
+// ("blk.0.ffn_up_exps.cache"); NULL when there is none.
 // Where placement (-ngl, -ot) really put a weight.
 LLAMA_API const char * rapidmoe_llama_tensor_buffer(const struct llama_model * model, const char * name);
+// Per-expert WQ cache (llama_ext/rapidmoe-expert-cache.h): copy the WQ gate/up/down slices of experts ids[0..n_ids)
+// of MoE layer il into new tensors "blk.<il>.ffn_{up,gate,down}_exps.cache" [.., .., n_ids] in the buffer of
+// `device` (a device name such as "RPC0" or a buffer type name such as "RPC0[127.0.0.1:50052]"; one of the model's
+// devices, or the CPU). The layer's stacked expert tensors must be in plain host memory (-ot exps=CPU, no repack).
+// From then on the layer's graphs compute cached experts on that device and the others on the CPU, with the same
+// results per slot as each backend alone. n_ids = 0 caches nothing but counts the layer's slots. Set before a
+// context is created, once per layer. 0, or -1 with the reason in err.
+LLAMA_API int32_t rapidmoe_llama_expert_cache_set(const struct llama_model * model, int32_t il, const int32_t * ids,
+                                                  int32_t n_ids, const char * device, char * err, size_t err_size);
+// Free every layer's cache; returns 1 if there was one. Call before llama_model_free.
+LLAMA_API int32_t rapidmoe_llama_expert_cache_clear(const struct llama_model * model);
+// Per layer i: out[3*i + 0] cached experts (-1: no cache set for the layer), [3*i + 1] expert slots (token x top-k)
+// served from the cache, [3*i + 2] all expert slots, since the last reset. Returns the number of layers written
+// (0 without a cache).
+LLAMA_API int32_t rapidmoe_llama_expert_cache_stats(const struct llama_model * model, int64_t * out,
+                                                    int32_t n_layer_max, bool reset);
 // Test entry: run UMIA's op on the CPU backend for one layer il of a policy, weights F32 [n_tokens, k] (selected
 // ids are the slot numbers 0..k-1), in the given phase (0 decode, 1 prefill; the policy's phase_mode applies).
 // ids_out [n_tokens, k], hist_out [k + 1]. 0, or -1 on bad arguments.

@@ -4,7 +4,10 @@
 // CPU reads residual weights only for critical experts. r comes from UMIA's op (rapidmoe-umia.h), which reads
 // its policy tensor when the graph is computed (not built), so the policy changes between calls without
 // rebuilding anything. When the WQ experts are on another device the residual work overlaps with theirs
-// (rapidmoe-overlap.h).
+// (rapidmoe-overlap.h). A layer with a per-expert cache (rapidmoe-expert-cache.h) first composes each WQ result
+// from the cache's device (cached experts) and the CPU (the others); the residual work then adds to that, serial
+// or overlapped alike. "auto" overlap still looks at where the stacked experts are: a cached layer's CPU is busy
+// with the misses' WQ, so it overlaps only when asked ("on", tested bit-equal).
 #include "rapidmoe-graph.h"
 
 #include "rapidmoe-residual.h"
@@ -36,37 +39,82 @@ void on_cpu(const llm_graph_context & g, ggml_tensor * t) {
     }
 }
 
+// the layer's residual when the sidecar belongs to exactly these expert tensors (separate gate/up layout)
+const rapidmoe_layer_residual * residual_of(ggml_tensor * selected, const ggml_tensor * up_exps,
+                                            const ggml_tensor * gate_exps, const ggml_tensor * down_exps, int il) {
+    const rapidmoe_layer_residual * found = up_exps != nullptr ? rapidmoe_residual_find(up_exps) : nullptr;
+    if (found == nullptr || found->base_gate != gate_exps || found->base_down != down_exps || found->il != il ||
+        selected->ne[0] > RAPIDMOE_UMIA_MAX_K) {
+        return nullptr;
+    }
+    return found;
+}
+
+const rapidmoe_expert_cache_layer * cache_of(const llm_graph_context & g, const ggml_tensor * up_exps,
+                                             const ggml_tensor * gate_exps, const ggml_tensor * down_exps, int il) {
+    const rapidmoe_expert_cache_layer * c = up_exps != nullptr ? rapidmoe_expert_cache_find(up_exps) : nullptr;
+    // a LoRA adds its own matmuls to build_lora_mm_id's result: the hooks would no longer see the plain WQ matmul
+    if (c == nullptr || c->base_gate != gate_exps || c->base_down != down_exps || c->il != il ||
+        (g.loras != nullptr && !g.loras->empty())) {
+        return nullptr;
+    }
+    return c;
+}
+
+void begin_split(rapidmoe_moe_split & s, const llm_graph_context & g, const rapidmoe_layer_residual & layer,
+                 ggml_tensor * selected, ggml_tensor * weights, const ggml_tensor * up_exps) {
+    // the phase this graph serves: generation steps put at most one token per sequence in a ubatch
+    const int phase = g.ubatch.n_tokens <= g.ubatch.n_seqs_unq ? RAPIDMOE_UMIA_DECODE : RAPIDMOE_UMIA_PREFILL;
+    s.crit_ids = rapidmoe_umia_critical_ids(g.ctx0, weights, selected, layer.state->policy,
+                                            layer.sites[phase].get()); // [k, T]
+    g.cb(s.crit_ids, "rapidmoe_critical_ids", s.il);
+    // our custom ops run on the CPU: a device that claims every op (RPC) must not get them (their function
+    // pointers mean nothing in another process), and a GPU refuses them anyway
+    on_cpu(g, s.crit_ids);
+    s.layer = &layer;
+    s.skip_noncritical = layer.state->skip_noncritical.load();
+    const int mode = layer.state->overlap_mode.load();
+    const bool wq_on_device = up_exps->buffer != nullptr && !ggml_backend_buffer_is_host(up_exps->buffer);
+    s.overlap = mode == RAPIDMOE_OVERLAP_ON || (mode == RAPIDMOE_OVERLAP_AUTO && wq_on_device);
+}
+
+void begin_cache(rapidmoe_moe_split & s, const llm_graph_context & g, const rapidmoe_expert_cache_layer & cache,
+                 ggml_tensor * selected) {
+    s.cache = &cache;
+    s.route = rapidmoe_expert_cache_route_ops(g.ctx0, &cache, selected);
+    // custom ops: CPU only, like UMIA's (the miss ids also feed the CPU's masked matmuls)
+    for (auto [t, name] : { std::pair{ s.route.miss_ids, "rapidmoe_cache_miss_ids" },
+                            std::pair{ s.route.slot_ids, "rapidmoe_cache_slot_ids" },
+                            std::pair{ s.route.hit_mask, "rapidmoe_cache_hit_mask" } }) {
+        if (t != nullptr) {
+            g.cb(t, name, s.il);
+            on_cpu(g, t);
+        }
+    }
+}
+
 }  // namespace
 
 rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor * x, ggml_tensor * selected,
                                       ggml_tensor * weights, const ggml_tensor * up_exps,
                                       const ggml_tensor * gate_exps, const ggml_tensor * down_exps, int il) {
     rapidmoe_moe_split s;
-    const rapidmoe_layer_residual * found = up_exps != nullptr ? rapidmoe_residual_find(up_exps) : nullptr;
-    // only the attached model's own expert tensors, in the separate gate/up layout
-    if (found == nullptr || found->base_gate != gate_exps || found->base_down != down_exps || found->il != il ||
-        selected->ne[0] > RAPIDMOE_UMIA_MAX_K) {
+    const rapidmoe_layer_residual * layer = residual_of(selected, up_exps, gate_exps, down_exps, il);
+    const rapidmoe_expert_cache_layer * cache = cache_of(g, up_exps, gate_exps, down_exps, il);
+    if (layer == nullptr && cache == nullptr) {
         return s;
     }
-    const rapidmoe_layer_residual & layer = *found;
-    ggml_context * ctx = g.ctx0;
-    const int64_t k = selected->ne[0], T = selected->ne[1];
-    // the phase this graph serves: generation steps put at most one token per sequence in a ubatch
-    const int phase = g.ubatch.n_tokens <= g.ubatch.n_seqs_unq ? RAPIDMOE_UMIA_DECODE : RAPIDMOE_UMIA_PREFILL;
-    s.crit_ids = rapidmoe_umia_critical_ids(ctx, weights, selected, layer.state->policy,
-                                            layer.sites[phase].get()); // [k, T]
-    g.cb(s.crit_ids, "rapidmoe_critical_ids", il);
-    // our custom ops run on the CPU: a device that claims every op (RPC) must not get them (their function
-    // pointers mean nothing in another process), and a GPU refuses them anyway
-    on_cpu(g, s.crit_ids);
     s.g = &g;
-    s.layer = &layer;
     s.x = x;
     s.il = il;
-    s.skip_noncritical = layer.state->skip_noncritical.load();
-    const int mode = layer.state->overlap_mode.load();
-    const bool wq_on_device = up_exps->buffer != nullptr && !ggml_backend_buffer_is_host(up_exps->buffer);
-    s.overlap = mode == RAPIDMOE_OVERLAP_ON || (mode == RAPIDMOE_OVERLAP_AUTO && wq_on_device);
+    if (layer != nullptr) {
+        begin_split(s, g, *layer, selected, weights, up_exps);
+    }
+    // the drop baseline rewrites the WQ matmuls' ids to the critical ones: it is a CPU benchmark and keeps its
+    // own meaning, so a layer under it ignores the cache (Python refuses the combination)
+    if (cache != nullptr && !s.skip_noncritical) {
+        begin_cache(s, g, *cache, selected);
+    }
     return s;
 }
 
@@ -92,9 +140,34 @@ rapidmoe_overlap_site * site(const rapidmoe_moe_split & s, int stage) {
     return const_cast<rapidmoe_overlap_site *>(&s.layer->overlap[stage]);
 }
 
+// One WQ matmul of a cached layer: llama.cpp's stacked matmul (CPU weights) computes the misses only (masked ids:
+// hits give zero rows, no weights read) and the cache's matmul on its device computes every slot from the slot
+// ids (a miss reads slot 0: a real expert's finite output) times the hit mask. Per slot the sum is exactly one
+// backend's value: CPU + device * 0 for a miss, 0 + device * 1 for a hit.
+ggml_tensor * cached_wq(const rapidmoe_moe_split & s, ggml_tensor * wq, ggml_tensor * cache, const char * name) {
+    if (wq->op != GGML_OP_MUL_MAT_ID) { // not build_lora_mm_id's plain matmul (cache_of and the cache's checks
+        return wq;                      // exclude LoRAs, biases and scales): computed on the CPU as loaded
+    }
+    ggml_context * ctx = s.g->ctx0;
+    wq->src[2] = s.route.miss_ids;
+    wq->op_params[GGML_MUL_MAT_ID_MASKED_PARAM] = 1;
+    on_cpu(*s.g, wq); // its weights are in host memory, and a device could not skip the masked slots
+    if (cache == nullptr) { // nothing of this layer is cached: the CPU computes every slot (and the op counts them)
+        return wq;
+    }
+    // not pinned: the scheduler runs it where the cache's weights are
+    ggml_tensor * dev = ggml_mul_mat_id(ctx, cache, wq->src[1], s.route.slot_ids);
+    s.g->cb(dev, name, s.il);
+    return ggml_add(ctx, wq, ggml_mul(ctx, dev, s.route.hit_mask));
+}
+
 }  // namespace
 
 void rapidmoe_moe_gate_up(const rapidmoe_moe_split & s, ggml_tensor *& gate, ggml_tensor *& up) {
+    if (s.cache != nullptr) {
+        gate = cached_wq(s, gate, s.cache->gate, "rapidmoe_gate_cache");
+        up = cached_wq(s, up, s.cache->up, "rapidmoe_up_cache");
+    }
     if (s.layer == nullptr) {
         return;
     }
@@ -118,6 +191,9 @@ void rapidmoe_moe_gate_up(const rapidmoe_moe_split & s, ggml_tensor *& gate, ggm
 }
 
 ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * experts, ggml_tensor * act) {
+    if (s.cache != nullptr) {
+        experts = cached_wq(s, experts, s.cache->down, "rapidmoe_down_cache");
+    }
     if (s.layer == nullptr) {
         return experts;
     }

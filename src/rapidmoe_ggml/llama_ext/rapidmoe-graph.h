@@ -7,16 +7,22 @@
 //   -> weighting and sum: stock
 // The residual work is either plain graph nodes pinned to the CPU (computed after the device's WQ work) or,
 // when the layer overlaps (rapidmoe-overlap.h), begin/join ops around the WQ matmuls.
+// A layer with a per-expert WQ cache (rapidmoe-expert-cache.h) computes each WQ matmul from the cache on its
+// device for cached experts and from the stacked CPU tensor for the others, before any residual is added.
 #pragma once
 
 #include "llama-graph.h"
 
+#include "rapidmoe-expert-cache.h"
+
 struct rapidmoe_layer_residual;
 
-// One layer's split inside one graph build. Inactive (layer == nullptr): every hook returns its input.
+// One layer's split inside one graph build. Inactive (no residual layer, no cache): every hook returns its input.
 struct rapidmoe_moe_split {
     const llm_graph_context *       g        = nullptr;
-    const rapidmoe_layer_residual * layer    = nullptr;
+    const rapidmoe_layer_residual * layer    = nullptr; // the sidecar's layer (split routing), or nullptr
+    const rapidmoe_expert_cache_layer * cache = nullptr; // the layer's expert cache, or nullptr
+    rapidmoe_expert_cache_route     route;              // the cache's slot ids, hit mask and miss ids
     ggml_tensor *                   x        = nullptr; // expert input  [n_embd, 1, n_tokens]
     ggml_tensor *                   crit_ids = nullptr; // [n_expert_used, n_tokens], -1 for non-critical slots
     int                             il       = -1;

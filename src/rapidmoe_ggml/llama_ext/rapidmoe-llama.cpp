@@ -2,6 +2,7 @@
 // The graph hooks (rapidmoe-graph.cpp) and the sidecar state (rapidmoe-residual.cpp) live beside it.
 #include "rapidmoe-llama.h"
 
+#include "rapidmoe-expert-cache.h"
 #include "rapidmoe-residual.h"
 
 #include "llama-model.h" // llama_internal_get_tensor_map
@@ -170,6 +171,9 @@ const char * rapidmoe_llama_tensor_buffer(const llama_model * model, const char 
     if (t == nullptr) {
         const rapidmoe_residual_state * st = rapidmoe_residual_get(model);
         t = st != nullptr && st->ctx != nullptr ? ggml_get_tensor(st->ctx, name) : nullptr;
+    }
+    if (t == nullptr) {
+        t = rapidmoe_expert_cache_tensor(model, name);
     }
     return t != nullptr && t->buffer != nullptr ? ggml_backend_buffer_name(t->buffer) : nullptr;
 }

@@ -1,0 +1,60 @@
+#include "expert_cache.h"
+
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "rapidmoe-llama.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace rapidmoe {
+namespace {
+
+const llama_model * as_model(uintptr_t addr) {
+    if (addr == 0) {
+        throw std::invalid_argument("model address is null (model not loaded or already closed)");
+    }
+    return reinterpret_cast<const llama_model *>(addr);
+}
+
+}  // namespace
+
+void bind_expert_cache(nb::module_ & m) {
+    m.def("expert_cache_set", [](uintptr_t model, int32_t il, const std::vector<int32_t> & ids,
+                                 const std::string & device) {
+              char err[512] = {0};
+              int32_t rc = 0;
+              {
+                  nb::gil_scoped_release release; // copies the experts' slices to the device
+                  rc = rapidmoe_llama_expert_cache_set(as_model(model), il, ids.data(), (int32_t) ids.size(),
+                                                       device.c_str(), err, sizeof(err));
+              }
+              if (rc != 0) {
+                  throw std::invalid_argument(err);
+              }
+          }, "model"_a, "il"_a, "ids"_a, "device"_a,
+          "Copy the WQ gate/up/down slices of experts `ids` of layer il to the device (or buffer type) named "
+          "`device`; the layer's graphs then compute those experts there and the others on the CPU.");
+    m.def("expert_cache_clear", [](uintptr_t model) { return rapidmoe_llama_expert_cache_clear(as_model(model)) != 0; },
+          "model"_a, "Free the model's expert caches; True if there were any.");
+    m.def("expert_cache_stats", [](uintptr_t model, bool reset) {
+              std::vector<int64_t> buf(3 * 4096);
+              const int32_t n = rapidmoe_llama_expert_cache_stats(as_model(model), buf.data(), 4096, reset);
+              auto * out = new int64_t[3 * (size_t) n];
+              std::copy(buf.begin(), buf.begin() + 3 * (size_t) n, out);
+              nb::capsule owner(out, [](void * p) noexcept { delete[] (int64_t *) p; });
+              return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(out, {(size_t) n, 3}, owner);
+          }, "model"_a, "reset"_a = false,
+          "Per layer [cached experts (-1: no cache), slots served from the cache, all slots] since the last reset, "
+          "int64 [n_layer, 3] (0 rows without a cache).");
+}
+
+}  // namespace rapidmoe

@@ -1,0 +1,58 @@
+// A per-expert WQ cache on a device: copies of some routed experts' WQ slices (gate, up, down) of a layer in a
+// device buffer, while the stacked expert tensors stay in host memory. llama.cpp's placement (-ngl, -ot) can
+// only move a layer's experts all together (one stacked tensor per role); the planner's cache is per expert.
+//
+// In the graph (rapidmoe-graph.cpp), per cached layer and per WQ matmul:
+//   route(selected) -> slot ids [k, T] (misses -> slot 0), hit mask [1, k, T], miss ids [k, T] (-1 on hits)
+//   WQ = mul_mat_id_masked(stacked CPU weights, x, miss ids) + mul_mat_id(cache, x, slot ids) * hit mask
+// so a hit is the device's value exactly and a miss the CPU's (the device computes slot 0 for a miss, a real
+// expert's finite output, multiplied by 0). The route ops run on the CPU and count hits per layer.
+#pragma once
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct llama_model;
+
+struct rapidmoe_expert_cache_layer {
+    int il = -1;
+    const ggml_tensor * base_up = nullptr;   // the model's stacked expert tensors (host memory)
+    const ggml_tensor * base_gate = nullptr;
+    const ggml_tensor * base_down = nullptr;
+    ggml_tensor * up = nullptr;              // [.., .., n_cached] on the device; nullptr when nothing is cached
+    ggml_tensor * gate = nullptr;
+    ggml_tensor * down = nullptr;
+    std::vector<int32_t> slot_of;            // expert id -> cache slot, -1 when not cached
+    std::vector<int32_t> expert_of;          // cache slot -> expert id
+    ggml_context * ctx = nullptr;
+    ggml_backend_buffer_t buf = nullptr;
+    std::atomic<int64_t> hits{0};            // expert slots (token x top-k) served from the cache
+    std::atomic<int64_t> slots{0};           // all expert slots routed through this layer
+    ~rapidmoe_expert_cache_layer();
+};
+
+// the cache of the layer whose routed-expert up tensor is `up_exps`; nullptr when none is set
+const rapidmoe_expert_cache_layer * rapidmoe_expert_cache_find(const ggml_tensor * up_exps);
+
+// Cache experts ids[0..n) of layer il on the device (or buffer type) named `device`; an empty list caches nothing
+// but still counts the layer's slots. Returns an empty string or the reason it was refused. Set before a context
+// is created: graphs keep pointers to the cache tensors.
+std::string rapidmoe_expert_cache_set(const llama_model * model, int il, const int32_t * ids, int n,
+                                      const char * device);
+bool rapidmoe_expert_cache_clear(const llama_model * model);
+// a cache tensor by name ("blk.N.ffn_up_exps.cache"), nullptr when there is none
+const ggml_tensor * rapidmoe_expert_cache_tensor(const llama_model * model, const char * name);
+
+// The route ops for one layer, pinned to the CPU by the caller. selected [k, T] I32.
+struct rapidmoe_expert_cache_route {
+    ggml_tensor * slot_ids = nullptr; // I32 [k, T]: the slot of a hit, 0 for a miss (nullptr: nothing cached)
+    ggml_tensor * hit_mask = nullptr; // F32 [1, k, T]: 1 hit, 0 miss (nullptr: nothing cached)
+    ggml_tensor * miss_ids = nullptr; // I32 [k, T]: the expert id of a miss, -1 for a hit; counts the hits
+};
+rapidmoe_expert_cache_route rapidmoe_expert_cache_route_ops(ggml_context * ctx, const rapidmoe_expert_cache_layer * layer,
+                                                            ggml_tensor * selected);

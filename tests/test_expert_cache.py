@@ -1,0 +1,188 @@
+"""The per-expert WQ cache on a device (llama.cpp's RPC stand-in here): routed experts stacked in CPU memory, some
+experts of each MoE layer copied to the device. Every slot takes exactly one backend's value, and the stand-in runs
+the same CPU kernels, so the logits must EQUAL the all-CPU run's, for a plain model and a RESplit pair (the
+sidecar's residuals added on top of the cache's WQ); the hit counters must match a count made in numpy from the
+router's probabilities; bad requests are refused with one clear line."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rapidmoe import Llama, RapidMoEError
+from rapidmoe._runtime import _core
+from rapidmoe.expert_cache import moe_layers_of
+from rapidmoe.ggufio import GGUFFile
+from rapidmoe.rpc import RPCServer
+
+TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense."
+
+
+@pytest.fixture(scope="module")
+def rpc() -> Iterator[RPCServer]:
+    with RPCServer(threads=1) as srv:
+        yield srv
+
+
+def _shape(path: Path) -> tuple[int, int]:
+    """(n_expert, top-k) of the file."""
+    f = GGUFFile(path)
+    arch = f.get("general.architecture")
+    return int(f.get(f"{arch}.expert_count")), int(f.get(f"{arch}.expert_used_count"))
+
+
+def _tokens(path: Path) -> list[int]:
+    llm = Llama(path, n_ctx=128, vocab_only=True, verbose=False)
+    toks = llm.tokenize(TEXT, add_bos=False)[:24]
+    llm.close()
+    return toks
+
+
+def _on_device(rpc: RPCServer, cache: dict[int, list[int]]) -> dict:  # type: ignore[type-arg]
+    """Llama arguments: experts stacked in CPU memory, everything else and the cache on the stand-in."""
+    return {"rpc_servers": [rpc.endpoint], "n_gpu_layers": -1, "override_tensor": "exps=CPU",
+            "expert_cache": cache, "expert_cache_device": f"RPC0[{rpc.endpoint}]"}
+
+
+def _run(path: Path, toks: list[int], where: tuple[str, ...] = (), capture: list[str] | None = None, **kw):  # type: ignore[no-untyped-def]
+    """Logits of every position, the cache's counters (None without a cache), where the named tensors are, and
+    the captured graph tensors."""
+    cap = _core.TensorCapture(capture) if capture else None
+    llm = Llama(path, n_ctx=128, logits_all=True, verbose=False, n_threads=2, eval_callback=cap, **kw)
+    try:
+        llm.eval(toks)
+        logits = np.array(llm.scores[: len(toks)], dtype=np.float32)
+        stats = llm.expert_cache_stats() if "expert_cache" in kw else None
+        got = {n: cap.get(n) for n in capture} if cap is not None else {}
+        return logits, stats, {n: llm.tensor_buffer(n) for n in where}, got
+    finally:
+        llm.close()
+
+
+def _half(layers: list[int], n_expert: int) -> dict[int, list[int]]:
+    """A different half of the experts in each layer (so the cache's slot order is not the expert order)."""
+    return {il: sorted(range(n_expert), key=lambda e: (e * 5 + il) % n_expert)[: n_expert // 2][::-1] for il in layers}
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
+def test_plain_model_equals_the_cpu_run(arch: str, make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
+    path = make_tiny(arch)
+    toks = _tokens(path)
+    n_expert, k = _shape(path)
+    layers = moe_layers_of(path)
+    il = layers[0]
+    names = tuple(f"blk.{il}.ffn_{p}_exps.{s}" for p in ("up", "gate", "down") for s in ("cache", "weight"))
+    cpu, _, _, _ = _run(path, toks)
+    dev, stats, where, _ = _run(path, toks, where=names, **_on_device(rpc, _half(layers, n_expert)))
+    buft = f"RPC0[{rpc.endpoint}]"
+    assert all(where[n] == buft for n in names if n.endswith(".cache")), where
+    assert all(where[n].startswith("CPU") for n in names if n.endswith(".weight")), where  # stacked: host memory
+    assert where[names[1]] == "CPU" or where[names[1]] == "CPU_Mapped", where  # plain layout, not CPU_REPACK
+    print(f"{arch}: max |dev - cpu| {np.abs(dev - cpu).max()}, hit rate {stats.hit_rate:.3f}")
+    assert np.array_equal(dev, cpu)
+    assert [s.layer for s in stats.layers] == layers
+    assert stats.slots == len(toks) * k * len(layers)
+    assert 0 < stats.hits < stats.slots
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
+def test_resplit_pair_equals_the_cpu_run(arch: str, make_split, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
+    """WQ from the cache or the CPU, residuals from the sidecar (CPU memory) on top: equal at r = 0, 1, k, and with
+    the residual work overlapped (begin/join around the cache-composed WQ)."""
+    _, wq, wr = make_split(arch)
+    toks = _tokens(wq)
+    n_expert, k = _shape(wq)
+    layers = moe_layers_of(wq)
+    side = (f"blk.{layers[0]}.ffn_up_exps.wr", f"blk.{layers[0]}.ffn_up_exps.cache")
+    cache = _half(layers, n_expert)
+    by_r = {}
+    for r in (0, 1, k):
+        cpu, _, _, _ = _run(wq, toks, residual_path=wr, n_critical=r)
+        dev, stats, where, _ = _run(wq, toks, where=side, residual_path=wr, n_critical=r, **_on_device(rpc, cache))
+        assert where[side[0]] == "CPU" and where[side[1]] == f"RPC0[{rpc.endpoint}]", where
+        print(f"{arch} r={r}: max |dev - cpu| {np.abs(dev - cpu).max()}, hit rate {stats.hit_rate:.3f}")
+        assert np.array_equal(dev, cpu), r
+        by_r[r] = dev
+    assert not np.array_equal(by_r[0], by_r[k])  # the sidecar is active: r changes the result
+    cpu, _, _, _ = _run(wq, toks, residual_path=wr, n_critical=1)
+    dev, _, _, _ = _run(wq, toks, residual_path=wr, n_critical=1, overlap="on", **_on_device(rpc, cache))
+    assert np.array_equal(dev, cpu)
+
+
+def test_hit_counters(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
+    """All experts cached: rate 1; none: 0; half: the hits a numpy top-k of the router's probabilities gives, and
+    the hit slots of the composed gate are the device matmul's values."""
+    path = make_tiny("qwen3moe")  # softmax routing: the top-k of ffn_moe_probs are the selected experts
+    toks = _tokens(path)
+    n_expert, k = _shape(path)
+    layers = moe_layers_of(path)
+    slots = len(toks) * k * len(layers)
+    cpu, _, _, _ = _run(path, toks)
+
+    every, stats, _, _ = _run(path, toks, **_on_device(rpc, {il: list(range(n_expert)) for il in layers}))
+    assert (stats.hits, stats.slots, stats.hit_rate) == (slots, slots, 1.0)
+    assert np.array_equal(every, cpu)
+    _, stats, where, _ = _run(path, toks, where=("blk.0.ffn_up_exps.cache",), **_on_device(rpc, {}))
+    assert (stats.hits, stats.slots, stats.hit_rate) == (0, slots, 0.0)
+    assert where["blk.0.ffn_up_exps.cache"] == ""  # nothing cached, nothing allocated
+
+    cache = _half(layers, n_expert)
+    il = layers[0]
+    names = [f"ffn_moe_probs-{i}" for i in layers] + [f"rapidmoe_gate_cache-{il}", f"ffn_moe_gate-{il}"]
+    _, stats, _, got = _run(path, toks, capture=names, **_on_device(rpc, cache))
+    for layer in stats.layers:
+        probs = np.concatenate([p.reshape(-1, n_expert) for p in got[f"ffn_moe_probs-{layer.layer}"]])
+        selected = np.argsort(-probs, axis=1, kind="stable")[:, :k]  # [T, k]
+        want = int(np.isin(selected, cache[layer.layer]).sum())
+        assert (layer.hits, layer.slots) == (want, len(toks) * k), layer
+    print(f"half: hit rate {stats.hit_rate:.3f} ({stats.hits}/{stats.slots})")
+    # hit slots of the layer's gate are the device's values exactly (misses: the CPU's)
+    probs = np.concatenate([p.reshape(-1, n_expert) for p in got[f"ffn_moe_probs-{il}"]])
+    hit = np.isin(np.argsort(-probs, axis=1, kind="stable")[:, :k], cache[il])  # [T, k]
+    dev = np.concatenate([g[0] for g in got[f"rapidmoe_gate_cache-{il}"]])  # [T, k, n_ff]
+    gate = np.concatenate([g[0] for g in got[f"ffn_moe_gate-{il}"]])
+    assert np.array_equal(gate[hit], dev[hit]) and not np.array_equal(gate[~hit], dev[~hit])
+
+
+def test_counters_reset(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
+    path = make_tiny("qwen3moe")
+    toks = _tokens(path)
+    n_expert, _ = _shape(path)
+    llm = Llama(path, n_ctx=128, verbose=False, n_threads=2, **_on_device(rpc, _half(moe_layers_of(path), n_expert)))
+    try:
+        llm.eval(toks)
+        first = llm.expert_cache_stats(reset=True)
+        assert first.slots > 0
+        assert llm.expert_cache_stats().slots == 0
+    finally:
+        llm.close()
+
+
+def test_bad_requests_are_refused(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
+    path = make_tiny("deepseek2")  # layer 0 is dense
+    n_expert, _ = _shape(path)
+    il = moe_layers_of(path)[0]
+    dev = _on_device(rpc, {il: [0]})
+
+    def refused(match: str, **kw) -> None:  # type: ignore[no-untyped-def]
+        with pytest.raises(RapidMoEError, match=match):
+            Llama(path, n_ctx=64, verbose=False, **{**dev, **kw})
+
+    refused("layer 99 is out of range", expert_cache={99: [0]})
+    refused("layer 0 is not an MoE layer", expert_cache={0: [0]})
+    refused(f"expert id {n_expert} is out of range", expert_cache={il: [1, n_expert]})
+    refused("expert id 2 is listed twice", expert_cache={il: [2, 3, 2]})
+    refused("expert_cache_device 'RPC7' is not a known device", expert_cache_device="RPC7")
+    refused("needs expert_cache_device", expert_cache_device=None)
+    refused("not in plain host memory", override_tensor=None)  # -ngl put the experts on the device
+    refused("does not combine", skip_noncritical=True)
+    with pytest.raises(RapidMoEError, match="needs expert_cache="):
+        Llama(path, n_ctx=64, verbose=False, expert_cache_device="CPU")
+    llm = Llama(path, n_ctx=64, verbose=False)
+    try:
+        with pytest.raises(RapidMoEError, match="no expert cache"):
+            llm.expert_cache_stats()
+    finally:
+        llm.close()

@@ -71,6 +71,54 @@ def test_partial_cache_is_the_coarsened_plans_n_cpu_moe(toy: tuple) -> None:  # 
     assert realize(few)["n_cpu_moe"] == 4 and few.realization.hit_rate == 0.0
 
 
+def test_partial_cache_on_a_device_is_realized_per_expert(toy: tuple) -> None:  # type: ignore[type-arg]
+    """With a device for the cache, the planned experts themselves go there (rapidmoe's expert cache)."""
+    m, base, eb = toy
+    p = plan(m, preset=PRESET, gpu_mem=base + 19 * eb, reserve=0, n_ctx=CTX)
+    kw = realize(p, cache_device="CUDA0")
+    assert kw["expert_cache"] == {il: list(v) for il, v in p.cached.items() if v}
+    assert sum(map(len, kw["expert_cache"].values())) == 19 and kw["expert_cache_device"] == "CUDA0"
+    assert (kw["n_gpu_layers"], kw["n_cpu_moe"], kw["override_tensor"]) == (999, 0, ["exps=CPU"])
+    line = describe(p, kw)
+    assert "59.4% planned: per-expert WQ cache on CUDA0 (19 experts in 4 layers" in line and "realized" not in line
+    # nothing to cache per expert: the flags as before, with or without a device
+    full = plan(m, preset=PRESET, gpu_mem=base + 32 * eb, reserve=0, n_ctx=CTX)
+    assert realize(full, cache_device="CUDA0") == realize(full)
+
+
+@pytest.mark.slow
+def test_planned_cache_on_the_rpc_device_gives_the_cpu_logits(make_split) -> None:  # type: ignore[no-untyped-def]
+    """The realized per-expert plan of a split pair, with the RPC stand-in as the GPU: the planned experts are in
+    the device's cache, the hit rate is counted, and the logits equal the all-CPU run."""
+    import numpy as np
+
+    from rapidmoe import Llama
+    from rapidmoe.rpc import RPCServer
+
+    _, wq, wr = make_split("qwen3moe", "cpu")
+    whole = plan_for_model(wq, wr, gpu_mem=None, n_ctx=CTX, reserve=0)
+    routed = whole.device_bytes(GPU, ROUTED)
+    p = plan_for_model(wq, wr, gpu_mem=whole.vram - routed // 2, n_ctx=CTX, reserve=0)  # about half the experts
+    assert p.cached and not p.realization.exact
+    toks = list(range(100, 124))
+    with RPCServer(threads=1) as srv:
+        kw = realize(p, cache_device="RPC0")
+        llm = Llama(wq, residual_path=wr, n_critical=1, rpc_servers=[srv.endpoint], logits_all=True, verbose=False,
+                    n_threads=2, **kw)
+        layer = min(kw["expert_cache"])
+        assert llm.tensor_buffer(f"blk.{layer}.ffn_up_exps.cache").startswith("RPC0")
+        llm.eval(toks)
+        dev = np.array(llm.scores[: len(toks)])
+        rate = llm.expert_cache_stats().hit_rate
+        llm.close()
+    cpu_llm = Llama(wq, residual_path=wr, n_critical=1, n_ctx=CTX, logits_all=True, verbose=False, n_threads=2)
+    cpu_llm.eval(toks)
+    cpu = np.array(cpu_llm.scores[: len(toks)])
+    cpu_llm.close()
+    assert np.array_equal(dev, cpu)
+    assert 0 < rate < 1
+
+
 def test_cpu_only_fallback_offloads_nothing(toy: tuple) -> None:  # type: ignore[type-arg]
     m, base, _ = toy
     for budget in (0, base - 1):

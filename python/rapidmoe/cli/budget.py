@@ -57,8 +57,10 @@ def placement(ctx: typer.Context, *, model: Path, residual: Path | None, ctx_siz
 
     p = plan_for_model(model, residual, gpu_mem=gpu_mem, n_ctx=ctx_size,
                        reserve=DEFAULT_RESERVE if reserve is None else reserve, frequency_path=freq)
-    kw = realize(p)
-    line = describe(p)
+    devices = gpu_devices()
+    # a GPU realizes a per-expert cache exactly (rapidmoe's expert cache); without one the flags coarsen it
+    kw = realize(p, cache_device=devices[0] if devices else None)
+    line = describe(p, kw)
     if kw["n_gpu_layers"] and not gpu_devices():
         line += ("; no GPU device here: llama.cpp runs every layer on the CPU, as it does with -ngl and no GPU "
                  "(no warning from llama.cpp)")

@@ -73,6 +73,7 @@ def serve(
         parallel=parallel, queue_size=queue_size, ctx_size=ctx_size, n_batch=n_batch, n_predict=n_predict,
         threads=threads, n_gpu_layers=place["n_gpu_layers"], n_cpu_moe=place["n_cpu_moe"],
         override_tensor=tuple(place["override_tensor"] or ()),
+        expert_cache=place.get("expert_cache"), expert_cache_device=place.get("expert_cache_device"),
         residual=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, api_keys=keys, timeout=timeout,
         queue_timeout=queue_timeout, max_body=max_body, chat_template=chat_template, seed=seed, temperature=temp,
         metrics=metrics, slots=slots, verbose=verbose)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import fields
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from ..errors import ModelFileError
 from ..resplit.presets import Preset
@@ -28,14 +28,25 @@ class LlamaPlacement(TypedDict):
     n_gpu_layers: int
     n_cpu_moe: int
     override_tensor: list[str] | None
+    expert_cache: NotRequired[dict[int, list[int]]]  # per-expert WQ cache (rapidmoe.Llama), with its device
+    expert_cache_device: NotRequired[str]
 
 
-def realize(p: Plan) -> LlamaPlacement:
-    """The plan's `run` flags as rapidmoe.Llama keyword arguments: n_ctx, n_gpu_layers, n_cpu_moe and
-    override_tensor (a list, or None), always all four, with llama.cpp's defaults (0, 0, None) where a flag is
-    absent. A plan that does not fit, or a flag this function does not know, is a PlanError (never ignored)."""
+def realize(p: Plan, cache_device: str | None = None) -> LlamaPlacement:
+    """The plan as rapidmoe.Llama keyword arguments: n_ctx, n_gpu_layers, n_cpu_moe and override_tensor (a list,
+    or None), always all four, with llama.cpp's defaults (0, 0, None) where a flag is absent. A plan that does
+    not fit, or a flag this function does not know, is a PlanError (never ignored).
+
+    A per-expert cache that flags can only coarsen to whole layers is realized exactly when `cache_device` (a
+    device name such as "CUDA0", or a buffer type) is given: every layer on the device except the stacked
+    routed-expert tensors (`-ngl 999 -ot exps=CPU`), and the planned experts' WQ copied to the device
+    (`expert_cache`, `expert_cache_device`); misses run on the CPU from the stacked tensors."""
     if not p.fits:
         raise PlanError(f"the placement plan for {p.model} does not fit: {'; '.join(p.problems)}")
+    if cache_device is not None and not p.realization.exact and p.cached:
+        return LlamaPlacement(n_ctx=p.n_ctx, n_gpu_layers=999, n_cpu_moe=0, override_tensor=["exps=CPU"],
+                              expert_cache={il: list(v) for il, v in sorted(p.cached.items()) if v},
+                              expert_cache_device=cache_device)
     args = p.realization.args
     if len(args) % 2:
         raise PlanError(f"placement flags must come in flag/value pairs: {' '.join(args)}")
@@ -84,15 +95,23 @@ def plan_for_model(model_path: str | os.PathLike[str], residual_path: str | os.P
                 frequency=freq, as_stored=True)
 
 
-def describe(p: Plan) -> str:
+def describe(p: Plan, placed: LlamaPlacement | None = None) -> str:
     """One line: scheme, budget, VRAM/DRAM planned, hit rate (planned and realized when the per-expert cache was
-    coarsened to whole layers), the planner's notes and the flags."""
+    coarsened to whole layers), the planner's notes and the flags; with `placed` from realize(p, cache_device),
+    the per-expert cache as realized."""
     r = p.realization
     budget = "unbounded" if p.gpu_mem is None else format_size(p.gpu_mem)
     head = (f"placement: {p.scheme} plan for GPU budget {budget} ({p.types}; expert frequencies "
             f"{p.frequency_source}): VRAM {format_size(p.vram)}, DRAM {format_size(p.dram)} planned, "
             f"{p.experts_on_gpu}/{p.n_moe_layers * p.n_expert} experts on the GPU")
     parts = [head]
+    if placed is not None and "expert_cache" in placed:
+        cache = placed["expert_cache"]
+        parts += [f"GPU hit rate {p.hit_rate:.1%} planned: per-expert WQ cache on {placed['expert_cache_device']} "
+                  f"({sum(map(len, cache.values()))} experts in {len(cache)} layers; the stacked expert tensors "
+                  "stay whole in host memory, so DRAM also holds the cached experts' WQ)",
+                  "flags -ngl 999 -ot exps=CPU + expert cache"]
+        return "; ".join(parts)
     if r.exact:
         parts.append(f"GPU hit rate {r.hit_rate:.1%}")
     else:

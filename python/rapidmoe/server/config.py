@@ -21,6 +21,8 @@ class ServerConfig:
     threads: int | None = None
     n_gpu_layers: int = 0
     n_cpu_moe: int = 0
+    expert_cache: dict[int, list[int]] | None = None  # per-expert WQ cache (from --gpu-mem on a GPU machine)
+    expert_cache_device: str | None = None
     override_tensor: tuple[str, ...] = ()
     residual: Path | None = None
     n_critical: int = 2

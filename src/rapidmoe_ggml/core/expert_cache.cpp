@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "model_handle.h"
 #include "rapidmoe-llama.h"
 
 #include <algorithm>
@@ -16,16 +17,6 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace rapidmoe {
-namespace {
-
-const llama_model * as_model(uintptr_t addr) {
-    if (addr == 0) {
-        throw std::invalid_argument("model address is null (model not loaded or already closed)");
-    }
-    return reinterpret_cast<const llama_model *>(addr);
-}
-
-}  // namespace
 
 void bind_expert_cache(nb::module_ & m) {
     m.def("expert_cache_set", [](uintptr_t model, int32_t il, const std::vector<int32_t> & ids,

@@ -4,6 +4,7 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
+#include "model_handle.h"
 #include "rapidmoe-llama.h"
 
 #include <algorithm>
@@ -16,16 +17,6 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace rapidmoe {
-namespace {
-
-const llama_model * as_model(uintptr_t addr) {
-    if (addr == 0) {
-        throw std::invalid_argument("model address is null (model not loaded or already closed)");
-    }
-    return reinterpret_cast<const llama_model *>(addr);
-}
-
-}  // namespace
 
 void bind_residual(nb::module_ & m) {
     m.def("attach_residual", [](uintptr_t model, const std::string & path) {

@@ -290,20 +290,6 @@ rapidmoe_expert_cache_route rapidmoe_expert_cache_route_ops(ggml_context * ctx, 
 
 // C API (rapidmoe-llama.h)
 
-int32_t rapidmoe_llama_expert_cache_set(const llama_model * model, int32_t il, const int32_t * ids, int32_t n_ids,
-                                        const char * device, char * err, size_t err_size) {
-    const std::string msg = rapidmoe_expert_cache_set(model, il, ids, n_ids, device);
-    if (msg.empty()) {
-        return 0;
-    }
-    if (err != nullptr && err_size > 0) {
-        const size_t n = std::min(msg.size(), err_size - 1);
-        std::memcpy(err, msg.data(), n);
-        err[n] = '\0';
-    }
-    return -1;
-}
-
 int32_t rapidmoe_llama_expert_cache_clear(const llama_model * model) {
     return rapidmoe_expert_cache_clear(model) ? 1 : 0;
 }

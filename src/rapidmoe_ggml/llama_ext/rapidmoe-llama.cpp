@@ -29,8 +29,8 @@ int64_t rapidmoe_llama_probe_add(int64_t delta) {
     return g_probe.fetch_add(delta) + delta;
 }
 
-int32_t rapidmoe_llama_attach_residual(const llama_model * model, const char * path, char * err, size_t err_size) {
-    const std::string msg = rapidmoe_residual_attach(model, path);
+// 0 for no error; else the message copied (truncated, NUL-terminated) into err and -1
+static int32_t report(const std::string & msg, char * err, size_t err_size) {
     if (msg.empty()) {
         return 0;
     }
@@ -40,6 +40,15 @@ int32_t rapidmoe_llama_attach_residual(const llama_model * model, const char * p
         err[n] = '\0';
     }
     return -1;
+}
+
+int32_t rapidmoe_llama_attach_residual(const llama_model * model, const char * path, char * err, size_t err_size) {
+    return report(rapidmoe_residual_attach(model, path), err, err_size);
+}
+
+int32_t rapidmoe_llama_expert_cache_set(const llama_model * model, int32_t il, const int32_t * ids, int32_t n_ids,
+                                        const char * device, char * err, size_t err_size) {
+    return report(rapidmoe_expert_cache_set(model, il, ids, n_ids, device), err, err_size);
 }
 
 int32_t rapidmoe_llama_detach_residual(const llama_model * model) {

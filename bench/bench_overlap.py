@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -39,6 +40,19 @@ from rapidmoe.atomic import write_text  # noqa: E402
 from rapidmoe.rpc import RPCServer  # noqa: E402
 
 PROMPT = b"The mixture of experts routes every token to a few experts, and the rest of the network is dense. " * 8
+
+
+def machine() -> str:
+    """CPU model and core count (platform.processor() is empty on Linux)."""
+    name = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()}, {name}, {os.cpu_count()} cores"
 
 
 def split_pair(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -95,7 +109,7 @@ def main() -> int:
     wq, wr = split_pair(args)
     result: dict = {"command": " ".join(["python", "bench/bench_overlap.py", *sys.argv[1:]]), "wq": str(wq),
                     "wr": str(wr), "threads": args.threads, "tg": args.tg, "pp": args.pp, "reps": args.reps,
-                    "machine": f"{platform.machine()}, {platform.processor() or '?'}", "rows": []}
+                    "machine": machine(), "rows": []}
     with RPCServer(threads=args.threads) as srv:
         common = dict(residual_path=wr, rpc_servers=[srv.endpoint], n_gpu_layers=-1, n_ctx=512, n_batch=512,
                       n_ubatch=512, n_threads=args.threads, n_threads_batch=args.threads,

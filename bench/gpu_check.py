@@ -74,6 +74,8 @@ def speed(path: Path, n_prompt: int, n_gen: int, threads: int, **kw) -> dict[str
         t2 = time.perf_counter()
         out: dict[str, float] = {"prefill_tps": len(toks) / (t1 - t0), "decode_tps": n_gen / (t2 - t1),
                                  "decode_ms_per_token": 1e3 * (t2 - t1) / n_gen}
+        if kw.get("expert_cache"):
+            out["cache_hit_rate"] = llm.expert_cache_stats().hit_rate  # prompt and generated tokens
         if llm.residual is not None:  # per decoded token, both stages together
             st = llm.overlap_stats()
             stages = (st.gate_up, st.down)
@@ -142,6 +144,21 @@ def main() -> int:
             dev = logits(wq, toks, args.threads, residual_path=wr, n_gpu_layers=gpu, overlap=mode, **cfg)
             checks.append({"variant": f"ours {label}, overlap {mode}", "rel_gpu_vs_cpu": rel(dev, cpu),
                            **kl_stats(ref, dev)})
+    # per-expert WQ cache: the planner's cache for a budget holding about half the routed WQ, realized per expert on
+    # the GPU (the dry run: on the CPU device) with --gpu-mem's function, misses from the stacked tensors on the CPU
+    from rapidmoe.placement import GPU as PLAN_GPU
+    from rapidmoe.placement.realize import plan_for_model, realize
+    from rapidmoe.placement.tensors import ROUTED
+
+    whole = plan_for_model(wq, wr, gpu_mem=None, n_ctx=512, reserve=0)
+    half = plan_for_model(wq, wr, gpu_mem=whole.vram - whole.device_bytes(PLAN_GPU, ROUTED) // 2, n_ctx=512,
+                          reserve=0)
+    cache_kw = {k2: v for k2, v in realize(half, cache_device="CPU" if args.cpu else "CUDA0").items() if k2 != "n_ctx"}
+    cache_label = f"ours r=2, per-expert WQ cache ({half.hit_rate:.0%} planned hits), misses on CPU"
+    if "expert_cache" in cache_kw:
+        cpu = logits(wq, toks, args.threads, residual_path=wr, overlap="off", n_critical=2)
+        dev = logits(wq, toks, args.threads, residual_path=wr, n_critical=2, **cache_kw)
+        checks.append({"variant": cache_label, "rel_gpu_vs_cpu": rel(dev, cpu), **kl_stats(ref, dev)})
     cpu = logits(q4, toks, args.threads)
     dev = logits(q4, toks, args.threads, n_gpu_layers=gpu, override_tensor="exps=CPU")
     checks.append({"variant": "stock Q4_K_M -ot exps=CPU", "rel_gpu_vs_cpu": rel(dev, cpu), **kl_stats(ref, dev)})
@@ -155,9 +172,12 @@ def main() -> int:
             runs.append({"variant": f"ours {label}, WQ -ngl 99, sidecar CPU, overlap {mode}", "overlap": mode,
                          **speed(wq, args.prompt, args.gen, args.threads, residual_path=wr, n_gpu_layers=gpu,
                                  overlap=mode, **cfg)})
+    if "expert_cache" in cache_kw:
+        runs.append({"variant": cache_label,
+                     **speed(wq, args.prompt, args.gen, args.threads, residual_path=wr, n_critical=2, **cache_kw)})
     base = float(runs[1]["decode_ms_per_token"])  # type: ignore[arg-type]  # ours r=0, overlap off
     for r in runs[1:]:
-        if r["overlap"] == "off":
+        if r.get("overlap") == "off":
             r["serial_cpu_residual_ms"] = float(r["decode_ms_per_token"]) - base  # type: ignore[arg-type]
 
     md = [f"# gpu_check ({'CPU dry run, -ngl 0' if args.cpu else 'GPU'}; {args.size} qwen3moe, "
@@ -170,7 +190,7 @@ def main() -> int:
     md += ["", f"| variant | prefill tok/s ({args.prompt}) | decode tok/s ({args.gen}) | decode ms/token | "
            "serial CPU residual ms/token (vs r=0) | overlap worker / device / wall / hidden ms/token |",
            "|---|---|---|---|---|---|"]
-    md += [f"| {r['variant']} | {r['prefill_tps']:.1f} | {r['decode_tps']:.1f} | {r['decode_ms_per_token']:.2f} | "
+    md += [f"| {r['variant']}{' (%.0f%% realized)' % (100 * r['cache_hit_rate']) if 'cache_hit_rate' in r else ''} | {r['prefill_tps']:.1f} | {r['decode_tps']:.1f} | {r['decode_ms_per_token']:.2f} | "
            f"{r.get('serial_cpu_residual_ms', nan):.2f} | "
            + (" / ".join(f"{r[f'overlap_{f}_ms']:.2f}" for f in ("cpu", "device", "wall", "hidden"))
               if r.get("overlap_pairs") else "-") + " |" for r in runs]

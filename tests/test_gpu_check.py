@@ -35,3 +35,7 @@ def test_cpu_dry_run(tmp_path: Path) -> None:
     assert {r["overlap"] for r in ours} == {"off", "on"}
     assert all((r["overlap_pairs"] > 0) == (r["overlap"] == "on") for r in ours)
     assert sum("overlap off" in c["variant"] for c in res["checks"]) == sum("overlap on" in c["variant"] for c in res["checks"]) == 4
+    # the planner's per-expert cache realized with --gpu-mem's function (on the CPU device in the dry run)
+    cache = [r for r in res["runs"] if "per-expert WQ cache" in r["variant"]]
+    assert len(cache) == 1 and 0 < cache[0]["cache_hit_rate"] < 1
+    assert any("per-expert WQ cache" in c["variant"] for c in res["checks"])

@@ -43,7 +43,7 @@ def _tokens(path: Path) -> list[int]:
 def _on_device(rpc: RPCServer, cache: dict[int, list[int]]) -> dict:  # type: ignore[type-arg]
     """Llama arguments: experts stacked in CPU memory, everything else and the cache on the stand-in."""
     return {"rpc_servers": [rpc.endpoint], "n_gpu_layers": -1, "override_tensor": "exps=CPU",
-            "expert_cache": cache, "expert_cache_device": f"RPC0[{rpc.endpoint}]"}
+            "expert_cache": cache, "expert_cache_device": rpc.device.buffer_type}
 
 
 def _run(path: Path, toks: list[int], where: tuple[str, ...] = (), capture: list[str] | None = None, **kw):  # type: ignore[no-untyped-def]
@@ -76,7 +76,7 @@ def test_plain_model_equals_the_cpu_run(arch: str, make_tiny, rpc: RPCServer) ->
     names = tuple(f"blk.{il}.ffn_{p}_exps.{s}" for p in ("up", "gate", "down") for s in ("cache", "weight"))
     cpu, _, _, _ = _run(path, toks)
     dev, stats, where, _ = _run(path, toks, where=names, **_on_device(rpc, _half(layers, n_expert)))
-    buft = f"RPC0[{rpc.endpoint}]"
+    buft = rpc.device.buffer_type
     assert all(where[n] == buft for n in names if n.endswith(".cache")), where
     assert all(where[n].startswith("CPU") for n in names if n.endswith(".weight")), where  # stacked: host memory
     assert where[names[1]] == "CPU" or where[names[1]] == "CPU_Mapped", where  # plain layout, not CPU_REPACK
@@ -101,7 +101,7 @@ def test_resplit_pair_equals_the_cpu_run(arch: str, make_split, rpc: RPCServer) 
     for r in (0, 1, k):
         cpu, _, _, _ = _run(wq, toks, residual_path=wr, n_critical=r)
         dev, stats, where, _ = _run(wq, toks, where=side, residual_path=wr, n_critical=r, **_on_device(rpc, cache))
-        assert where[side[0]] == "CPU" and where[side[1]] == f"RPC0[{rpc.endpoint}]", where
+        assert where[side[0]] == "CPU" and where[side[1]] == rpc.device.buffer_type, where
         print(f"{arch} r={r}: max |dev - cpu| {np.abs(dev - cpu).max()}, hit rate {stats.hit_rate:.3f}")
         assert np.array_equal(dev, cpu), r
         by_r[r] = dev

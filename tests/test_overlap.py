@@ -75,7 +75,7 @@ def test_auto_does_not_overlap_an_all_cpu_model(make_split) -> None:  # type: ig
 def test_overlap_with_wq_on_the_rpc_device(arch: str, make_split, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
     """WQ experts on the stand-in: "auto" overlaps and gives the all-CPU serial logits exactly, as "off" does."""
     _, wq, wr = make_split(arch)
-    on_device = {"rpc_servers": [rpc.endpoint], "override_tensor": f"exps=RPC0[{rpc.endpoint}]"}
+    on_device = {"rpc_servers": [rpc.endpoint], "override_tensor": f"exps={rpc.device.buffer_type}"}
     for r in (1, 2):
         cpu, _ = _run(wq, wr, r, overlap="off")
         auto, s_auto = _run(wq, wr, r, **on_device)

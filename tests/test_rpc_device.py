@@ -77,7 +77,7 @@ def test_stock_model_on_the_rpc_device(arch: str, make_split, rpc: RPCServer) ->
     """No sidecar: the stock graph with every layer on the stand-in device (-ngl) equals the all-CPU run."""
     _, wq, _ = make_split(arch)
     toks = _tokens(wq)
-    buft = f"RPC0[{rpc.endpoint}]"
+    buft = rpc.device.buffer_type  # "RPC<n>[host:port]": n counts servers registered earlier in this process
     exps = f"blk.{_first_moe_layer(wq)}.ffn_up_exps.weight"
     cpu, _ = _logits(wq, toks)
     dev, where = _logits(wq, toks, rpc_servers=[rpc.endpoint], n_gpu_layers=-1, where=[exps, "blk.1.attn_norm.weight"])
@@ -96,7 +96,7 @@ def test_split_routing_with_wq_on_the_rpc_device(arch: str, placement: str, make
     toks = _tokens(wq)
     f = GGUFFile(wq)
     k = int(f.get(f"{f.get('general.architecture')}.expert_used_count"))
-    buft = f"RPC0[{rpc.endpoint}]"
+    buft = rpc.device.buffer_type  # "RPC<n>[host:port]": n counts servers registered earlier in this process
     layer = _first_moe_layer(wq)
     names = [f"blk.{layer}.ffn_{p}_exps.weight" for p in ("up", "gate", "down")]
     side = [f"blk.{layer}.ffn_up_exps.wr", f"blk.{layer}.ffn_gate_exps.wr"]

@@ -170,6 +170,16 @@ class Llama(llama_cpp.Llama):
     @_model.setter
     def _model(self, model: Any) -> None:
         self.__dict__["_model"] = model
+        try:
+            self._attach_extensions(model)
+        except BaseException:
+            # llama_cpp already holds the model in its exit stack; free it now, not at garbage collection, which
+            # may come after the devices it uses are gone (freeing an RPC buffer then hangs or aborts)
+            self.close()
+            raise
+
+    def _attach_extensions(self, model: Any) -> None:
+        """The sidecar (with its policy and overlap settings) and the expert cache, right after the model loads."""
         if getattr(self, "residual", None) is not None:
             try:
                 _core.attach_residual(model.model, str(self.residual.path))

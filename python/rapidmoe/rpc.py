@@ -148,6 +148,12 @@ class RPCServer:
                 self.proc.wait()
         self.proc = None
 
+    @property
+    def device(self) -> RPCDevice:
+        """This server's (first) ggml device, registered in this process on first use: its name ("RPC<n>", n
+        counting every server registered before it) and buffer type ("RPC<n>[host:port]")."""
+        return register_rpc_servers([self.endpoint])[0]
+
     def output(self) -> str:
         """What the server printed so far."""
         self._log.seek(0)

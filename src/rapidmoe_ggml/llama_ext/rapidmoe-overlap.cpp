@@ -35,7 +35,7 @@ rapidmoe_residual_worker::~rapidmoe_residual_worker() {
 }
 
 void rapidmoe_residual_worker::set_n_threads(int n_threads) {
-    std::lock_guard<std::mutex> lock(mutex_); // the loop reads the backend's thread count under the same lock
+    std::lock_guard<std::mutex> lock(compute_mutex_); // not while a task computes on the backend
     n_threads_ = n_threads < 1 ? 1 : n_threads;
     ggml_backend_cpu_set_n_threads(backend_, n_threads_);
 }
@@ -88,9 +88,13 @@ void rapidmoe_residual_worker::loop() {
             t = queue_.front();
             queue_.pop_front();
         }
-        const int64_t t0 = rapidmoe_overlap_now_ns();
-        t->work(backend_);
-        const int64_t t1 = rapidmoe_overlap_now_ns();
+        int64_t t0 = 0, t1 = 0;
+        {
+            std::lock_guard<std::mutex> lock(compute_mutex_);
+            t0 = rapidmoe_overlap_now_ns();
+            t->work(backend_);
+            t1 = rapidmoe_overlap_now_ns();
+        }
         {
             std::lock_guard<std::mutex> lock(mutex_);
             t->t.cpu_ns = t1 - t0;

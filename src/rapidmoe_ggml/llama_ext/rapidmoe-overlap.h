@@ -88,7 +88,8 @@ class rapidmoe_residual_worker {
 
     void loop();
 
-    std::mutex mutex_;
+    std::mutex mutex_;         // the queue and the task records
+    std::mutex compute_mutex_; // the backend: held while a task computes and while its thread count changes
     std::condition_variable wake_;
     std::condition_variable done_;
     std::deque<std::shared_ptr<task>> queue_;

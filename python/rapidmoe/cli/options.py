@@ -58,5 +58,9 @@ Freq = Annotated[Optional[Path], typer.Option(
     "--freq", help="With --gpu-mem: expert frequencies, .npy/.json counts [layers, experts] or a GGUF imatrix "
     "(default: uniform).")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's own log output.")]
+Residual = Annotated[Optional[Path], typer.Option(
+    "--residual", help="RESplit sidecar (.wr.gguf) made from MODEL: split expert routing.")]
+NCritical = Annotated[int, typer.Option(
+    "--n-critical", "-r", help="With --residual: each token's r highest-weight experts run in high precision.", min=0)]
 PolicyOpt = Annotated[Optional[Path], typer.Option(
     "--policy", help="With --residual: a UMIA policy JSON (from `rapidmoe-cli calibrate`) instead of a fixed -r.")]

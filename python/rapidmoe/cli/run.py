@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -30,8 +29,8 @@ def run(
     gpu_mem: options.GpuMem = None,
     reserve: options.Reserve = None,
     freq: options.Freq = None,
-    residual: Annotated[Optional[Path], typer.Option("--residual", help="RESplit sidecar (.wr.gguf) made from MODEL: split expert routing.")] = None,
-    n_critical: Annotated[int, typer.Option("--n-critical", "-r", help="With --residual: each token's r highest-weight experts run in high precision.", min=0)] = 2,
+    residual: options.Residual = None,
+    n_critical: options.NCritical = 2,
     policy: options.PolicyOpt = None,
     overlap: options.OverlapOpt = options.OverlapMode.auto,
     stats: Annotated[bool, typer.Option("--stats", help="With --residual: print the r chosen per layer and phase (histogram), and the overlap timing when layers overlapped.")] = False,

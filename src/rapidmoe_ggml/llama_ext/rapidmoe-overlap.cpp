@@ -17,10 +17,10 @@ int64_t rapidmoe_overlap_now_ns() {
 
 // ---- worker ----------------------------------------------------------------------------------------------
 
-rapidmoe_residual_worker::rapidmoe_residual_worker(int n_threads) : n_threads_(n_threads < 1 ? 1 : n_threads) {
+rapidmoe_residual_worker::rapidmoe_residual_worker(int n_threads) {
     backend_ = ggml_backend_cpu_init();
     GGML_ASSERT(backend_ != nullptr);
-    ggml_backend_cpu_set_n_threads(backend_, n_threads_);
+    set_n_threads(n_threads);
     thread_ = std::thread([this] { loop(); });
 }
 
@@ -36,8 +36,7 @@ rapidmoe_residual_worker::~rapidmoe_residual_worker() {
 
 void rapidmoe_residual_worker::set_n_threads(int n_threads) {
     std::lock_guard<std::mutex> lock(compute_mutex_); // not while a task computes on the backend
-    n_threads_ = n_threads < 1 ? 1 : n_threads;
-    ggml_backend_cpu_set_n_threads(backend_, n_threads_);
+    ggml_backend_cpu_set_n_threads(backend_, n_threads < 1 ? 1 : n_threads);
 }
 
 void rapidmoe_residual_worker::submit(const void * key, work_fn work, int64_t t_begin_ns) {

@@ -64,7 +64,6 @@ class rapidmoe_residual_worker {
     rapidmoe_residual_worker & operator=(const rapidmoe_residual_worker &) = delete;
 
     void set_n_threads(int n_threads);
-    int n_threads() const { return n_threads_; }
 
     // queue `work`; `key` (the output's data pointer) names the task for wait(). t_begin_ns: when begin started
     void submit(const void * key, work_fn work, int64_t t_begin_ns);
@@ -95,7 +94,6 @@ class rapidmoe_residual_worker {
     std::deque<std::shared_ptr<task>> queue_;
     std::unordered_map<const void *, std::shared_ptr<task>> tasks_; // the latest task per key
     ggml_backend_t backend_ = nullptr;
-    int n_threads_ = 1;
     bool stop_ = false;
     std::thread thread_;
 };

@@ -108,11 +108,17 @@ def extract_pristine(sdist: Path, dest: Path) -> None:
 
 
 def apply_patches(tree: Path, patches: list[Path]) -> None:
-    """Apply each patch with GNU patch; a patch that does not apply stops with its name."""
+    """Apply each patch with GNU patch; a patch that does not apply exactly stops with its name.
+
+    `--fuzz=0`: every context line must match where the hunk says. GNU patch's default fuzz (2) would let a
+    hunk whose surroundings changed upstream land somewhere else in a function (build_moe_ffn changes often);
+    on a pin bump that must fail here, not produce a graph with a hook in the wrong place.
+    """
     if shutil.which("patch") is None:
         raise UpstreamError("the 'patch' program is needed to apply our llama.cpp patches (apt-get install patch)")
     for p in patches:
-        cmd = ["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch", "-d", str(tree), "-i", str(p)]
+        cmd = ["patch", "-p1", "--forward", "--batch", "--fuzz=0", "--no-backup-if-mismatch",
+               "-d", str(tree), "-i", str(p)]
         dry = subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True)
         if dry.returncode != 0:
             raise UpstreamError(

@@ -60,6 +60,7 @@ class Chunk:
     text: str
     tokens: list[int]
     n_decoded: int
+    timings: Timings | None = None  # so far (for `timings_per_token`)
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,7 @@ class Engine:
         t0 = time.perf_counter()
         rc = lc.llama_decode(self._ctx, b)
         dt = time.perf_counter() - t0
+        self.llm.flush_trace()  # routing trace (serve --trace): this step's batches
         self.stats.n_decode += 1
         self.stats.busy_slots += len(busy)
         self.stats.decode_seconds += dt
@@ -346,7 +348,7 @@ class Engine:
         text = s.asm.push(self._token_piece(tok))
         if text:
             s.has_new_line = s.has_new_line or "\n" in text
-            t.events.put(Chunk(text, s.pending, s.n_decoded))
+            t.events.put(Chunk(text, s.pending, s.n_decoded, self._timings(s, now)))
             s.pending = []
         if s.asm.stopping_word:
             self._finish(s, "word")
@@ -367,6 +369,11 @@ class Engine:
             n = lc.llama_token_to_piece(self._vocab, tok, buf, -n, 0, False)
             return buf.raw[:n]
         return self._piece.raw[:n]
+
+    def _timings(self, s: _Slot, now: float) -> Timings:
+        assert s.ticket is not None
+        t_first = s.t_first or now
+        return Timings(len(s.ticket.prompt), 1e3 * (t_first - s.t_start), s.n_decoded, 1e3 * (now - t_first))
 
     def _finish(self, s: _Slot, stop_type: str, truncated: bool = False) -> None:
         t = s.ticket

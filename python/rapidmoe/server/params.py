@@ -5,10 +5,11 @@ Each reader raises errors.invalid_request with the field's name; nothing here to
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import invalid_request
+from .errors import ApiError, invalid_request
 
 INT32_MAX = 2**31 - 1
 SEED_RANDOM = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp picks a random seed
@@ -34,12 +35,19 @@ class SamplingParams:
     mirostat_eta: float = 0.1
     xtc_probability: float = 0.0
     xtc_threshold: float = 0.1
+    top_n_sigma: float = -1.0  # <= 0: off
+    dry_multiplier: float = 0.0  # 0: DRY off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
     min_keep: int = 0
     seed: int = SEED_RANDOM
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); -inf bans the token
 
     def to_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "logit_bias"}
+        d["dry_sequence_breakers"] = list(self.dry_sequence_breakers)
         d["logit_bias"] = [[t, b if math.isfinite(b) else False] for t, b in self.logit_bias]
         return d
 
@@ -54,6 +62,79 @@ class GenerationParams:
     t_max_predict_ms: int = 0  # 0: no limit
     id_slot: int = -1  # -1: any idle slot
     sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+def not_supported(name: str, why: str = "") -> ApiError:
+    return ApiError(501, "not_supported_error",
+                    f"\"{name}\" is not supported by this server" + (f" ({why})" if why else ""))
+
+
+def _off(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: any(v == x and type(v) is type(x) for x in values)  # noqa: E721 - True is not 1 here
+
+
+_EMPTY = lambda v: v == [] or v == {} or v == ""  # noqa: E731
+
+# Fields of llama-server's or OpenAI's request schema that this server does not implement, each with the values
+# that mean "off" (and so change nothing). Any other value is a 501 naming the field instead of being ignored.
+# Fields not listed are either implemented, have no effect on the answer (`user`, `metadata`, `store`,
+# `cache_prompt`, `n_keep`/`n_discard` without context shift), or unknown (ignored, as llama-server does).
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n_indent": (_off(0), "code-indentation stop"),
+    "n_cache_reuse": (_off(0), "KV shifting"),
+    "return_progress": (_off(False), "prompt progress events"),
+    "sse_ping_interval": (_off(0, -1), "SSE pings"),
+    "lora": (_EMPTY, "LoRA adapters"),
+    "samplers": (_EMPTY, "a custom sampler order"),
+    "backend_sampling": (_off(False), "backend sampling"),
+    "post_sampling_probs": (_off(False), ""),
+    "grammar_lazy": (_off(False), "lazy grammars"),
+    "grammar_triggers": (_EMPTY, "lazy grammars"),
+    "preserved_tokens": (_EMPTY, ""),
+    "chat_format": (lambda v: False, "internal field of llama-server"),
+    "chat_parser": (lambda v: False, "internal field of llama-server"),
+    "generation_prompt": (lambda v: False, "internal field of llama-server"),
+    "parse_tool_calls": (_off(False), "tool calls"),
+    "continue_final_message": (_off(False), "continuing the last message"),
+    "add_generation_prompt": (_off(True), ""),
+    "reasoning_format": (_off("none"), "reasoning is not parsed; \"none\" is what this server does"),
+    "reasoning_budget_tokens": (_off(-1), "reasoning budgets"),
+    "thinking_budget_tokens": (_off(-1), "reasoning budgets"),
+    "reasoning_budget_message": (lambda v: False, "reasoning budgets"),
+    "reasoning_control": (_off(False), "reasoning budgets"),
+    "reasoning_effort": (lambda v: False, "reasoning budgets"),
+    "verbose": (_off(False), ""),
+    "echo": (_off(False), ""),
+    "multimodal_data": (_EMPTY, "multimodal input"),
+    "input_prefix": (_off(""), "infill"),
+    "input_suffix": (_off(""), "infill"),
+    "input_extra": (_EMPTY, "infill"),
+    "suffix": (_off(""), "infill"),
+    "best_of": (_off(1), ""),
+    "n_cmpl": (_off(1), "one completion per request"),
+    "functions": (_EMPTY, "tool calls"),
+    "function_call": (_off("none"), "tool calls"),
+    "audio": (lambda v: False, "audio output"),
+    "modalities": (lambda v: v == ["text"], "text output only"),
+    "prediction": (lambda v: False, "predicted outputs"),
+    "web_search_options": (lambda v: False, "web search"),
+    "logprobs": (lambda v: v is False or v == 0, "logprobs"),
+    "top_logprobs": (_off(0), "logprobs"),
+    "n_probs": (_off(0), "logprobs"),
+    "grammar": (_off(""), "grammars"),
+    "json_schema": (lambda v: False, "structured output"),
+    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text", "structured output"),
+}
+
+
+def refuse_unsupported(body: dict[str, Any], skip: frozenset[str] = frozenset()) -> None:
+    """501 naming the first field that asks for something this server does not do (null means absent)."""
+    for name, (is_off, why) in UNSUPPORTED.items():
+        if name in skip:
+            continue
+        v = body.get(name)
+        if v is not None and not is_off(v):
+            raise not_supported(name, why)
 
 
 def _type_error(name: str, want: str, got: Any) -> Exception:
@@ -154,8 +235,19 @@ def get_logit_bias(body: dict[str, Any], n_vocab: int) -> tuple[tuple[int, float
     return tuple(out)
 
 
+def get_breakers(body: dict[str, Any]) -> tuple[str, ...]:
+    """`dry_sequence_breakers`: a non-empty array of strings (llama-server refuses an empty one)."""
+    v = body.get("dry_sequence_breakers")
+    if v is None:
+        return SamplingParams.dry_sequence_breakers
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
+        raise invalid_request("\"dry_sequence_breakers\" must be a non-empty array of non-empty strings")
+    return tuple(check_utf8(x, "dry_sequence_breakers") for x in v)
+
+
 def sampling_from(body: dict[str, Any], n_vocab: int, default_seed: int, default_temp: float) -> SamplingParams:
     seed = get_int(body, "seed", default_seed, lo=-1, hi=2**32 - 1)
+    dry_base = get_float(body, "dry_base", 1.75, lo=-1e3, hi=1e3)
     return SamplingParams(
         temperature=get_float(body, "temperature", default_temp, lo=-1e3, hi=1e3),
         dynatemp_range=get_float(body, "dynatemp_range", 0.0, lo=0.0, hi=1e3),
@@ -173,6 +265,12 @@ def sampling_from(body: dict[str, Any], n_vocab: int, default_seed: int, default
         mirostat_eta=get_float(body, "mirostat_eta", 0.1, lo=0.0, hi=1e3),
         xtc_probability=get_float(body, "xtc_probability", 0.0, lo=0.0, hi=1.0),
         xtc_threshold=get_float(body, "xtc_threshold", 0.1, lo=0.0, hi=1.0),
+        top_n_sigma=get_float(body, "top_n_sigma", -1.0, lo=-1e3, hi=1e3),
+        dry_multiplier=get_float(body, "dry_multiplier", 0.0, lo=0.0, hi=1e9),
+        dry_base=dry_base if dry_base >= 1.0 else 1.75,  # llama-server: below 1 means the default
+        dry_allowed_length=get_int(body, "dry_allowed_length", 2, lo=0),
+        dry_penalty_last_n=get_int(body, "dry_penalty_last_n", 64, lo=0),
+        dry_sequence_breakers=get_breakers(body),
         min_keep=get_int(body, "min_keep", 0, lo=0, hi=INT32_MAX),
         seed=SEED_RANDOM if seed == -1 else seed,
         logit_bias=get_logit_bias(body, n_vocab),

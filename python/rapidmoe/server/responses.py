@@ -29,10 +29,18 @@ class Meta:
     created: int
     return_tokens: bool
     include_usage: bool = False
+    timings_per_token: bool = False  # llama-server's: `timings` in every streamed chunk
 
     @classmethod
-    def new(cls, model: str, fingerprint: str, return_tokens: bool = False, include_usage: bool = False) -> Meta:
-        return cls(completion_id(), model, fingerprint, int(time.time()), return_tokens, include_usage)
+    def new(cls, model: str, fingerprint: str, return_tokens: bool = False, include_usage: bool = False,
+            timings_per_token: bool = False) -> Meta:
+        return cls(completion_id(), model, fingerprint, int(time.time()), return_tokens, include_usage,
+                   timings_per_token)
+
+    def add_timings(self, obj: dict[str, Any], c: Chunk) -> dict[str, Any]:
+        if self.timings_per_token and c.timings is not None:
+            obj["timings"] = c.timings.to_json()
+        return obj
 
 
 def finish_reason(f: Finished) -> str:
@@ -47,8 +55,8 @@ def usage(f: Finished) -> dict[str, Any]:
 # ---- native /completion ----
 
 def native_partial(m: Meta, c: Chunk, n_prompt: int, id_slot: int) -> dict[str, Any]:
-    return {"index": 0, "content": c.text, "tokens": c.tokens, "stop": False, "id_slot": id_slot,
-            "tokens_predicted": c.n_decoded, "tokens_evaluated": n_prompt}
+    return m.add_timings({"index": 0, "content": c.text, "tokens": c.tokens, "stop": False, "id_slot": id_slot,
+                          "tokens_predicted": c.n_decoded, "tokens_evaluated": n_prompt}, c)
 
 
 def native_final(m: Meta, f: Finished, content: str, prompt: str, settings: dict[str, Any],
@@ -65,15 +73,32 @@ def native_final(m: Meta, f: Finished, content: str, prompt: str, settings: dict
     }
 
 
+def pick_fields(res: dict[str, Any], paths: list[str]) -> dict[str, Any]:
+    """llama-server's `response_fields`: only these fields, a path `a/b` answered under the key "a/b"; missing
+    ones left out without an error."""
+    if not paths:
+        return res
+    out: dict[str, Any] = {}
+    for path in paths:
+        cur: Any = res
+        for k in path.split("/"):
+            if not isinstance(cur, dict) or k not in cur:
+                break
+            cur = cur[k]
+        else:
+            out[path] = cur
+    return out
+
+
 # ---- OpenAI /v1/completions ----
 
 def _oai_base(m: Meta, obj: str) -> dict[str, Any]:
     return {"created": m.created, "model": m.model, "system_fingerprint": m.fingerprint, "object": obj, "id": m.id}
 
 
-def oai_cmpl_partial(m: Meta, text: str) -> dict[str, Any]:
-    return {"choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": None}],
-            **_oai_base(m, "text_completion")}
+def oai_cmpl_partial(m: Meta, c: Chunk) -> dict[str, Any]:
+    return m.add_timings({"choices": [{"text": c.text, "index": 0, "logprobs": None, "finish_reason": None}],
+                          **_oai_base(m, "text_completion")}, c)
 
 
 def oai_cmpl_final(m: Meta, f: Finished, text: str) -> dict[str, Any]:
@@ -94,11 +119,11 @@ def _chat_chunk(m: Meta, delta: dict[str, Any], reason: str | None) -> dict[str,
             **_oai_base(m, "chat.completion.chunk")}
 
 
-def chat_partial(m: Meta, text: str, first: bool) -> list[dict[str, Any]]:
+def chat_partial(m: Meta, c: Chunk, first: bool) -> list[dict[str, Any]]:
     """llama-server opens with a role-only delta, then one content delta per piece of text."""
     out = [_chat_chunk(m, {"role": "assistant", "content": None}, None)] if first else []
-    if text:
-        out.append(_chat_chunk(m, {"content": text}, None))
+    if c.text:
+        out.append(m.add_timings(_chat_chunk(m, {"content": c.text}, None), c))
     return out
 
 

@@ -20,7 +20,8 @@ from .chat import ChatTemplate, check_messages
 from .config import ServerConfig
 from .engine import Chunk, Engine, Event, Failed, Finished, QueueFull, Ticket
 from .errors import ApiError, exceed_context, invalid_request, not_found, unavailable
-from .params import SEED_RANDOM, GenerationParams, SamplingParams, check_utf8, generation_from, get_bool
+from .params import (SEED_RANDOM, GenerationParams, SamplingParams, check_utf8, generation_from, get_bool,
+                     refuse_unsupported)
 
 
 @dataclass
@@ -257,6 +258,15 @@ def _settings(st: AppState, p: GenerationParams, n_ctx: int, model: str, stream:
             "stream": stream, "n_ctx": n_ctx, "model": model, **p.sampling.to_json()}
 
 
+def _response_fields(body: dict[str, Any]) -> list[str]:
+    v = body.get("response_fields")
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise invalid_request("\"response_fields\" must be an array of strings")
+    return v
+
+
 def completion(st: AppState, req: Request) -> Reply | Stream:
     """POST /completion: llama-server's native endpoint."""
     body = req.json()
@@ -264,17 +274,20 @@ def completion(st: AppState, req: Request) -> Reply | Stream:
     model = st.check_model(body)
     if "prompt" not in body:
         raise invalid_request("\"prompt\" is required")
+    refuse_unsupported(body)
     toks = prompt_tokens(st, body["prompt"])
     params = _gen_params(st, body, oai=False)
     stream = get_bool(body, "stream", False)
-    meta = responses.Meta.new(model, st.fingerprint, return_tokens=get_bool(body, "return_tokens", False))
+    fields = _response_fields(body)
+    meta = responses.Meta.new(model, st.fingerprint, return_tokens=get_bool(body, "return_tokens", False),
+                              timings_per_token=get_bool(body, "timings_per_token", False))
     settings = _settings(st, params, st.engine.n_ctx_slot, model, stream)
     prompt_text = body["prompt"] if isinstance(body["prompt"], str) else st.engine.llm.detokenize(
         toks).decode("utf-8", "replace")
     t = _submit(st, toks, params)
     if not stream:
-        return _whole(st, t, req, lambda text, fin: responses.native_final(meta, fin, text, prompt_text, settings,
-                                                                           False))
+        return _whole(st, t, req, lambda text, fin: responses.pick_fields(
+            responses.native_final(meta, fin, text, prompt_text, settings, False), fields))
 
     def fmt(ev: Event, first: bool) -> list[bytes]:
         if isinstance(ev, Chunk):
@@ -296,21 +309,20 @@ def oai_completions(st: AppState, req: Request) -> Reply | Stream:
     model = st.check_model(body)
     if "prompt" not in body:
         raise invalid_request("\"prompt\" is required")
-    if body.get("echo"):
-        raise invalid_request("Only no echo is supported")
+    refuse_unsupported(body)
     toks = prompt_tokens(st, body["prompt"])
     params = _gen_params(st, body, oai=True)
     stream = get_bool(body, "stream", False)
-    meta = responses.Meta.new(model, st.fingerprint)
+    meta = responses.Meta.new(model, st.fingerprint, timings_per_token=get_bool(body, "timings_per_token", False))
     t = _submit(st, toks, params)
     if not stream:
         return _whole(st, t, req, lambda text, fin: responses.oai_cmpl_final(meta, fin, text))
 
     def fmt(ev: Event, first: bool) -> list[bytes]:
         if isinstance(ev, Chunk):
-            return [sse.event(responses.oai_cmpl_partial(meta, ev.text))]
+            return [sse.event(responses.oai_cmpl_partial(meta, ev))]
         assert isinstance(ev, Finished)
-        out = [sse.event(responses.oai_cmpl_partial(meta, ev.text))] if ev.text else []
+        out = [sse.event(responses.oai_cmpl_partial(meta, Chunk(ev.text, [], ev.n_decoded)))] if ev.text else []
         return out + [sse.event(responses.oai_cmpl_final(meta, ev, ""))]
 
     return _stream(st, t, req, fmt, done=True)
@@ -327,22 +339,24 @@ def chat_completions(st: AppState, req: Request) -> Reply | Stream:
     """POST /v1/chat/completions: the GGUF's chat template, then generation as for completions."""
     body = req.json()
     model = st.check_model(body)
+    refuse_unsupported(body)
     toks = _tokenize(st, _chat_prompt(st, body), add_special=True)
     params = _gen_params(st, body, oai=True)
     stream = get_bool(body, "stream", False)
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise invalid_request("\"stream_options\" must be an object")
-    meta = responses.Meta.new(model, st.fingerprint, include_usage=get_bool(opts, "include_usage", False))
+    meta = responses.Meta.new(model, st.fingerprint, include_usage=get_bool(opts, "include_usage", False),
+                              timings_per_token=get_bool(body, "timings_per_token", False))
     t = _submit(st, toks, params)
     if not stream:
         return _whole(st, t, req, lambda text, fin: responses.chat_final(meta, fin, text))
 
     def fmt(ev: Event, first: bool) -> list[bytes]:
         if isinstance(ev, Chunk):
-            return [sse.event(responses.chat_partial(meta, ev.text, first))]
+            return [sse.event(responses.chat_partial(meta, ev, first))]
         assert isinstance(ev, Finished)
-        head = [sse.event(responses.chat_partial(meta, "", True))] if first else []
+        head = [sse.event(responses.chat_partial(meta, Chunk("", [], 0), True))] if first else []
         return head + [sse.event(responses.chat_stream_final(meta, ev, ev.text))]
 
     return _stream(st, t, req, fmt, done=True)

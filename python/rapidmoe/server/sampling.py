@@ -1,6 +1,7 @@
 """A llama.cpp sampler chain for one slot from SamplingParams, in llama-server's default order.
 
-penalties -> top_k -> typical -> top_p -> min_p -> xtc -> temperature -> dist (or mirostat / greedy).
+logit bias -> penalties -> DRY -> top-n-sigma -> top_k -> typical -> top_p -> min_p -> xtc -> temperature -> dist
+(or mirostat / greedy).
 Owns a native handle: free it with `free()` (the slot does when it is released).
 """
 from __future__ import annotations
@@ -24,6 +25,13 @@ class SlotSampler:
         if p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             last_n = n_vocab if p.repeat_last_n == -1 else p.repeat_last_n
             add(lc.llama_sampler_init_penalties(last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty))
+        if p.dry_multiplier != 0.0 and p.dry_penalty_last_n != 0:
+            breakers = [b.encode() for b in p.dry_sequence_breakers]
+            arr_b = (ctypes.c_char_p * len(breakers))(*breakers)  # copied by the sampler
+            add(lc.llama_sampler_init_dry(vocab, p.dry_multiplier, p.dry_base, p.dry_allowed_length,
+                                          p.dry_penalty_last_n, arr_b, len(breakers)))
+        if p.top_n_sigma > 0.0:
+            add(lc.llama_sampler_init_top_n_sigma(p.top_n_sigma))
         seed = ctypes.c_uint32(p.seed).value
         if p.temperature <= 0.0:
             add(lc.llama_sampler_init_greedy())

@@ -1,0 +1,153 @@
+"""`rapidmoe-cli serve` features beyond the basics, against a real server process on the tiny model:
+fields the server does not implement are refused by name, DRY and top-n-sigma sampling, per-token timings and
+`response_fields`.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from server_proc import ServerProc, sse_json
+
+openai = pytest.importorskip("openai")
+
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    log = tmp_path_factory.mktemp("server") / "features.log"
+    s = ServerProc(tiny_qwen, "--parallel", "2", "-c", "2048", "-t", "1", "--any-model", log_path=log)
+    yield s
+    s.stop()
+
+
+def good(s: ServerProc) -> None:
+    status, body = s.request("POST", "/completion", {"prompt": "Hello", "n_predict": 2})
+    assert status == 200 and body["tokens_predicted"] == 2, body
+
+
+def client(s: ServerProc):  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+# ---- refused, never ignored ----
+
+MSGS = [{"role": "user", "content": "hi"}]
+REFUSED = [
+    ("/completion", {"prompt": "a", "lora": [{"id": 0, "scale": 1.0}]}, "lora"),
+    ("/completion", {"prompt": "a", "n_indent": 4}, "n_indent"),
+    ("/completion", {"prompt": "a", "samplers": ["top_k"]}, "samplers"),
+    ("/completion", {"prompt": "a", "post_sampling_probs": True}, "post_sampling_probs"),
+    ("/completion", {"prompt": "a", "n_cache_reuse": 256}, "n_cache_reuse"),
+    ("/completion", {"prompt": "a", "return_progress": True}, "return_progress"),
+    ("/completion", {"prompt": "a", "grammar_lazy": True}, "grammar_lazy"),
+    ("/completion", {"prompt": "a", "input_suffix": "}"}, "input_suffix"),
+    ("/v1/completions", {"prompt": "a", "suffix": "end"}, "suffix"),
+    ("/v1/completions", {"prompt": "a", "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
+    ("/v1/chat/completions", {"messages": MSGS, "reasoning_format": "deepseek"}, "reasoning_format"),
+    ("/v1/chat/completions", {"messages": MSGS, "reasoning_effort": "high"}, "reasoning_effort"),
+    ("/v1/chat/completions", {"messages": MSGS, "modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"messages": MSGS, "continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": MSGS, "add_generation_prompt": False}, "add_generation_prompt"),
+    ("/v1/chat/completions", {"messages": MSGS, "functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"messages": MSGS, "prediction": {"type": "content", "content": "x"}}, "prediction"),
+]
+
+
+@pytest.mark.parametrize("path,body,field", REFUSED, ids=[r[2] for r in REFUSED])
+def test_unsupported_field_is_refused_by_name(srv: ServerProc, path: str, body: dict, field: str) -> None:  # type: ignore[type-arg]
+    status, r = srv.request("POST", path, body)
+    assert status == 501, r
+    assert r["error"]["type"] == "not_supported_error" and f'"{field}"' in r["error"]["message"], r
+    good(srv)
+
+
+def test_off_values_of_unsupported_fields_are_accepted(srv: ServerProc) -> None:
+    off = {"lora": [], "n_indent": 0, "post_sampling_probs": False, "return_progress": False, "samplers": [],
+           "best_of": 1, "echo": False, "user": "me", "cache_prompt": True, "n_keep": 0}
+    status, r = srv.request("POST", "/v1/completions", {"prompt": "a", "max_tokens": 2, **off})
+    assert status == 200 and r["usage"]["completion_tokens"] == 2, r
+    status, r = srv.request("POST", "/v1/chat/completions",
+                            {"messages": MSGS, "max_tokens": 2, "reasoning_format": "none",
+                             "modalities": ["text"], "add_generation_prompt": True})
+    assert status == 200, r
+
+
+def test_openai_client_sees_the_refusal(srv: ServerProc) -> None:
+    with pytest.raises(openai.InternalServerError, match="best_of"):
+        client(srv).completions.create(model="x", prompt="a", max_tokens=2, best_of=2)
+
+
+# ---- DRY and top-n-sigma (llama.cpp's samplers) ----
+
+def _tokens(s: ServerProc, body: dict) -> tuple[list[int], list[int]]:  # type: ignore[type-arg]
+    """(prompt tokens as the server tokenizes them, generated tokens)."""
+    status, r = s.request("POST", "/completion", {**body, "return_tokens": True})
+    assert status == 200, r
+    _, tok = s.request("POST", "/tokenize", {"content": body["prompt"], "add_special": True})
+    return tok["tokens"], r["tokens"]
+
+
+def _extends_repeat(seq: list[int], start: int, n: int) -> list[int]:
+    """Positions i >= start where seq[i-n:i+1] (n tokens and the next) already occurred earlier in seq."""
+    out = []
+    for i in range(max(start, n), len(seq)):
+        gram = seq[i - n:i + 1]
+        if any(seq[j - n:j + 1] == gram for j in range(n, i)):
+            out.append(i)
+    return out
+
+
+def test_dry_forbids_extending_repeats(srv: ServerProc) -> None:
+    """With a huge multiplier, greedy DRY never picks a token that extends a repeat of `allowed_length` tokens
+    (what DRY penalizes, checked on the token ids); without DRY the same request does repeat."""
+    base = {"prompt": "one two one two one two one two", "n_predict": 48, "ignore_eos": True, **GREEDY}
+    prompt, plain = _tokens(srv, base)
+    assert _extends_repeat(prompt + plain, len(prompt), 2), "the reference output should repeat itself"
+    prompt, dry = _tokens(srv, {**base, "dry_multiplier": 1e4, "dry_allowed_length": 2, "dry_base": 2.0,
+                                "dry_penalty_last_n": 4096, "dry_sequence_breakers": ["\u0001"]})
+    assert len(dry) == 48 and dry != plain
+    assert _extends_repeat(prompt + dry, len(prompt), 2) == []
+    status, r = srv.request("POST", "/completion", {**base, "dry_sequence_breakers": []})
+    assert status == 400 and "dry_sequence_breakers" in r["error"]["message"]
+    _, r = srv.request("POST", "/completion", {**base, "n_predict": 1, "dry_multiplier": 0.5})
+    assert r["generation_settings"]["dry_multiplier"] == 0.5
+    assert r["generation_settings"]["dry_sequence_breakers"] == ["\n", ":", "\"", "*"]
+
+
+def test_top_n_sigma_keeps_only_the_top_logit(srv: ServerProc) -> None:
+    """A tiny top-n-sigma keeps only the maximum logit: at temperature 5 the answer equals greedy's for any
+    seed; without it, temperature 5 gives different answers for different seeds."""
+    body = {"prompt": "Once upon a time", "n_predict": 16, "ignore_eos": True, "top_k": 0, "top_p": 1.0,
+            "min_p": 0.0}
+    _, greedy = srv.request("POST", "/completion", {**body, **GREEDY})
+    hot = [srv.request("POST", "/completion", {**body, "temperature": 5.0, "seed": seed})[1]["content"]
+           for seed in (1, 2)]
+    assert hot[0] != hot[1] and greedy["content"] not in hot
+    for seed in (1, 2):
+        _, r = srv.request("POST", "/completion", {**body, "temperature": 5.0, "seed": seed, "top_n_sigma": 1e-6})
+        assert r["content"] == greedy["content"]
+
+
+# ---- timings_per_token, response_fields ----
+
+def test_timings_per_token_in_stream(srv: ServerProc) -> None:
+    events = sse_json(srv.stream("/v1/chat/completions", {"messages": MSGS, "max_tokens": 6, "stream": True,
+                                                          "timings_per_token": True, "ignore_eos": True}))
+    assert "timings" not in events[0]
+    content = [e for e in events[1:-1] if e["choices"] and e["choices"][0]["delta"].get("content")]
+    assert content and all("timings" in e for e in content)
+    n = [e["timings"]["predicted_n"] for e in content]
+    assert n == sorted(n) and n[-1] <= 6
+    plain = sse_json(srv.stream("/v1/chat/completions", {"messages": MSGS, "max_tokens": 6, "stream": True}))
+    assert not any("timings" in e for e in plain[1:-2])
+
+
+def test_response_fields(srv: ServerProc) -> None:
+    status, r = srv.request("POST", "/completion", {"prompt": "Hi", "n_predict": 3, "response_fields": [
+        "content", "generation_settings/n_predict", "timings/predicted_n", "no/such"]})
+    assert status == 200 and set(r) == {"content", "generation_settings/n_predict", "timings/predicted_n"}
+    assert r["generation_settings/n_predict"] == 3 and r["timings/predicted_n"] == 3

@@ -1,10 +1,12 @@
 """`rapidmoe-cli serve` features beyond the basics, against a real server process on the tiny model:
-fields the server does not implement are refused by name, DRY and top-n-sigma sampling, per-token timings and
-`response_fields`.
+fields the server does not implement are refused by name, DRY and top-n-sigma sampling, per-token timings,
+`response_fields`, structured output (GBNF grammars, JSON schemas checked with the `jsonschema` package).
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -151,3 +153,105 @@ def test_response_fields(srv: ServerProc) -> None:
         "content", "generation_settings/n_predict", "timings/predicted_n", "no/such"]})
     assert status == 200 and set(r) == {"content", "generation_settings/n_predict", "timings/predicted_n"}
     assert r["generation_settings/n_predict"] == 3 and r["timings/predicted_n"] == 3
+
+
+# ---- structured output: grammar, json_schema, response_format ----
+
+SCHEMAS = {
+    "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+               "required": ["name", "age"]},
+    "order": {"type": "object", "properties": {
+        "size": {"enum": ["small", "medium", "large"]}, "paid": {"type": "boolean"},
+        "items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 1,
+                  "maxItems": 3},
+        "where": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+                  "required": ["city"]}},
+        "required": ["size", "paid", "items", "where"], "additionalProperties": False},
+    "choice": {"anyOf": [{"type": "object", "properties": {"kind": {"const": "a"}, "n": {"type": "number"}},
+                          "required": ["kind", "n"]},
+                         {"type": "object", "properties": {"kind": {"const": "b"}, "ok": {"type": "null"}},
+                          "required": ["kind", "ok"]}]},
+    "list": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 4},
+}
+
+
+def _valid(text: str, schema: dict) -> object:  # type: ignore[type-arg]
+    import jsonschema
+
+    doc = json.loads(text)
+    jsonschema.validate(doc, schema)
+    return doc
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_json_schema_output_validates(srv: ServerProc, name: str) -> None:
+    schema = SCHEMAS[name]
+    for sampling in (GREEDY, {"temperature": 1.0, "seed": 7}, {"temperature": 1.5, "seed": 8, "top_k": 0}):
+        status, r = srv.request("POST", "/completion", {"prompt": "JSON:", "json_schema": schema, "n_predict": 200,
+                                                        **sampling})
+        assert status == 200 and r["stop_type"] == "eos", r
+        _valid(r["content"], schema)
+
+
+def test_grammar_sees_only_generated_tokens(srv: ServerProc) -> None:
+    """The prompt ends with a word the grammar does not allow first: it is not fed to the grammar."""
+    for prompt in ("The answer is yes", "no no no", "{"):
+        status, r = srv.request("POST", "/completion", {"prompt": prompt, "grammar": 'root ::= ("yes" | "no") "!"',
+                                                        "n_predict": 10, "temperature": 1.0, "seed": 3})
+        assert status == 200 and r["content"] in ("yes!", "no!") and r["stop_type"] == "eos", r
+
+
+def test_structured_output_openai_chat_stream_and_parallel(srv: ServerProc) -> None:
+    c = client(srv)
+    schema = SCHEMAS["order"]
+    rf = {"type": "json_schema", "json_schema": {"name": "order", "schema": schema, "strict": True}}
+    r = c.chat.completions.create(model="x", messages=MSGS, response_format=rf, max_tokens=200, **GREEDY)
+    assert r.choices[0].finish_reason == "stop"
+    whole = r.choices[0].message.content
+    _valid(whole, schema)
+    chunks = list(c.chat.completions.create(model="x", messages=MSGS, response_format=rf, max_tokens=200,
+                                            stream=True, **GREEDY))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == whole
+    obj = c.chat.completions.create(model="x", messages=MSGS, response_format={"type": "json_object"},
+                                    max_tokens=300, **GREEDY)
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    cmpl = c.completions.create(model="x", prompt="JSON:", max_tokens=200, extra_body={"json_schema": SCHEMAS["list"]},
+                                **GREEDY)
+    _valid(cmpl.choices[0].text, SCHEMAS["list"])
+
+    def one(i: int) -> None:
+        name = list(SCHEMAS)[i % len(SCHEMAS)]
+        events = sse_json(srv.stream("/completion", {"prompt": f"Item {i}:", "json_schema": SCHEMAS[name],
+                                                     "n_predict": 200, "stream": True, "temperature": 1.0,
+                                                     "seed": i}))
+        assert events[-1]["stop_type"] == "eos"
+        _valid("".join(e["content"] for e in events), SCHEMAS[name])
+
+    with ThreadPoolExecutor(6) as ex:
+        list(ex.map(one, range(6)))
+
+
+BAD_STRUCTURED = [
+    ({"grammar": "root ::= foo"}, "Undefined rule identifier 'foo'"),
+    ({"grammar": 'root ::= "a" ('}, "expecting ')'"),
+    ({"grammar": 5}, "\"grammar\" must be a string"),
+    ({"json_schema": {"type": "foo"}}, "Unrecognized schema"),
+    ({"json_schema": {"$ref": "#/definitions/nope"}}, "\"json_schema\""),
+    ({"json_schema": {"type": "object"}, "grammar": 'root ::= "a"'}, "Cannot use both"),
+    ({"response_format": {"type": "xml"}}, "response_format type"),
+    ({"json_schema": {"type": "array", "uniqueItems": True}}, "keyword \"uniqueItems\" at / is not supported"),
+    ({"json_schema": {"type": "object", "properties": {"x": {"type": "number", "maximum": 2}}}},
+     "\"maximum\" at /properties/x is supported for integers only"),
+    ({"json_schema": {"type": "integer", "minimum": 0, "maximum": 10**9}}, "too wide"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(("}}}},
+     "response_format.json_schema.schema"),
+]
+
+
+@pytest.mark.parametrize("extra,msg", BAD_STRUCTURED, ids=[b[1][:24] for b in BAD_STRUCTURED])
+def test_bad_grammar_or_schema_is_400_naming_the_problem(srv: ServerProc, extra: dict, msg: str) -> None:  # type: ignore[type-arg]
+    for path, body in (("/completion", {"prompt": "a"}), ("/v1/chat/completions", {"messages": MSGS})):
+        status, r = srv.request("POST", path, {**body, **extra, "n_predict": 2})
+        assert status == 400 and msg in r["error"]["message"], r
+    good(srv)

@@ -270,7 +270,7 @@ class Engine:
 
     def _start(self, s: _Slot, t: Ticket) -> None:
         s.ticket = t
-        s.sampler = SlotSampler(t.params.sampling, self._vocab, self.n_vocab)
+        s.sampler = SlotSampler(t.params.sampling, self._vocab, self.n_vocab, t.params.grammar)
         for tok in t.prompt:
             s.sampler.accept(tok)  # penalties see the prompt, as in llama-server
         s.asm = TextAssembler(list(t.params.stop))

@@ -62,6 +62,7 @@ class GenerationParams:
     t_max_predict_ms: int = 0  # 0: no limit
     id_slot: int = -1  # -1: any idle slot
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    grammar: str | None = None  # GBNF (from `grammar`, `json_schema` or `response_format`), checked already
 
 
 def not_supported(name: str, why: str = "") -> ApiError:
@@ -121,9 +122,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logprobs": (lambda v: v is False or v == 0, "logprobs"),
     "top_logprobs": (_off(0), "logprobs"),
     "n_probs": (_off(0), "logprobs"),
-    "grammar": (_off(""), "grammars"),
-    "json_schema": (lambda v: False, "structured output"),
-    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text", "structured output"),
 }
 
 

@@ -5,6 +5,7 @@ Sockets, auth, limits and logging are the HTTP layer's (app.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -22,6 +23,7 @@ from .engine import Chunk, Engine, Event, Failed, Finished, QueueFull, Ticket
 from .errors import ApiError, exceed_context, invalid_request, not_found, unavailable
 from .params import (SEED_RANDOM, GenerationParams, SamplingParams, check_utf8, generation_from, get_bool,
                      refuse_unsupported)
+from .structured import grammar_from
 
 
 @dataclass
@@ -136,8 +138,10 @@ def prompt_tokens(st: AppState, prompt: Any) -> list[int]:
 def _gen_params(st: AppState, body: dict[str, Any], oai: bool) -> GenerationParams:
     assert st.engine is not None
     c = st.config
-    return generation_from(body, n_vocab=st.engine.n_vocab, default_n_predict=c.n_predict, default_seed=c.seed,
-                           default_temp=c.temperature, oai=oai)
+    p = generation_from(body, n_vocab=st.engine.n_vocab, default_n_predict=c.n_predict, default_seed=c.seed,
+                        default_temp=c.temperature, oai=oai)
+    grammar = grammar_from(body, st.engine.llm._model.vocab)
+    return dataclasses.replace(p, grammar=grammar) if grammar is not None else p
 
 
 def _submit(st: AppState, toks: list[int], params: GenerationParams) -> Ticket:

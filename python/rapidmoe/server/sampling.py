@@ -9,12 +9,35 @@ from __future__ import annotations
 import ctypes
 import math
 
+import numpy as np
+
 from .._runtime import llama_cpp as lc
 from .params import SamplingParams
 
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+assert _TOKEN_DATA.itemsize == ctypes.sizeof(lc.llama_token_data)
+
 
 class SlotSampler:
-    def __init__(self, p: SamplingParams, vocab: lc.llama_vocab_p, n_vocab: int) -> None:
+    """The chain, and optionally a grammar applied as llama-server applies it (`common_sampler_sample`): sample
+    with the chain, check the token against the grammar, and only if it is rejected sample again with the
+    grammar applied to every candidate first. The grammar accepts generated tokens only."""
+
+    def __init__(self, p: SamplingParams, vocab: lc.llama_vocab_p, n_vocab: int, grammar: str | None = None) -> None:
+        self.n_vocab = n_vocab
+        self.grammar = None
+        if grammar is not None:
+            self.grammar = lc.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+            if not self.grammar:  # checked at the HTTP boundary; a failure here is a bug
+                raise ValueError("grammar failed to parse")
+            self._data = np.zeros(n_vocab, _TOKEN_DATA)
+            self._cur = lc.llama_token_data_array(
+                data=self._data.ctypes.data_as(ctypes.POINTER(lc.llama_token_data)), size=n_vocab, selected=-1,
+                sorted=False)
+            self._one = np.zeros(1, _TOKEN_DATA)
+            self._one_cur = lc.llama_token_data_array(
+                data=self._one.ctypes.data_as(ctypes.POINTER(lc.llama_token_data)), size=1, selected=-1,
+                sorted=False)
         self.chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda s: lc.llama_sampler_chain_add(self.chain, s)  # noqa: E731 - the chain takes ownership
         if p.logit_bias:
@@ -57,13 +80,42 @@ class SlotSampler:
             add(lc.llama_sampler_init_dist(seed))
 
     def accept(self, token: int) -> None:
+        """A prompt token: into the chain (penalties, DRY), not the grammar."""
         lc.llama_sampler_accept(self.chain, token)
 
     def sample(self, ctx: lc.llama_context_p, i_batch: int) -> int:
-        """Sample from the logits of batch row `i_batch` and accept the token into the chain's state."""
-        return int(lc.llama_sampler_sample(self.chain, ctx, i_batch))
+        """Sample from the logits of batch row `i_batch` and accept the token into the chain's (and grammar's)
+        state."""
+        if self.grammar is None:
+            return int(lc.llama_sampler_sample(self.chain, ctx, i_batch))
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i_batch), shape=(self.n_vocab,))
+        tok = self._apply(logits, with_grammar=False)
+        self._one[0] = (tok, 1.0, 0.0)
+        self._one_cur.size, self._one_cur.selected = 1, -1
+        lc.llama_sampler_apply(self.grammar, ctypes.byref(self._one_cur))
+        if self._one[0]["logit"] == -np.inf:  # rejected: the grammar first, then the chain again
+            tok = self._apply(logits, with_grammar=True)
+        lc.llama_sampler_accept(self.grammar, tok)
+        lc.llama_sampler_accept(self.chain, tok)
+        return tok
+
+    def _apply(self, logits: np.ndarray, with_grammar: bool) -> int:
+        d = self._data
+        d["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        d["logit"] = logits
+        d["p"] = 0.0
+        self._cur.size, self._cur.selected, self._cur.sorted = self.n_vocab, -1, False
+        if with_grammar:
+            lc.llama_sampler_apply(self.grammar, ctypes.byref(self._cur))
+        lc.llama_sampler_apply(self.chain, ctypes.byref(self._cur))
+        if self._cur.selected < 0:
+            raise RuntimeError("the sampler chain selected no token")
+        return int(self._cur.data[self._cur.selected].id)  # samplers may reorder, never reallocate, but read it there
 
     def free(self) -> None:
         if self.chain is not None:
             lc.llama_sampler_free(self.chain)
             self.chain = None
+        if self.grammar is not None:
+            lc.llama_sampler_free(self.grammar)
+            self.grammar = None

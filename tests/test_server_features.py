@@ -1,6 +1,7 @@
 """`rapidmoe-cli serve` features beyond the basics, against a real server process on the tiny model:
 fields the server does not implement are refused by name, DRY and top-n-sigma sampling, per-token timings,
-`response_fields`, structured output (GBNF grammars, JSON schemas checked with the `jsonschema` package).
+`response_fields`, structured output (GBNF grammars, JSON schemas checked with the `jsonschema` package),
+token log-probabilities (against a softmax of the numpy reference forward pass's logits).
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 from server_proc import ServerProc, sse_json
 
@@ -255,3 +257,91 @@ def test_bad_grammar_or_schema_is_400_naming_the_problem(srv: ServerProc, extra:
         status, r = srv.request("POST", path, {**body, **extra, "n_predict": 2})
         assert status == 400 and msg in r["error"]["message"], r
     good(srv)
+
+
+# ---- logprobs: checked against a numpy softmax of logits from the independent numpy forward pass ----
+
+@pytest.fixture(scope="module")
+def f32_srv(make_tiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:  # type: ignore[no-untyped-def]
+    path = make_tiny("qwen3moe", "f32")
+    s = ServerProc(path, "--parallel", "2", "-c", "1024", "-t", "1", "--any-model",
+                   log_path=tmp_path_factory.mktemp("server") / "f32.log")
+    s.model_path = path  # type: ignore[attr-defined]
+    yield s
+    s.stop()
+
+
+def _ref_logprobs(path: Path, tokens: list[int]) -> np.ndarray:
+    from reference.numpy_forward import forward
+
+    x = forward(path, tokens).astype(np.float64)
+    x -= x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))  # type: ignore[no-any-return]
+
+
+LP_TOL = 0.02  # llama.cpp's f32 logits against numpy's float64 forward pass
+
+
+def _check_against_reference(path: Path, prompt: list[int], gen: list[int], probs: list[dict], k: int,
+                             greedy: bool) -> None:  # type: ignore[type-arg]
+    ref = _ref_logprobs(path, prompt + gen[:-1])
+    assert [p["id"] for p in probs] == gen
+    for i, p in enumerate(probs):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(p["logprob"] - row[p["id"]]) < LP_TOL, (i, p["logprob"], row[p["id"]])
+        top = p["top_logprobs"]
+        assert len(top) == k and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        for t in top:
+            assert abs(t["logprob"] - row[t["id"]]) < LP_TOL
+            assert bytes(t["bytes"]).decode("utf-8", "ignore").startswith(t["token"])
+        order = np.argsort(-row)
+        if row[order[k - 1]] - row[order[k]] > 2 * LP_TOL:  # no near-tie at the cut: the same k tokens
+            assert {t["id"] for t in top} == set(order[:k].tolist())
+        if greedy:
+            assert top[0]["id"] == p["id"]
+
+
+def test_n_probs_native_against_numpy(f32_srv: ServerProc) -> None:
+    path = f32_srv.model_path  # type: ignore[attr-defined]
+    body = {"prompt": "The quick brown fox", "n_predict": 8, "ignore_eos": True, "n_probs": 5, "return_tokens": True}
+    _, tok = f32_srv.request("POST", "/tokenize", {"content": body["prompt"], "add_special": True})
+    for sampling, greedy in ((GREEDY, True), ({"temperature": 1.0, "seed": 5, "top_k": 0}, False)):
+        status, r = f32_srv.request("POST", "/completion", {**body, **sampling})
+        assert status == 200, r
+        _check_against_reference(path, tok["tokens"], r["tokens"], r["completion_probabilities"], 5, greedy)
+        events = sse_json(f32_srv.stream("/completion", {**body, **sampling, "stream": True}))
+        streamed = [p for e in events for p in e.get("completion_probabilities", [])]
+        assert [p["id"] for p in streamed] == r["tokens"]
+        assert all(abs(a["logprob"] - b["logprob"]) < 1e-4 for a, b in zip(streamed, r["completion_probabilities"]))
+    _, off = f32_srv.request("POST", "/completion", {**body, "n_probs": 0})
+    assert "completion_probabilities" not in off
+
+
+def test_openai_logprobs_chat_and_completions(f32_srv: ServerProc) -> None:
+    path = f32_srv.model_path  # type: ignore[attr-defined]
+    c = client(f32_srv)
+    r = c.chat.completions.create(model="x", messages=MSGS, max_tokens=6, logprobs=True, top_logprobs=3,
+                                  extra_body={"ignore_eos": True}, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    _, rendered = f32_srv.request("POST", "/apply-template", {"messages": MSGS})
+    _, tok = f32_srv.request("POST", "/tokenize", {"content": rendered["prompt"], "add_special": True})
+    entries = [t.model_dump() for t in content]
+    _check_against_reference(path, tok["tokens"], [t["id"] for t in entries], entries, 3, True)
+    chunks = list(c.chat.completions.create(model="x", messages=MSGS, max_tokens=6, logprobs=True, top_logprobs=3,
+                                            stream=True, extra_body={"ignore_eos": True}, **GREEDY))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    plain = c.chat.completions.create(model="x", messages=MSGS, max_tokens=2, **GREEDY)
+    assert plain.choices[0].logprobs is None
+
+    cm = c.completions.create(model="x", prompt="The quick brown fox", max_tokens=5, logprobs=2,
+                              extra_body={"ignore_eos": True}, **GREEDY)
+    lp = cm.choices[0].logprobs
+    assert len(lp.tokens) == 5 and "".join(lp.tokens) == cm.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and top[token] == logprob  # greedy: the sampled token is the most likely
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        c.chat.completions.create(model="x", messages=MSGS, max_tokens=2, top_logprobs=3)

@@ -18,6 +18,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+import numpy as np
+
 from .._runtime import llama_cpp as lc
 from .params import GenerationParams
 from .sampling import SlotSampler
@@ -56,11 +58,23 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class TokenProb:
+    """A generated token's log-probability under the model (softmax of its raw logits, before any sampler, as
+    llama-server's `n_probs`), with the `top` most likely tokens as (id, piece, logprob), most likely first."""
+
+    id: int
+    piece: bytes
+    logprob: float
+    top: tuple[tuple[int, bytes, float], ...]
+
+
+@dataclass(frozen=True)
 class Chunk:
     text: str
     tokens: list[int]
     n_decoded: int
     timings: Timings | None = None  # so far (for `timings_per_token`)
+    probs: list[TokenProb] = field(default_factory=list)  # of `tokens`, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,8 @@ class Finished:
     n_decoded: int
     id_slot: int
     timings: Timings
+    probs: list[TokenProb] = field(default_factory=list)  # of every generated token, if asked for
+    tail_probs: list[TokenProb] = field(default_factory=list)  # of the tokens behind `text` (not sent yet)
 
 
 @dataclass(frozen=True)
@@ -130,6 +146,8 @@ class _Slot:
         self.n_decoded = 0
         self.tokens: list[int] = []
         self.pending: list[int] = []  # tokens whose text is still held back
+        self.probs: list[TokenProb] = []  # of every generated token (only when asked for)
+        self.pending_probs: list[TokenProb] = []
         self.has_new_line = False
         self.t_start = 0.0
         self.t_first = 0.0
@@ -277,6 +295,7 @@ class Engine:
         s.n_past = s.i_prompt = s.n_decoded = 0
         s.i_batch = s.last_token = -1
         s.tokens, s.pending, s.has_new_line = [], [], False
+        s.probs, s.pending_probs = [], []
         s.t_start = time.perf_counter()
         s.t_first = 0.0
 
@@ -338,9 +357,13 @@ class Engine:
             if t.params.n_predict == 0:
                 self._finish(s, "limit")
                 return
+        logprobs = self._logprobs(s.i_batch) if t.params.n_probs >= 0 else None  # before sampling touches them
         tok = s.sampler.sample(self._ctx, s.i_batch)
         s.n_decoded += 1
         s.tokens.append(tok)
+        if logprobs is not None:
+            s.probs.append(self._token_prob(tok, logprobs, t.params.n_probs))
+            s.pending_probs.append(s.probs[-1])
         if lc.llama_vocab_is_eog(self._vocab, tok) and not t.params.ignore_eos:
             self._finish(s, "eos")
             return
@@ -348,8 +371,8 @@ class Engine:
         text = s.asm.push(self._token_piece(tok))
         if text:
             s.has_new_line = s.has_new_line or "\n" in text
-            t.events.put(Chunk(text, s.pending, s.n_decoded, self._timings(s, now)))
-            s.pending = []
+            t.events.put(Chunk(text, s.pending, s.n_decoded, self._timings(s, now), s.pending_probs))
+            s.pending, s.pending_probs = [], []
         if s.asm.stopping_word:
             self._finish(s, "word")
         elif 0 <= t.params.n_predict <= s.n_decoded:
@@ -361,6 +384,22 @@ class Engine:
             self._finish(s, "limit")
         else:
             s.last_token = tok
+
+    def _logprobs(self, i_batch: int) -> np.ndarray:
+        """log softmax of batch row `i_batch`'s raw logits (float64)."""
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, i_batch), shape=(self.n_vocab,))
+        x = logits.astype(np.float64)
+        x -= x.max()
+        return x - np.log(np.exp(x).sum())  # type: ignore[no-any-return]
+
+    def _token_prob(self, tok: int, logprobs: np.ndarray, n_top: int) -> TokenProb:
+        top: tuple[tuple[int, bytes, float], ...] = ()
+        if n_top > 0:
+            k = min(n_top, self.n_vocab)
+            ids = np.argpartition(-logprobs, k - 1)[:k]
+            ids = ids[np.argsort(-logprobs[ids], kind="stable")]
+            top = tuple((int(i), self._token_piece(int(i)), float(logprobs[i])) for i in ids)
+        return TokenProb(tok, self._token_piece(tok), float(logprobs[tok]), top)
 
     def _token_piece(self, tok: int) -> bytes:
         n = lc.llama_token_to_piece(self._vocab, tok, self._piece, len(self._piece), 0, False)
@@ -386,7 +425,7 @@ class Engine:
         self.stats.requests_finished += 1
         timings = Timings(len(t.prompt), 1e3 * (t_first - s.t_start), s.n_decoded, predicted_ms)
         t.events.put(Finished(s.asm.flush(), list(s.tokens), stop_type, s.asm.stopping_word, truncated,
-                              len(t.prompt), s.n_decoded, s.id, timings))
+                              len(t.prompt), s.n_decoded, s.id, timings, list(s.probs), list(s.pending_probs)))
         self._release(s)
 
     def _fail(self, s: _Slot, status: int, type_: str, message: str) -> None:

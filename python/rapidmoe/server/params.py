@@ -63,6 +63,7 @@ class GenerationParams:
     id_slot: int = -1  # -1: any idle slot
     sampling: SamplingParams = field(default_factory=SamplingParams)
     grammar: str | None = None  # GBNF (from `grammar`, `json_schema` or `response_format`), checked already
+    n_probs: int = -1  # -1: no probabilities; k >= 0: each generated token's log-probability and the top k
 
 
 def not_supported(name: str, why: str = "") -> ApiError:
@@ -119,9 +120,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "modalities": (lambda v: v == ["text"], "text output only"),
     "prediction": (lambda v: False, "predicted outputs"),
     "web_search_options": (lambda v: False, "web search"),
-    "logprobs": (lambda v: v is False or v == 0, "logprobs"),
-    "top_logprobs": (_off(0), "logprobs"),
-    "n_probs": (_off(0), "logprobs"),
 }
 
 
@@ -275,8 +273,27 @@ def sampling_from(body: dict[str, Any], n_vocab: int, default_seed: int, default
     )
 
 
+def get_n_probs(body: dict[str, Any], route: str, n_vocab: int) -> int:
+    """-1 (off) or the number of top tokens to report with each generated token's log-probability.
+    native: `n_probs` (else `logprobs`), 0 is off (llama-server); /v1/completions: `logprobs` k >= 0 (OpenAI:
+    0 still reports the sampled token's); chat: `logprobs` true with `top_logprobs` (20 when absent, as
+    llama-server), `top_logprobs` without `logprobs` refused (llama-server's rule)."""
+    if route == "chat":
+        on = get_bool(body, "logprobs", False)
+        if not on:
+            if body.get("top_logprobs") is not None:
+                raise invalid_request("\"top_logprobs\" requires \"logprobs\" to be set to true")
+            return -1
+        return get_int(body, "top_logprobs", 20, lo=0, hi=n_vocab)
+    if route == "oai":
+        return get_int(body, "logprobs", -1, lo=0, hi=n_vocab) if body.get("logprobs") is not None else -1
+    name = "n_probs" if body.get("n_probs") is not None else "logprobs"
+    k = get_int(body, name, 0, lo=0, hi=n_vocab)
+    return k if k > 0 else -1
+
+
 def generation_from(body: dict[str, Any], *, n_vocab: int, default_n_predict: int, default_seed: int,
-                    default_temp: float, oai: bool) -> GenerationParams:
+                    default_temp: float, oai: bool, route: str = "native") -> GenerationParams:
     """llama-server reads `n_predict`, then `max_tokens` (OpenAI), then `max_completion_tokens`."""
     n_predict = get_int(body, "n_predict", default_n_predict, lo=-1)
     for name in ("max_tokens", "max_completion_tokens"):
@@ -292,4 +309,5 @@ def generation_from(body: dict[str, Any], *, n_vocab: int, default_n_predict: in
         t_max_predict_ms=get_int(body, "t_max_predict_ms", 0, lo=0),
         id_slot=get_int(body, "id_slot", -1, lo=-1),
         sampling=sampling_from(body, n_vocab, default_seed, default_temp),
+        n_probs=get_n_probs(body, route, n_vocab),
     )

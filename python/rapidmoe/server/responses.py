@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .engine import Chunk, Finished
+from .engine import Chunk, Finished, TokenProb
 
 _ALNUM = string.ascii_letters + string.digits
 
@@ -30,12 +30,13 @@ class Meta:
     return_tokens: bool
     include_usage: bool = False
     timings_per_token: bool = False  # llama-server's: `timings` in every streamed chunk
+    logprobs: bool = False  # the request asked for token probabilities
 
     @classmethod
     def new(cls, model: str, fingerprint: str, return_tokens: bool = False, include_usage: bool = False,
-            timings_per_token: bool = False) -> Meta:
+            timings_per_token: bool = False, logprobs: bool = False) -> Meta:
         return cls(completion_id(), model, fingerprint, int(time.time()), return_tokens, include_usage,
-                   timings_per_token)
+                   timings_per_token, logprobs)
 
     def add_timings(self, obj: dict[str, Any], c: Chunk) -> dict[str, Any]:
         if self.timings_per_token and c.timings is not None:
@@ -52,16 +53,54 @@ def usage(f: Finished) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
+# ---- token probabilities ----
+
+def piece_text(piece: bytes) -> str:
+    """A token's text as llama-server sends it: the longest valid UTF-8 prefix (a piece may end inside a
+    character)."""
+    for cut in range(min(4, len(piece)) + 1):
+        try:
+            return piece[:len(piece) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return piece.decode("utf-8", "replace")
+
+
+def probs_json(probs: list[TokenProb]) -> list[dict[str, Any]]:
+    """llama-server's `completion_probabilities` / OpenAI's `logprobs.content` entries."""
+    return [{"id": p.id, "token": piece_text(p.piece), "bytes": list(p.piece), "logprob": p.logprob,
+             "top_logprobs": [{"id": i, "token": piece_text(b), "bytes": list(b), "logprob": lp}
+                              for i, b, lp in p.top]} for p in probs]
+
+
+def oai_cmpl_logprobs(probs: list[TokenProb], with_offsets: bool) -> dict[str, Any]:
+    """/v1/completions: llama-server's `content` list and OpenAI's legacy fields (tokens, token_logprobs,
+    top_logprobs as {token: logprob}, text_offset within the generated text)."""
+    out: dict[str, Any] = {"content": probs_json(probs), "tokens": [piece_text(p.piece) for p in probs],
+                           "token_logprobs": [p.logprob for p in probs],
+                           "top_logprobs": [{piece_text(b): lp for _, b, lp in p.top} for p in probs]}
+    if with_offsets:
+        offsets, n = [], 0
+        for p in probs:
+            offsets.append(n)
+            n += len(piece_text(p.piece))
+        out["text_offset"] = offsets
+    return out
+
+
 # ---- native /completion ----
 
 def native_partial(m: Meta, c: Chunk, n_prompt: int, id_slot: int) -> dict[str, Any]:
-    return m.add_timings({"index": 0, "content": c.text, "tokens": c.tokens, "stop": False, "id_slot": id_slot,
-                          "tokens_predicted": c.n_decoded, "tokens_evaluated": n_prompt}, c)
+    out = {"index": 0, "content": c.text, "tokens": c.tokens, "stop": False, "id_slot": id_slot,
+           "tokens_predicted": c.n_decoded, "tokens_evaluated": n_prompt}
+    if m.logprobs and c.probs:
+        out["completion_probabilities"] = probs_json(c.probs)
+    return m.add_timings(out, c)
 
 
 def native_final(m: Meta, f: Finished, content: str, prompt: str, settings: dict[str, Any],
                  stream: bool) -> dict[str, Any]:
-    return {
+    out = {
         "index": 0, "content": content,
         "tokens": f.tokens if (m.return_tokens and not stream) else [],
         "id_slot": f.id_slot, "stop": True, "model": m.model,
@@ -71,6 +110,9 @@ def native_final(m: Meta, f: Finished, content: str, prompt: str, settings: dict
         "stop_type": f.stop_type, "stopping_word": f.stopping_word, "tokens_cached": 0,
         "timings": f.timings.to_json(),
     }
+    if m.logprobs and not stream:
+        out["completion_probabilities"] = probs_json(f.probs)
+    return out
 
 
 def pick_fields(res: dict[str, Any], paths: list[str]) -> dict[str, Any]:
@@ -97,21 +139,26 @@ def _oai_base(m: Meta, obj: str) -> dict[str, Any]:
 
 
 def oai_cmpl_partial(m: Meta, c: Chunk) -> dict[str, Any]:
-    return m.add_timings({"choices": [{"text": c.text, "index": 0, "logprobs": None, "finish_reason": None}],
+    lp = oai_cmpl_logprobs(c.probs, False) if m.logprobs else None
+    return m.add_timings({"choices": [{"text": c.text, "index": 0, "logprobs": lp, "finish_reason": None}],
                           **_oai_base(m, "text_completion")}, c)
 
 
-def oai_cmpl_final(m: Meta, f: Finished, text: str) -> dict[str, Any]:
-    return {"choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason(f)}],
+def oai_cmpl_final(m: Meta, f: Finished, text: str, stream: bool = False) -> dict[str, Any]:
+    lp = oai_cmpl_logprobs(f.probs, True) if m.logprobs and not stream else None
+    return {"choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish_reason(f)}],
             **_oai_base(m, "text_completion"), "usage": usage(f), "timings": f.timings.to_json()}
 
 
 # ---- OpenAI /v1/chat/completions ----
 
 def chat_final(m: Meta, f: Finished, text: str) -> dict[str, Any]:
-    return {"choices": [{"finish_reason": finish_reason(f), "index": 0,
-                         "message": {"role": "assistant", "content": text}}],
-            **_oai_base(m, "chat.completion"), "usage": usage(f), "timings": f.timings.to_json()}
+    choice: dict[str, Any] = {"finish_reason": finish_reason(f), "index": 0,
+                              "message": {"role": "assistant", "content": text}}
+    if m.logprobs:
+        choice["logprobs"] = {"content": probs_json(f.probs)}
+    return {"choices": [choice], **_oai_base(m, "chat.completion"), "usage": usage(f),
+            "timings": f.timings.to_json()}
 
 
 def _chat_chunk(m: Meta, delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
@@ -123,12 +170,19 @@ def chat_partial(m: Meta, c: Chunk, first: bool) -> list[dict[str, Any]]:
     """llama-server opens with a role-only delta, then one content delta per piece of text."""
     out = [_chat_chunk(m, {"role": "assistant", "content": None}, None)] if first else []
     if c.text:
-        out.append(m.add_timings(_chat_chunk(m, {"content": c.text}, None), c))
+        chunk = _chat_chunk(m, {"content": c.text}, None)
+        if m.logprobs:
+            chunk["choices"][0]["logprobs"] = {"content": probs_json(c.probs)}
+        out.append(m.add_timings(chunk, c))
     return out
 
 
 def chat_stream_final(m: Meta, f: Finished, tail: str) -> list[dict[str, Any]]:
-    out = [_chat_chunk(m, {"content": tail}, None)] if tail else []
+    out = []
+    if tail:
+        out.append(_chat_chunk(m, {"content": tail}, None))
+        if m.logprobs:
+            out[-1]["choices"][0]["logprobs"] = {"content": probs_json(f.tail_probs)}
     out.append(_chat_chunk(m, {}, finish_reason(f)))
     if m.include_usage:
         out.append({"choices": [], **_oai_base(m, "chat.completion.chunk"), "usage": usage(f)})

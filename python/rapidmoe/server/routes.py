@@ -135,11 +135,11 @@ def prompt_tokens(st: AppState, prompt: Any) -> list[int]:
     raise invalid_request("\"prompt\" must be a string, a list of tokens, or a list of mixed strings & tokens")
 
 
-def _gen_params(st: AppState, body: dict[str, Any], oai: bool) -> GenerationParams:
+def _gen_params(st: AppState, body: dict[str, Any], oai: bool, route: str) -> GenerationParams:
     assert st.engine is not None
     c = st.config
     p = generation_from(body, n_vocab=st.engine.n_vocab, default_n_predict=c.n_predict, default_seed=c.seed,
-                        default_temp=c.temperature, oai=oai)
+                        default_temp=c.temperature, oai=oai, route=route)
     grammar = grammar_from(body, st.engine.llm._model.vocab)
     return dataclasses.replace(p, grammar=grammar) if grammar is not None else p
 
@@ -280,11 +280,12 @@ def completion(st: AppState, req: Request) -> Reply | Stream:
         raise invalid_request("\"prompt\" is required")
     refuse_unsupported(body)
     toks = prompt_tokens(st, body["prompt"])
-    params = _gen_params(st, body, oai=False)
+    params = _gen_params(st, body, oai=False, route="native")
     stream = get_bool(body, "stream", False)
     fields = _response_fields(body)
     meta = responses.Meta.new(model, st.fingerprint, return_tokens=get_bool(body, "return_tokens", False),
-                              timings_per_token=get_bool(body, "timings_per_token", False))
+                              timings_per_token=get_bool(body, "timings_per_token", False),
+                              logprobs=params.n_probs >= 0)
     settings = _settings(st, params, st.engine.n_ctx_slot, model, stream)
     prompt_text = body["prompt"] if isinstance(body["prompt"], str) else st.engine.llm.detokenize(
         toks).decode("utf-8", "replace")
@@ -299,8 +300,8 @@ def completion(st: AppState, req: Request) -> Reply | Stream:
         assert isinstance(ev, Finished)
         out = []
         if ev.text:
-            out.append(sse.event(responses.native_partial(meta, Chunk(ev.text, [], ev.n_decoded), len(toks),
-                                                          ev.id_slot)))
+            out.append(sse.event(responses.native_partial(meta, Chunk(ev.text, [], ev.n_decoded,
+                                                                      probs=ev.tail_probs), len(toks), ev.id_slot)))
         out.append(sse.event(responses.native_final(meta, ev, "", prompt_text, settings, True)))
         return out
 
@@ -315,9 +316,10 @@ def oai_completions(st: AppState, req: Request) -> Reply | Stream:
         raise invalid_request("\"prompt\" is required")
     refuse_unsupported(body)
     toks = prompt_tokens(st, body["prompt"])
-    params = _gen_params(st, body, oai=True)
+    params = _gen_params(st, body, oai=True, route="oai")
     stream = get_bool(body, "stream", False)
-    meta = responses.Meta.new(model, st.fingerprint, timings_per_token=get_bool(body, "timings_per_token", False))
+    meta = responses.Meta.new(model, st.fingerprint, timings_per_token=get_bool(body, "timings_per_token", False),
+                              logprobs=params.n_probs >= 0)
     t = _submit(st, toks, params)
     if not stream:
         return _whole(st, t, req, lambda text, fin: responses.oai_cmpl_final(meta, fin, text))
@@ -326,8 +328,9 @@ def oai_completions(st: AppState, req: Request) -> Reply | Stream:
         if isinstance(ev, Chunk):
             return [sse.event(responses.oai_cmpl_partial(meta, ev))]
         assert isinstance(ev, Finished)
-        out = [sse.event(responses.oai_cmpl_partial(meta, Chunk(ev.text, [], ev.n_decoded)))] if ev.text else []
-        return out + [sse.event(responses.oai_cmpl_final(meta, ev, ""))]
+        tail = Chunk(ev.text, [], ev.n_decoded, probs=ev.tail_probs)
+        out = [sse.event(responses.oai_cmpl_partial(meta, tail))] if ev.text else []
+        return out + [sse.event(responses.oai_cmpl_final(meta, ev, "", stream=True))]
 
     return _stream(st, t, req, fmt, done=True)
 
@@ -345,13 +348,14 @@ def chat_completions(st: AppState, req: Request) -> Reply | Stream:
     model = st.check_model(body)
     refuse_unsupported(body)
     toks = _tokenize(st, _chat_prompt(st, body), add_special=True)
-    params = _gen_params(st, body, oai=True)
+    params = _gen_params(st, body, oai=True, route="chat")
     stream = get_bool(body, "stream", False)
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise invalid_request("\"stream_options\" must be an object")
     meta = responses.Meta.new(model, st.fingerprint, include_usage=get_bool(opts, "include_usage", False),
-                              timings_per_token=get_bool(body, "timings_per_token", False))
+                              timings_per_token=get_bool(body, "timings_per_token", False),
+                              logprobs=params.n_probs >= 0)
     t = _submit(st, toks, params)
     if not stream:
         return _whole(st, t, req, lambda text, fin: responses.chat_final(meta, fin, text))

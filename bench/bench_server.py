@@ -7,6 +7,12 @@ each a streaming /v1/completions with its own prompt (prompt caching off on both
 TTFT: send -> first text chunk. TPOT: (last chunk - first chunk) / (completion tokens - 1).
 Writes bench/results/server-<model>.{json,md}.
 Usage: python bench/bench_server.py [--model M.gguf] [--levels 1 2 4] [--rate 2] [--requests 20]
+
+`--multi-turn`: the prompt (prefix) cache instead. Multi-turn conversations where each turn appends a user message
+and the previous answer to the history (raw text on /v1/completions, so both servers tokenize the same prompt);
+every turn is sent twice to each server, with `cache_prompt` true and false, one after the other, and TTFT
+(send -> first text chunk) is recorded per turn. Default model: the `small` synthetic qwen3moe (prefill of a few
+hundred tokens takes long enough to matter). Writes bench/results/server-prefix-cache-<model>.{json,md}.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from rapidmoe.atomic import write_text as atomic_write
 from rapidmoe.server.sse import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,22 +42,34 @@ WORDS = ("time river stone light garden window morning silver quiet market lette
          "lamp story bridge harbor winter field mountain candle song cloud mirror").split()
 
 
+def small_model(folder: Path) -> Path:
+    """The `small` synthetic qwen3moe (made once)."""
+    from rapidmoe.paths import vocab_dir  # noqa: PLC0415
+    from rapidmoe.synthetic import spec_for, write_model  # noqa: PLC0415
+
+    path = folder / "synthetic-qwen3moe-small.gguf"
+    if not path.exists():
+        write_model(spec_for("qwen3moe", "small", seed=0), path, vocab_dir())
+    return path
+
+
 def _prompt(i: int, n_words: int) -> str:
     rng = random.Random(i)
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
-def one_request(port: int, prompt: str, n_predict: int) -> dict[str, Any]:
+def one_request(port: int, prompt: str, n_predict: int, cache_prompt: bool = False) -> dict[str, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     body = json.dumps({"prompt": prompt, "max_tokens": n_predict, "stream": True, "temperature": 0,
-                       "ignore_eos": True, "cache_prompt": False}).encode()
+                       "ignore_eos": True, "cache_prompt": cache_prompt}).encode()
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
     r = conn.getresponse()
     if r.status != 200:
         return {"error": f"status {r.status}"}
     t_first = t_last = 0.0
-    n_tokens = 0
+    n_tokens = n_prompt = n_cached = 0
+    text = []
     for ev in read_events(r):
         payload = ev[len(b"data: "):]
         if payload == b"[DONE]":
@@ -60,13 +79,18 @@ def one_request(port: int, prompt: str, n_predict: int) -> dict[str, Any]:
             now = time.perf_counter()
             t_first = t_first or now
             t_last = now
+            text.append(d["choices"][0]["text"])
         if d.get("usage"):
             n_tokens = d["usage"]["completion_tokens"]
+            n_prompt = d["usage"]["prompt_tokens"]
+        if d.get("timings"):
+            n_cached = d["timings"].get("cache_n", 0)
     conn.close()
     if not t_first or n_tokens < 2:
         return {"error": f"no tokens ({n_tokens})"}
     return {"ttft_ms": 1e3 * (t_first - t0), "tpot_ms": 1e3 * (t_last - t_first) / (n_tokens - 1),
-            "n_tokens": n_tokens, "e2e_ms": 1e3 * (t_last - t0)}
+            "n_tokens": n_tokens, "e2e_ms": 1e3 * (t_last - t0), "n_prompt": n_prompt, "n_cached": n_cached,
+            "text": "".join(text)}
 
 
 def run_level(port: int, concurrency: int, rate: float, n_requests: int, n_predict: int, n_words: int,
@@ -106,6 +130,77 @@ def run_level(port: int, concurrency: int, rate: float, n_requests: int, n_predi
             "ttft_mean_ms": statistics.fmean(r["ttft_ms"] for r in ok) if ok else float("nan")}
 
 
+def multi_turn(servers: dict[str, ServerProc], n_conv: int, n_turns: int, n_predict: int,
+               user_words: int) -> list[dict[str, Any]]:
+    """Each conversation's turns in order; each turn on every server with the cache on, then off."""
+    rows: list[dict[str, Any]] = []
+    for conv in range(n_conv):
+        history = {name: f"Conversation {conv}. System: " + _prompt(50_000 + conv, 60) for name in servers}
+        for turn in range(n_turns):
+            user = f" User: {_prompt(60_000 + 100 * conv + turn, user_words)}. Assistant:"
+            for name, s in servers.items():
+                history[name] += user
+                for cache in (True, False):
+                    r = one_request(s.port, history[name], n_predict, cache_prompt=cache)
+                    if "error" in r:
+                        raise RuntimeError(f"{name} turn {turn}: {r['error']}")
+                    rows.append({"server": name, "cache": cache, "conversation": conv, "turn": turn,
+                                 "ttft_ms": r["ttft_ms"], "n_prompt": r["n_prompt"], "n_cached": r["n_cached"]})
+                    print(json.dumps(rows[-1]), flush=True)
+                    if cache:
+                        answer = r["text"]
+                history[name] += answer
+    return rows
+
+
+def multi_turn_report(args: argparse.Namespace, model: Path, rows: list[dict[str, Any]], out_dir: Path) -> None:
+    def mean(xs: list[float]) -> float:
+        return statistics.fmean(xs) if xs else float("nan")
+
+    table = []
+    for name in ("rapidmoe", "llama-server"):
+        for turn in range(args.turns):
+            on = [r for r in rows if r["server"] == name and r["cache"] and r["turn"] == turn]
+            off = [r for r in rows if r["server"] == name and not r["cache"] and r["turn"] == turn]
+            table.append({"server": name, "turn": turn + 1, "prompt_tokens": mean([r["n_prompt"] for r in on]),
+                          "cached_tokens": mean([r["n_cached"] for r in on]),
+                          "ttft_cache_ms": mean([r["ttft_ms"] for r in on]),
+                          "ttft_nocache_ms": mean([r["ttft_ms"] for r in off])})
+    later = {name: [r for r in rows if r["server"] == name and r["turn"] > 0] for name in ("rapidmoe", "llama-server")}
+    summary = {name: {"ttft_cache_ms": mean([r["ttft_ms"] for r in xs if r["cache"]]),
+                      "ttft_nocache_ms": mean([r["ttft_ms"] for r in xs if not r["cache"]])}
+               for name, xs in later.items()}
+    for v in summary.values():
+        v["speedup"] = v["ttft_nocache_ms"] / v["ttft_cache_ms"]
+    summary["ours_over_stock_cache"] = (summary["rapidmoe"]["ttft_cache_ms"]
+                                        / summary["llama-server"]["ttft_cache_ms"])
+    stem = Path(model).stem
+    meta = {"model": str(model), "command": "python bench/bench_server.py " + " ".join(sys.argv[1:]),
+            "threads": args.threads, "conversations": args.conversations, "turns": args.turns,
+            "n_predict": args.n_predict, "user_words": args.user_words, "loadavg_at_end": os.getloadavg(),
+            "cpus": os.cpu_count(), "summary": summary, "per_turn": table, "rows": rows}
+    atomic_write(out_dir / f"server-prefix-cache-{stem}.json", json.dumps(meta, indent=2) + "\n")
+    lines = [f"# Prompt (prefix) cache, multi-turn TTFT: rapidmoe-cli serve vs stock llama-server ({stem})", "",
+             f"`{meta['command']}`; {args.threads} thread(s), 2 slots; {args.conversations} conversations of "
+             f"{args.turns} turns, each turn appending a ~{args.user_words}-word user message and the previous "
+             f"{args.n_predict}-token answer (greedy); every turn sent with `cache_prompt` true and false; "
+             f"load average at the end {meta['loadavg_at_end'][0]:.1f} on {os.cpu_count()} CPUs.", "",
+             "Turns 2 and later (mean TTFT):", "",
+             "| server | TTFT with cache ms | TTFT without cache ms | speedup |", "|---|---|---|---|"]
+    for name in ("rapidmoe", "llama-server"):
+        v = summary[name]
+        lines.append(f"| {name} | {v['ttft_cache_ms']:.1f} | {v['ttft_nocache_ms']:.1f} | {v['speedup']:.2f}x |")
+    lines += ["", f"rapidmoe / llama-server TTFT with the cache: {summary['ours_over_stock_cache']:.2f}", "",
+              "Per turn (mean over conversations):", "",
+              "| server | turn | prompt tokens | cached tokens | TTFT cache ms | TTFT no cache ms |",
+              "|---|---|---|---|---|---|"]
+    for t in table:
+        lines.append(f"| {t['server']} | {t['turn']} | {t['prompt_tokens']:.0f} | {t['cached_tokens']:.0f} | "
+                     f"{t['ttft_cache_ms']:.1f} | {t['ttft_nocache_ms']:.1f} |")
+    atomic_write(out_dir / f"server-prefix-cache-{stem}.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the tiny synthetic default model)")
@@ -116,17 +211,42 @@ def main() -> int:
     ap.add_argument("--prompt-words", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=4096, help="total context (split over 4 slots)")
+    ap.add_argument("--multi-turn", action="store_true", help="benchmark the prompt cache (see above)")
+    ap.add_argument("--conversations", type=int, default=2)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--user-words", type=int, default=40)
     args = ap.parse_args()
 
     from rapidmoe.default_model import ensure_default_model  # noqa: PLC0415
     from stock_llama import build_stock  # noqa: PLC0415
 
-    model = args.model or ensure_default_model()
     stock_bin = build_stock(["llama-server"])
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     logs = ROOT / "bench" / "out"
     logs.mkdir(parents=True, exist_ok=True)
+    if args.multi_turn:
+        model = args.model or small_model(logs)
+        common = ["-c", str(args.ctx), "-t", str(args.threads)]
+        servers = {
+            "rapidmoe": ServerProc(model, "--parallel", "2", *common, log_path=logs / "bench-cache-rapidmoe.log",
+                                   ready_timeout=300),
+            "llama-server": ServerProc(model, "-m", str(model), "--parallel", "2", *common, "-tb",
+                                       str(args.threads), "--cache-ram", "0", "--no-ui",
+                                       log_path=logs / "bench-cache-stock.log", cmd=[str(stock_bin / "llama-server")],
+                                       ready_timeout=300),
+        }
+        try:
+            for s in servers.values():  # warm up
+                one_request(s.port, _prompt(10_000, 20), 4)
+            rows = multi_turn(servers, args.conversations, args.turns, args.n_predict, args.user_words)
+        finally:
+            for s in servers.values():
+                s.stop()
+        multi_turn_report(args, model, rows, out_dir)
+        return 0
+
+    model = args.model or ensure_default_model()
     slots = str(max(args.levels))
     common = ["-c", str(args.ctx), "-t", str(args.threads)]
     servers = {

@@ -133,7 +133,7 @@ def test_native_completion_and_sse_framing(server: ServerProc) -> None:
     assert status == 200 and r["stop"] is True and r["stop_type"] == "limit" and r["tokens_predicted"] == 8
     assert len(r["tokens"]) == 8 and r["model"] == "tiny" and r["generation_settings"]["n_predict"] == 8
     t = r["timings"]
-    assert t["prompt_n"] == r["tokens_evaluated"] and t["predicted_n"] == 8 and t["predicted_ms"] > 0
+    assert t["prompt_n"] + t["cache_n"] == r["tokens_evaluated"] and t["predicted_n"] == 8 and t["predicted_ms"] > 0
     events = sse_json(server.stream("/completion", {**body, "stream": True}))
     assert "[DONE]" not in events  # the native route ends with its stop event, as llama-server's
     assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True

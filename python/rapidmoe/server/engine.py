@@ -28,6 +28,18 @@ from .text import TextAssembler
 log = logging.getLogger(__name__)
 
 
+SLOT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity default: reuse a slot sharing > 10 % of the prompt
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 class QueueFull(Exception):
     """All slots are busy and the waiting queue is full."""
 
@@ -36,14 +48,15 @@ class QueueFull(Exception):
 class Timings:
     """One request's timings, llama-server's `timings` object (prompt = up to the first sampled token)."""
 
-    prompt_n: int
+    prompt_n: int  # prompt tokens evaluated (the cached prefix not counted)
     prompt_ms: float
     predicted_n: int
     predicted_ms: float
+    cache_n: int = 0  # prompt tokens whose KV was reused from the slot's previous request
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "cache_n": 0,
+            "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
             "prompt_ms": self.prompt_ms,
             "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
@@ -88,6 +101,8 @@ class Finished:
     n_decoded: int
     id_slot: int
     timings: Timings
+    n_cached: int = 0  # prompt tokens reused from the slot's KV (timings.cache_n)
+    tokens_cached: int = 0  # tokens in the slot's KV at the end (llama-server's `tokens_cached`)
     probs: list[TokenProb] = field(default_factory=list)  # of every generated token, if asked for
     tail_probs: list[TokenProb] = field(default_factory=list)  # of the tokens behind `text` (not sent yet)
 
@@ -118,7 +133,8 @@ class Ticket:
 class EngineStats:
     """Cumulative counters for /metrics, written by the worker only."""
 
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # evaluated, without the cached prefixes
+    prompt_tokens_cached: int = 0  # reused from slots' KV
     prompt_seconds: float = 0.0
     predicted_tokens: int = 0
     predicted_seconds: float = 0.0
@@ -140,6 +156,9 @@ class _Slot:
         self.sampler: SlotSampler | None = None
         self.asm: TextAssembler | None = None
         self.n_past = 0  # tokens in this sequence's KV cache
+        self.cache: list[int] = []  # those tokens (kept after a request: the next may share the prefix)
+        self.n_cached = 0  # prompt tokens of the current request reused from `cache`
+        self.t_last = 0.0  # when the slot last finished a request (LRU choice)
         self.i_prompt = 0  # prompt tokens fed so far
         self.i_batch = -1  # row of this slot's logits in the current batch
         self.last_token = -1
@@ -284,7 +303,20 @@ class Engine:
             if not free:
                 return
             self._waiting.popleft()
-            self._start(free[0], t)
+            self._start(self._pick(free, t), t)
+
+    def _pick(self, free: list[_Slot], t: Ticket) -> _Slot:
+        """llama-server's slot choice: the idle slot whose cached tokens share the longest prefix with the prompt
+        (more than SLOT_SIMILARITY of it), else the least recently used one."""
+        if t.params.cache_prompt:
+            best, best_sim = None, 0.0
+            for s in free:
+                sim = common_prefix(s.cache, t.prompt) / len(t.prompt) if s.cache else 0.0
+                if sim > best_sim and sim > SLOT_SIMILARITY:
+                    best, best_sim = s, sim
+            if best is not None:
+                return best
+        return min(free, key=lambda s: s.t_last)
 
     def _start(self, s: _Slot, t: Ticket) -> None:
         s.ticket = t
@@ -292,7 +324,15 @@ class Engine:
         for tok in t.prompt:
             s.sampler.accept(tok)  # penalties see the prompt, as in llama-server
         s.asm = TextAssembler(list(t.params.stop))
-        s.n_past = s.i_prompt = s.n_decoded = 0
+        n_keep = common_prefix(s.cache, t.prompt) if t.params.cache_prompt else 0
+        n_keep = min(n_keep, len(t.prompt) - 1)  # the last prompt token is evaluated again for its logits
+        if n_keep < len(s.cache) and not lc.llama_memory_seq_rm(self._mem, s.id, n_keep, -1):
+            lc.llama_memory_seq_rm(self._mem, s.id, -1, -1)  # the memory cannot cut a tail: start empty
+            n_keep = 0
+        del s.cache[n_keep:]
+        s.n_cached = n_keep
+        s.n_past = s.i_prompt = n_keep
+        s.n_decoded = 0
         s.i_batch = s.last_token = -1
         s.tokens, s.pending, s.has_new_line = [], [], False
         s.probs, s.pending_probs = [], []
@@ -343,6 +383,7 @@ class Engine:
         b = self._batch
         b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, s.n_past, 1, logits
         b.seq_id[i][0] = s.id
+        s.cache.append(tok)
         s.n_past += 1
         self.stats.n_tokens_max = max(self.stats.n_tokens_max, s.n_past)
 
@@ -352,7 +393,8 @@ class Engine:
         now = time.perf_counter()
         if s.n_decoded == 0 and not s.t_first:
             s.t_first = now
-            self.stats.prompt_tokens += len(t.prompt)
+            self.stats.prompt_tokens += len(t.prompt) - s.n_cached
+            self.stats.prompt_tokens_cached += s.n_cached
             self.stats.prompt_seconds += now - s.t_start
             if t.params.n_predict == 0:
                 self._finish(s, "limit")
@@ -412,7 +454,8 @@ class Engine:
     def _timings(self, s: _Slot, now: float) -> Timings:
         assert s.ticket is not None
         t_first = s.t_first or now
-        return Timings(len(s.ticket.prompt), 1e3 * (t_first - s.t_start), s.n_decoded, 1e3 * (now - t_first))
+        return Timings(len(s.ticket.prompt) - s.n_cached, 1e3 * (t_first - s.t_start), s.n_decoded,
+                       1e3 * (now - t_first), s.n_cached)
 
     def _finish(self, s: _Slot, stop_type: str, truncated: bool = False) -> None:
         t = s.ticket
@@ -423,19 +466,24 @@ class Engine:
         self.stats.predicted_tokens += s.n_decoded
         self.stats.predicted_seconds += predicted_ms / 1e3
         self.stats.requests_finished += 1
-        timings = Timings(len(t.prompt), 1e3 * (t_first - s.t_start), s.n_decoded, predicted_ms)
+        timings = Timings(len(t.prompt) - s.n_cached, 1e3 * (t_first - s.t_start), s.n_decoded, predicted_ms,
+                          s.n_cached)
         t.events.put(Finished(s.asm.flush(), list(s.tokens), stop_type, s.asm.stopping_word, truncated,
-                              len(t.prompt), s.n_decoded, s.id, timings, list(s.probs), list(s.pending_probs)))
+                              len(t.prompt), s.n_decoded, s.id, timings, n_cached=s.n_cached,
+                              tokens_cached=len(s.cache), probs=list(s.probs), tail_probs=list(s.pending_probs)))
         self._release(s)
 
     def _fail(self, s: _Slot, status: int, type_: str, message: str) -> None:
         if s.ticket is not None:
             self.stats.requests_failed += 1
             s.ticket.events.put(Failed(status, type_, message))
+        lc.llama_memory_seq_rm(self._mem, s.id, -1, -1)  # after a failed decode the KV is not known: drop it
+        s.cache.clear()
         self._release(s)
 
     def _release(self, s: _Slot) -> None:
-        lc.llama_memory_seq_rm(self._mem, s.id, -1, -1)
+        """The slot is free again; its KV (s.cache) stays for the next request's prefix."""
+        s.t_last = time.monotonic()
         if s.sampler is not None:
             s.sampler.free()
         s.ticket, s.sampler, s.asm = None, None, None

@@ -52,7 +52,10 @@ def render(stats: EngineStats, snap: EngineSnapshot, requests: dict[tuple[str, i
            n_processing: int, n_deferred: int, has_residual: bool) -> str:
     out: list[str] = []
     c, g = "counter", "gauge"
-    _item(out, "llamacpp:prompt_tokens_total", c, "Number of prompt tokens processed.", stats.prompt_tokens)
+    _item(out, "llamacpp:prompt_tokens_total", c, "Number of prompt tokens processed, excluding cached tokens",
+          stats.prompt_tokens)
+    _item(out, "llamacpp:prompt_tokens_cached_total", c, "Number of prompt tokens reused from the cache",
+          stats.prompt_tokens_cached)
     _item(out, "llamacpp:prompt_seconds_total", c, "Prompt process time", stats.prompt_seconds)
     _item(out, "llamacpp:tokens_predicted_total", c, "Number of generation tokens processed.", stats.predicted_tokens)
     _item(out, "llamacpp:tokens_predicted_seconds_total", c, "Predict process time", stats.predicted_seconds)

@@ -64,6 +64,7 @@ class GenerationParams:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     grammar: str | None = None  # GBNF (from `grammar`, `json_schema` or `response_format`), checked already
     n_probs: int = -1  # -1: no probabilities; k >= 0: each generated token's log-probability and the top k
+    cache_prompt: bool = True  # reuse the KV of the prompt prefix a slot already holds (llama-server's default)
 
 
 def not_supported(name: str, why: str = "") -> ApiError:
@@ -310,4 +311,5 @@ def generation_from(body: dict[str, Any], *, n_vocab: int, default_n_predict: in
         id_slot=get_int(body, "id_slot", -1, lo=-1),
         sampling=sampling_from(body, n_vocab, default_seed, default_temp),
         n_probs=get_n_probs(body, route, n_vocab),
+        cache_prompt=get_bool(body, "cache_prompt", True),
     )

@@ -50,7 +50,7 @@ def finish_reason(f: Finished) -> str:
 
 def usage(f: Finished) -> dict[str, Any]:
     return {"completion_tokens": f.n_decoded, "prompt_tokens": f.n_prompt, "total_tokens": f.n_decoded + f.n_prompt,
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {"cached_tokens": f.n_cached}}
 
 
 # ---- token probabilities ----
@@ -107,7 +107,7 @@ def native_final(m: Meta, f: Finished, content: str, prompt: str, settings: dict
         "tokens_predicted": f.n_decoded, "tokens_evaluated": f.n_prompt,
         "generation_settings": settings, "prompt": prompt,
         "has_new_line": "\n" in content, "truncated": f.truncated,
-        "stop_type": f.stop_type, "stopping_word": f.stopping_word, "tokens_cached": 0,
+        "stop_type": f.stop_type, "stopping_word": f.stopping_word, "tokens_cached": f.tokens_cached,
         "timings": f.timings.to_json(),
     }
     if m.logprobs and not stream:

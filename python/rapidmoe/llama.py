@@ -58,7 +58,8 @@ class Llama(llama_cpp.Llama):
         the critical residuals on a worker thread while the device runs WQ (docs/execution.md); "off": after it;
         "on": every split layer, also all-CPU (same results; for tests). Timing: `overlap_stats`.
     overlap_threads: the residual worker's CPU threads (default: n_threads).
-    verify_residual: check the base file's sha256 recorded in the sidecar (reads the whole base once).
+    verify_residual: check that the base's size and tensor table match what the sidecar recorded (headers only;
+        `rapidmoe-cli inspect --verify` compares every byte).
     n_seq_max: sequences one context holds (llama.cpp's n_seq_max) for callers that batch several sequences
         through the low-level API; llama_cpp.Llama itself uses one.
     rpc_servers: "host:port" of llama.cpp rpc-servers (llama.cpp's `--rpc`), registered once per process before

@@ -59,9 +59,10 @@ def _per_expert_bytes(f: GGUFFile) -> dict[int, int]:
 
 def load_residual_info(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], *,
                        verify: bool = True) -> ResidualInfo:
-    """Check that the sidecar belongs to the base (ModelFileError otherwise) and read its costs."""
+    """Check that the sidecar belongs to the base (ModelFileError otherwise) and read its costs. verify: the base's
+    size and tensor table against the sidecar's record (headers only; check_pair)."""
     base, side = GGUFFile(wq_path), GGUFFile(wr_path)
-    meta = check_pair(base, side, verify_hash=verify)
+    meta = check_pair(base, side, verify=verify)
     arch = base.get("general.architecture")
     return ResidualInfo(path=Path(wr_path), n_expert_used=int(base.get(f"{arch}.expert_used_count", 0)),
                         down_mode=str(meta.get("preset.down_mode", "copy")),

@@ -14,6 +14,8 @@ EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|wr|h
 def inspect(
     model: Annotated[Path, typer.Argument(help="A GGUF: a model, a RESplit .wq.gguf or a .wr.gguf sidecar.")],
     residual: Annotated[Optional[Path], typer.Option("--residual", help="Check this sidecar against MODEL.")] = None,
+    verify: Annotated[bool, typer.Option("--verify", help="With --residual: also check every byte of MODEL against "
+                                         "the sha256 the sidecar recorded (reads the whole file).")] = False,
 ) -> None:
     """Show the MoE structure (layers, experts, top-k, expert tensor types and bits) and RESplit pairing."""
     from ..ggufio import GGUFFile  # noqa: PLC0415
@@ -50,6 +52,11 @@ def inspect(
     pair = r.get("rapidmoe.resplit.pair_id")
     if pair is not None:
         typer.echo(f"  RESplit base (WQ): preset {r.get('rapidmoe.resplit.preset')}, pair id {pair}")
+    if verify and residual is None:
+        raise typer.BadParameter("--verify checks a sidecar's base: give --residual too", param_hint="--verify")
     if residual is not None:
-        meta = check_pair(model, residual)
-        typer.echo(f"  sidecar {residual} belongs to this base (pair id {meta['pair_id']}, sha256 verified)")
+        meta = check_pair(model, residual, verify_data=verify)
+        checked = "pair id, tensor table and size" if "base_layout_sha256" in meta else "pair id and sha256"
+        if verify:
+            checked += ("" if "sha256" in checked else ", sha256 of every byte")
+        typer.echo(f"  sidecar {residual} belongs to this base (pair id {meta['pair_id']}; checked: {checked})")

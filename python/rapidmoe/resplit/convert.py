@@ -262,7 +262,7 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset
     t0 = time.perf_counter()
     with _temp_outputs([wq_path, wr_path, report_path]) as (wq_tmp, wr_tmp, rep_tmp):
         conv.run(wq_tmp, wr_tmp, pair_id, progress)
-        sidecar.stamp_base_hash(wr_tmp, sidecar.file_sha256(wq_tmp))
+        sidecar.stamp_base(wr_tmp, wq_tmp)
         seconds = time.perf_counter() - t0
         report = {
             "source": str(src_p), "preset": asdict(preset), "bits": preset.bits(), "pair_id": pair_id,

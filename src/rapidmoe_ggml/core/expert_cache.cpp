@@ -37,12 +37,13 @@ void bind_expert_cache(nb::module_ & m) {
     m.def("expert_cache_clear", [](uintptr_t model) { return rapidmoe_llama_expert_cache_clear(as_model(model)) != 0; },
           "model"_a, "Free the model's expert caches; True if there were any.");
     m.def("expert_cache_stats", [](uintptr_t model, bool reset) {
-              std::vector<int64_t> buf(3 * 4096);
-              const int32_t n = rapidmoe_llama_expert_cache_stats(as_model(model), buf.data(), 4096, reset);
-              auto * out = new int64_t[3 * (size_t) n];
-              std::copy(buf.begin(), buf.begin() + 3 * (size_t) n, out);
-              nb::capsule owner(out, [](void * p) noexcept { delete[] (int64_t *) p; });
-              return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(out, {(size_t) n, 3}, owner);
+              const llama_model * mdl = as_model(model);
+              const int32_t n_layer = rapidmoe_llama_expert_cache_stats(mdl, nullptr, 0, false);
+              std::vector<int64_t> buf(3 * (size_t) n_layer);
+              const int32_t n = rapidmoe_llama_expert_cache_stats(mdl, buf.data(), n_layer, reset);
+              buf.resize(3 * (size_t) n);
+              auto [data, owner] = owned(std::move(buf));
+              return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(data, {(size_t) n, 3}, owner);
           }, "model"_a, "reset"_a = false,
           "Per layer [cached experts (-1: no cache), slots served from the cache, all slots] since the last reset, "
           "int64 [n_layer, 3] (0 rows without a cache).");

@@ -1,6 +1,7 @@
 #include "residual.h"
 
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
@@ -9,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -42,12 +44,13 @@ void bind_residual(nb::module_ & m) {
           }, "model"_a, "n_critical"_a,
           "Fixed r (0..k, clamped): each token's r highest-weight experts run in high precision. Returns r.");
     m.def("moe_counters", [](uintptr_t model, bool reset) {
-              std::vector<int64_t> buf(3 * 4096);
-              const int32_t n = rapidmoe_llama_counters(as_model(model), buf.data(), 4096, reset);
-              auto * out = new int64_t[3 * (size_t) n];
-              std::copy(buf.begin(), buf.begin() + 3 * n, out);
-              nb::capsule owner(out, [](void * p) noexcept { delete[] (int64_t *) p; });
-              return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(out, {(size_t) n, 3}, owner);
+              const llama_model * mdl = as_model(model);
+              const int32_t n_layer = rapidmoe_llama_counters(mdl, nullptr, 0, false);
+              std::vector<int64_t> buf(3 * (size_t) n_layer);
+              const int32_t n = rapidmoe_llama_counters(mdl, buf.data(), n_layer, reset);
+              buf.resize(3 * (size_t) n);
+              auto [data, owner] = owned(std::move(buf));
+              return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(data, {(size_t) n, 3}, owner);
           }, "model"_a, "reset"_a = false,
           "Per layer [tokens, expert slots, critical slots] since the last reset, int64 [n_layer, 3].");
     m.def("set_policy", [](uintptr_t model, nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> p) {
@@ -64,14 +67,14 @@ void bind_residual(nb::module_ & m) {
           "Write the UMIA policy tensor (float32 [n_layer + 1, 4], layout in rapidmoe-llama.h); applies to the "
           "next graph computed.");
     m.def("get_policy", [](uintptr_t model) {
-              const int64_t n = rapidmoe_llama_get_policy(as_model(model), nullptr, 0);
-              if (n < 0) {
+              const llama_model * mdl = as_model(model);
+              const int64_t n = rapidmoe_llama_get_policy(mdl, nullptr, 0);
+              std::vector<float> buf(n > 0 ? (size_t) n : 0);
+              if (n < 0 || rapidmoe_llama_get_policy(mdl, buf.data(), n) != n) { // detached in between
                   throw std::invalid_argument("no residual sidecar is attached to this model");
               }
-              auto * out = new float[(size_t) n];
-              rapidmoe_llama_get_policy(as_model(model), out, n);
-              nb::capsule owner(out, [](void * q) noexcept { delete[] (float *) q; });
-              return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {(size_t) n / 4, 4}, owner);
+              auto [data, owner] = owned(std::move(buf));
+              return nb::ndarray<nb::numpy, float, nb::ndim<2>>(data, {(size_t) n / 4, 4}, owner);
           }, "model"_a, "The UMIA policy tensor, float32 [n_layer + 1, 4].");
     m.def("set_skip_noncritical", [](uintptr_t model, bool skip) {
               if (rapidmoe_llama_set_skip_noncritical(as_model(model), skip) != 0) {
@@ -93,23 +96,43 @@ void bind_residual(nb::module_ & m) {
           "Overlap of the residual work with the device's WQ work: mode 0 off, 1 auto (WQ on a device), 2 on; the "
           "residual worker's threads. The mode is read at graph build: set it before the context.");
     m.def("overlap_stats", [](uintptr_t model, bool reset) {
-              auto * out = new int64_t[10]();
-              rapidmoe_llama_overlap_stats(as_model(model), out, reset);
-              nb::capsule owner(out, [](void * q) noexcept { delete[] (int64_t *) q; });
-              return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(out, {2, 5}, owner);
+              const llama_model * mdl = as_model(model); // before anything is allocated: a bad address leaks nothing
+              std::vector<int64_t> buf(10, 0);
+              rapidmoe_llama_overlap_stats(mdl, buf.data(), reset);
+              auto [data, owner] = owned(std::move(buf));
+              return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(data, {2, 5}, owner);
           }, "model"_a, "reset"_a = false,
           "Overlap timing since the last reset, int64 [stage (0 gate/up, 1 down), 5]: begin/join pairs, then ns "
           "of the worker's matmuls, of the device's work (begin returned -> join started), join's wait, wall.");
     m.def("r_histogram", [](uintptr_t model, bool reset) {
-              constexpr int W = 65;
-              std::vector<int64_t> buf((size_t) 2 * W * 4096);
-              const int32_t n = rapidmoe_llama_r_histogram(as_model(model), buf.data(), 4096, reset);
-              auto * out = new int64_t[(size_t) n * 2 * W];
-              std::copy(buf.begin(), buf.begin() + (size_t) n * 2 * W, out);
-              nb::capsule owner(out, [](void * q) noexcept { delete[] (int64_t *) q; });
-              return nb::ndarray<nb::numpy, int64_t, nb::ndim<3>>(out, {(size_t) n, 2, W}, owner);
+              constexpr size_t W = RAPIDMOE_LLAMA_MAX_TOP_K + 1;
+              const llama_model * mdl = as_model(model);
+              const int32_t n_layer = rapidmoe_llama_r_histogram(mdl, nullptr, 0, false);
+              std::vector<int64_t> buf((size_t) n_layer * 2 * W);
+              const int32_t n = rapidmoe_llama_r_histogram(mdl, buf.data(), n_layer, reset);
+              buf.resize((size_t) n * 2 * W);
+              auto [data, owner] = owned(std::move(buf));
+              return nb::ndarray<nb::numpy, int64_t, nb::ndim<3>>(data, {(size_t) n, 2, W}, owner);
           }, "model"_a, "reset"_a = false,
-          "Tokens per layer, phase (0 decode, 1 prefill) and r since the last reset, int64 [n_layer, 2, 65].");
+          "Tokens per layer, phase (0 decode, 1 prefill) and r since the last reset, int64 [n_layer, 2, max_top_k + 1].");
+    m.attr("max_top_k") = RAPIDMOE_LLAMA_MAX_TOP_K;
+    m.def("take_worker_error", [](uintptr_t model) -> std::optional<std::string> {
+              char err[512] = {0};
+              if (rapidmoe_llama_take_worker_error(as_model(model), err, sizeof(err)) == 1) {
+                  return std::string(err);
+              }
+              return std::nullopt;
+          }, "model"_a,
+          "The residual worker's first error since the last call (its join's outputs were NaN), or None.");
+    m.def("worker_selftest", []() {
+              char out[256] = {0};
+              int32_t rc = 0;
+              {
+                  nb::gil_scoped_release release;
+                  rc = rapidmoe_llama_worker_selftest(out, sizeof(out));
+              }
+              return std::make_pair(rc == 0, std::string(out));
+          }, "Run the residual worker alone through its task life cycle and an exception: (passed, what failed).");
     m.def("umia_eval", [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
                           nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> policy, int32_t il,
                           int32_t phase) {

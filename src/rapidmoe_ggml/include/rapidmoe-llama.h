@@ -8,6 +8,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// The most experts per token (top-k) split routing handles; the r histogram has RAPIDMOE_LLAMA_MAX_TOP_K + 1 bins
+// (r = 0..k) per layer and phase.
+#define RAPIDMOE_LLAMA_MAX_TOP_K 64
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -23,14 +27,17 @@ LLAMA_API int64_t rapidmoe_llama_probe_add(int64_t delta);
 // later graph of this model runs split expert routing. Returns 0, or -1 with the reason in err.
 LLAMA_API int32_t rapidmoe_llama_attach_residual(const struct llama_model * model, const char * path,
                                                  char * err, size_t err_size);
-// Detach (and free) the sidecar; returns 1 if one was attached. Call before llama_model_free.
+// Detach the sidecar; returns 1 if one was attached. Safe while a context of the model decodes (on another thread):
+// the ubatch computing keeps the sidecar until it ends, then it is freed, and later graphs are rebuilt without it.
+// Call before llama_model_free.
 LLAMA_API int32_t rapidmoe_llama_detach_residual(const struct llama_model * model);
 // UMIA policy (see llama_ext/rapidmoe-umia.h for the layout and docs/umia.md for the formula): n_params floats,
 // 4 x (n_layer + 1): a header row [phase_mode, 0, 0, 0], then per layer [tau_decode, tau_prefill, r_min, r_max].
-// Read when a graph is computed, so it applies to the next decode without rebuilding anything. 0, or -1 when no
-// sidecar is attached or n_params is not the model's size.
+// Read when a graph is computed, so it applies to the next decode without rebuilding anything; written only between
+// ubatches of the model (set while one computes, it applies when that one ends: a graph never sees half a change).
+// 0, or -1 when no sidecar is attached or n_params is not the model's size.
 LLAMA_API int32_t rapidmoe_llama_set_policy(const struct llama_model * model, const float * params, int64_t n_params);
-// Copies the policy into out when n_max is large enough; returns its size (-1 without a sidecar).
+// Copies the policy (as last set) into out when n_max is large enough; returns its size (-1 without a sidecar).
 LLAMA_API int64_t rapidmoe_llama_get_policy(const struct llama_model * model, float * out, int64_t n_max);
 // Fixed r: the policy that makes each token's r highest-weight experts critical in every layer and phase
 // (0..k, clamped). Returns r, or -1 without a sidecar.
@@ -48,11 +55,20 @@ LLAMA_API int32_t rapidmoe_llama_set_overlap(const struct llama_model * model, i
 // sums in ns of [1] the worker's residual matmuls, [2] begin returned -> join started (the device's work and
 // copies), [3] join blocked on the worker after that, [4] begin started -> join done. 2, or 0 without a sidecar.
 LLAMA_API int32_t rapidmoe_llama_overlap_stats(const struct llama_model * model, int64_t * out, bool reset);
+// The first error of the residual worker (overlap) since the last call, copied into err: 1 if there was one (the
+// join it reached filled its output with NaN and the decode's results are not to be used), else 0 (-1 without a
+// sidecar). A worker error never terminates the process.
+LLAMA_API int32_t rapidmoe_llama_take_worker_error(const struct llama_model * model, char * err, size_t err_size);
+// Test entry: run the residual worker alone: one task that succeeds and one that throws (what = its message);
+// writes "ok" or the first discrepancy into out. 0 when every check passed.
+LLAMA_API int32_t rapidmoe_llama_worker_selftest(char * out, size_t out_size);
 // Per layer i: out[3*i + 0] tokens, [3*i + 1] expert slots, [3*i + 2] critical slots, since the last reset
 // (of these counters or of the histogram: they share it). Returns the number of layers written (0 without a sidecar).
+// The per-layer functions (counters, r_histogram, expert_cache_stats) given out = NULL return the model's layer
+// count without writing or resetting anything: what to allocate.
 LLAMA_API int32_t rapidmoe_llama_counters(const struct llama_model * model, int64_t * out, int32_t n_layer_max,
                                           bool reset);
-// The r histogram: out[((i * 2 + phase) * 65) + r] = tokens of layer i in phase (0 decode, 1 prefill) given r
+// The r histogram: out[((i * 2 + phase) * (RAPIDMOE_LLAMA_MAX_TOP_K + 1)) + r] = tokens of layer i in phase (0 decode, 1 prefill) given r
 // critical slots, since the last reset. Returns the number of layers written (0 without a sidecar).
 LLAMA_API int32_t rapidmoe_llama_r_histogram(const struct llama_model * model, int64_t * out, int32_t n_layer_max,
                                              bool reset);

@@ -2,6 +2,7 @@
 // CPU route ops the graph hooks use, the hit counters, and their C API (rapidmoe-llama.h).
 #include "rapidmoe-expert-cache.h"
 
+#include "rapidmoe-compute.h"
 #include "rapidmoe-llama.h"
 
 #include "llama-model.h"
@@ -14,11 +15,13 @@
 
 namespace {
 
-using layers_t = std::vector<std::unique_ptr<rapidmoe_expert_cache_layer>>; // index = layer, nullptr: no cache
+using layers_t = rapidmoe_expert_cache_layers; // index = layer, nullptr: no cache
 
 std::mutex g_mutex;
-std::map<const llama_model *, layers_t> g_states;
-std::map<const ggml_tensor *, const rapidmoe_expert_cache_layer *> g_layers; // model's up_exps -> its cache
+// copy on write: a ubatch guard holds the vector it snapshotted (and so every cache in it) until its compute ends
+std::map<const llama_model *, std::shared_ptr<const layers_t>> g_states;
+// model's up_exps -> its cache (graph builds outside a ubatch guard: the context's reserve graphs)
+std::map<const ggml_tensor *, const rapidmoe_expert_cache_layer *> g_layers;
 
 // The buffer type of `name` (a device name such as "RPC0", or a buffer type name such as "RPC0[127.0.0.1:50052]"),
 // among the model's own devices and the CPU: a device the model's contexts have no backend for could not run the
@@ -172,9 +175,9 @@ void miss_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     c->slots += slots;
 }
 
-layers_t * state_of(const llama_model * model) {
+const layers_t * state_of(const llama_model * model) {
     auto it = g_states.find(model);
-    return it == g_states.end() ? nullptr : &it->second;
+    return it == g_states.end() ? nullptr : it->second.get();
 }
 
 }  // namespace
@@ -188,7 +191,16 @@ rapidmoe_expert_cache_layer::~rapidmoe_expert_cache_layer() {
     }
 }
 
+std::shared_ptr<const rapidmoe_expert_cache_layers> rapidmoe_expert_cache_get(const llama_model * model) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_states.find(model);
+    return it == g_states.end() ? nullptr : it->second;
+}
+
 const rapidmoe_expert_cache_layer * rapidmoe_expert_cache_find(const ggml_tensor * up_exps) {
+    if (const rapidmoe_ubatch_guard * guard = rapidmoe_ubatch_guard::current()) {
+        return guard->find_cache(up_exps);
+    }
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_layers.find(up_exps);
     return it == g_layers.end() ? nullptr : it->second;
@@ -220,7 +232,7 @@ std::string rapidmoe_expert_cache_set(const llama_model * model, int il, const i
             return "layer " + std::to_string(il) + " already has an expert cache";
         }
     }
-    auto c = std::make_unique<rapidmoe_expert_cache_layer>();
+    auto c = std::make_shared<rapidmoe_expert_cache_layer>();
     c->il = il;
     c->base_up = L.ffn_up_exps;
     c->base_gate = L.ffn_gate_exps;
@@ -237,30 +249,41 @@ std::string rapidmoe_expert_cache_set(const llama_model * model, int il, const i
         }
     }
     std::lock_guard<std::mutex> lock(g_mutex);
-    layers_t & st = g_states[model];
-    st.resize(model->layers.size());
+    const layers_t * old = state_of(model);
+    auto st = std::make_shared<layers_t>(old != nullptr ? *old : layers_t{});
+    st->resize(model->layers.size());
+    if ((*st)[il] != nullptr) {
+        return "layer " + std::to_string(il) + " already has an expert cache";
+    }
     g_layers[c->base_up] = c.get();
-    st[il] = std::move(c);
+    (*st)[il] = std::move(c);
+    g_states[model] = std::move(st);
+    rapidmoe_attach_generation_bump();
     return "";
 }
 
 bool rapidmoe_expert_cache_clear(const llama_model * model) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_states.find(model);
-    if (it == g_states.end()) {
-        return false;
-    }
-    for (const auto & c : it->second) {
-        if (c != nullptr) {
-            g_layers.erase(c->base_up);
+    std::shared_ptr<const layers_t> gone; // freed after the lock, unless a ubatch still holds it
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        auto it = g_states.find(model);
+        if (it == g_states.end()) {
+            return false;
         }
+        for (const auto & c : *it->second) {
+            if (c != nullptr) {
+                g_layers.erase(c->base_up);
+            }
+        }
+        gone = std::move(it->second);
+        g_states.erase(it);
+        rapidmoe_attach_generation_bump();
     }
-    g_states.erase(it);
     return true;
 }
 
-const ggml_tensor * rapidmoe_expert_cache_tensor(const llama_model * model, const char * name) {
-    std::lock_guard<std::mutex> lock(g_mutex);
+const char * rapidmoe_expert_cache_buffer_name(const llama_model * model, const char * name) {
+    std::lock_guard<std::mutex> lock(g_mutex); // the cache cannot be cleared while its buffer is named
     const layers_t * st = state_of(model);
     if (st == nullptr) {
         return nullptr;
@@ -268,7 +291,7 @@ const ggml_tensor * rapidmoe_expert_cache_tensor(const llama_model * model, cons
     for (const auto & c : *st) {
         if (c != nullptr && c->ctx != nullptr) {
             if (const ggml_tensor * t = ggml_get_tensor(c->ctx, name)) {
-                return t;
+                return t->buffer != nullptr ? ggml_backend_buffer_name(t->buffer) : nullptr;
             }
         }
     }
@@ -297,8 +320,11 @@ int32_t rapidmoe_llama_expert_cache_clear(const llama_model * model) {
 int32_t rapidmoe_llama_expert_cache_stats(const llama_model * model, int64_t * out, int32_t n_layer_max, bool reset) {
     std::lock_guard<std::mutex> lock(g_mutex);
     const layers_t * st = state_of(model);
-    if (st == nullptr || out == nullptr) {
+    if (st == nullptr) {
         return 0;
+    }
+    if (out == nullptr) {
+        return (int32_t) st->size();
     }
     const int32_t n = std::min<int32_t>(n_layer_max, (int32_t) st->size());
     for (int32_t i = 0; i < n; ++i) {

@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -36,8 +37,12 @@ struct rapidmoe_expert_cache_layer {
     ~rapidmoe_expert_cache_layer();
 };
 
-// the cache of the layer whose routed-expert up tensor is `up_exps`; nullptr when none is set
+// the cache of the layer whose routed-expert up tensor is `up_exps`; nullptr when none is set. Inside a ubatch
+// guard (rapidmoe-compute.h) only the caches the guard holds are searched: the pointer outlives the compute.
 const rapidmoe_expert_cache_layer * rapidmoe_expert_cache_find(const ggml_tensor * up_exps);
+// the model's caches (index = layer), held by the caller; nullptr when none is set
+std::shared_ptr<const std::vector<std::shared_ptr<rapidmoe_expert_cache_layer>>> rapidmoe_expert_cache_get(
+    const llama_model * model);
 
 // Cache experts ids[0..n) of layer il on the device (or buffer type) named `device`; an empty list caches nothing
 // but still counts the layer's slots. Returns an empty string or the reason it was refused. Set before a context
@@ -45,8 +50,8 @@ const rapidmoe_expert_cache_layer * rapidmoe_expert_cache_find(const ggml_tensor
 std::string rapidmoe_expert_cache_set(const llama_model * model, int il, const int32_t * ids, int n,
                                       const char * device);
 bool rapidmoe_expert_cache_clear(const llama_model * model);
-// a cache tensor by name ("blk.N.ffn_up_exps.cache"), nullptr when there is none
-const ggml_tensor * rapidmoe_expert_cache_tensor(const llama_model * model, const char * name);
+// the buffer name of a cache tensor ("blk.N.ffn_up_exps.cache"), nullptr when there is none
+const char * rapidmoe_expert_cache_buffer_name(const llama_model * model, const char * name);
 
 // The route ops for one layer, pinned to the CPU by the caller. selected [k, T] I32.
 struct rapidmoe_expert_cache_route {

@@ -10,7 +10,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #ifndef RAPIDMOE_VERSION
 #define RAPIDMOE_VERSION "dev"
@@ -55,39 +58,44 @@ int32_t rapidmoe_llama_detach_residual(const llama_model * model) {
     return rapidmoe_residual_detach(model) ? 1 : 0;
 }
 
+// Every function below holds the model's sidecar (a shared_ptr) for its whole use: a concurrent detach frees it
+// after the last holder lets go, never while one reads it.
+
 int32_t rapidmoe_llama_set_n_critical(const llama_model * model, int32_t n_critical) {
-    rapidmoe_residual_state * st = rapidmoe_residual_get(model);
+    const auto st = rapidmoe_residual_get(model);
     if (st == nullptr) {
         return -1;
     }
     const int32_t r = std::clamp<int32_t>(n_critical, 0, st->n_expert_used);
-    rapidmoe_umia_set_fixed(st->policy, r);
+    std::vector<float> p((size_t) ggml_nelements(st->policy));
+    rapidmoe_umia_fixed_policy(p.data(), st->policy->ne[1], r);
+    rapidmoe_residual_set_policy(*st, p.data());
     return r;
 }
 
 int32_t rapidmoe_llama_set_policy(const llama_model * model, const float * params, int64_t n_params) {
-    rapidmoe_residual_state * st = rapidmoe_residual_get(model);
+    const auto st = rapidmoe_residual_get(model);
     if (st == nullptr || params == nullptr || n_params != ggml_nelements(st->policy)) {
         return -1;
     }
-    std::memcpy(st->policy->data, params, ggml_nbytes(st->policy));
+    rapidmoe_residual_set_policy(*st, params);
     return 0;
 }
 
 int64_t rapidmoe_llama_get_policy(const llama_model * model, float * out, int64_t n_max) {
-    rapidmoe_residual_state * st = rapidmoe_residual_get(model);
+    const auto st = rapidmoe_residual_get(model);
     if (st == nullptr) {
         return -1;
     }
     const int64_t n = ggml_nelements(st->policy);
     if (out != nullptr && n_max >= n) {
-        std::memcpy(out, st->policy->data, ggml_nbytes(st->policy));
+        rapidmoe_residual_get_policy(*st, out);
     }
     return n;
 }
 
 int32_t rapidmoe_llama_set_skip_noncritical(const llama_model * model, bool skip) {
-    rapidmoe_residual_state * st = rapidmoe_residual_get(model);
+    const auto st = rapidmoe_residual_get(model);
     if (st == nullptr) {
         return -1;
     }
@@ -96,7 +104,7 @@ int32_t rapidmoe_llama_set_skip_noncritical(const llama_model * model, bool skip
 }
 
 int32_t rapidmoe_llama_set_overlap(const llama_model * model, int32_t mode, int32_t n_threads) {
-    rapidmoe_residual_state * st = rapidmoe_residual_get(model);
+    const auto st = rapidmoe_residual_get(model);
     if (st == nullptr || mode < RAPIDMOE_OVERLAP_OFF || mode > RAPIDMOE_OVERLAP_ON || st->worker == nullptr) {
         return -1;
     }
@@ -106,8 +114,8 @@ int32_t rapidmoe_llama_set_overlap(const llama_model * model, int32_t mode, int3
 }
 
 int32_t rapidmoe_llama_overlap_stats(const llama_model * model, int64_t * out, bool reset) {
-    rapidmoe_residual_state * st = rapidmoe_residual_get(model);
-    if (st == nullptr) {
+    const auto st = rapidmoe_residual_get(model);
+    if (st == nullptr || out == nullptr) {
         return 0;
     }
     for (int stage = 0; stage < RAPIDMOE_OVERLAP_N_STAGES; ++stage) {
@@ -121,9 +129,12 @@ int32_t rapidmoe_llama_overlap_stats(const llama_model * model, int64_t * out, b
 }
 
 int32_t rapidmoe_llama_r_histogram(const llama_model * model, int64_t * out, int32_t n_layer_max, bool reset) {
-    rapidmoe_residual_state * st = rapidmoe_residual_get(model);
+    const auto st = rapidmoe_residual_get(model);
     if (st == nullptr) {
         return 0;
+    }
+    if (out == nullptr) {
+        return (int32_t) st->layers.size();
     }
     const int32_t n = std::min<int32_t>(n_layer_max, (int32_t) st->layers.size());
     const int w = RAPIDMOE_UMIA_MAX_K + 1;
@@ -139,9 +150,12 @@ int32_t rapidmoe_llama_r_histogram(const llama_model * model, int64_t * out, int
 }
 
 int32_t rapidmoe_llama_counters(const llama_model * model, int64_t * out, int32_t n_layer_max, bool reset) {
-    rapidmoe_residual_state * st = rapidmoe_residual_get(model);
+    const auto st = rapidmoe_residual_get(model);
     if (st == nullptr) {
         return 0;
+    }
+    if (out == nullptr) {
+        return (int32_t) st->layers.size();
     }
     const int32_t n = std::min<int32_t>(n_layer_max, (int32_t) st->layers.size());
     for (int32_t i = 0; i < n; ++i) {
@@ -161,6 +175,54 @@ int32_t rapidmoe_llama_counters(const llama_model * model, int64_t * out, int32_
     return n;
 }
 
+int32_t rapidmoe_llama_take_worker_error(const llama_model * model, char * err, size_t err_size) {
+    const auto st = rapidmoe_residual_get(model);
+    if (st == nullptr) {
+        return -1;
+    }
+    std::string msg;
+    {
+        std::lock_guard<std::mutex> lock(st->error_mutex);
+        msg.swap(st->worker_error);
+    }
+    return msg.empty() ? 0 : (report(msg, err, err_size), 1);
+}
+
+int32_t rapidmoe_llama_worker_selftest(char * out, size_t out_size) {
+    std::string fail;
+    auto check = [&](bool ok, const char * what) {
+        if (!ok && fail.empty()) {
+            fail = what;
+        }
+    };
+    {
+        rapidmoe_residual_worker w(1);
+        std::atomic<bool> ran{false};
+        const uint64_t a = w.submit([&](ggml_backend_t) { ran = true; }, 0);
+        check(w.wait(a, 1, nullptr, nullptr) == rapidmoe_residual_worker::DONE && ran, "a task runs and is done");
+        check(w.n_tasks() == 0, "a task is forgotten after its wait");
+        check(w.wait(a, 1, nullptr, nullptr) == rapidmoe_residual_worker::UNKNOWN, "a forgotten task is unknown");
+        std::string err;
+        const uint64_t b = w.submit([](ggml_backend_t) { throw std::runtime_error("boom"); }, 0);
+        check(b != a, "every task gets a new id");
+        check(w.wait(b, 1, nullptr, &err) == rapidmoe_residual_worker::FAILED && err == "boom",
+              "an exception reaches wait as the task's error");
+        ran = false;
+        const uint64_t c = w.submit([&](ggml_backend_t) { ran = true; }, 0);
+        check(w.wait(c, 1, nullptr, nullptr) == rapidmoe_residual_worker::DONE && ran, "the worker runs on after one");
+        const uint64_t d = w.complete(0);
+        check(w.wait(d, 2, nullptr, nullptr) == rapidmoe_residual_worker::DONE && w.n_tasks() == 1,
+              "a task waits for all of its join's threads");
+        check(w.wait(d, 2, nullptr, nullptr) == rapidmoe_residual_worker::DONE && w.n_tasks() == 0,
+              "the last of them forgets it");
+        const uint64_t e = w.complete(0, "begin failed");
+        check(w.wait(e, 1, nullptr, &err) == rapidmoe_residual_worker::FAILED && err == "begin failed",
+              "a task completed as failed reports its error");
+    }
+    report(fail.empty() ? std::string("ok") : fail, out, out_size);
+    return fail.empty() ? 0 : -1;
+}
+
 int32_t rapidmoe_llama_umia_eval(const float * weights, int64_t n_tokens, int32_t k, const float * policy,
                                  int32_t n_layer, int32_t il, int32_t phase, int32_t * ids_out, int64_t * hist_out) {
     return rapidmoe_umia_eval(weights, n_tokens, k, policy, n_layer, il, phase, ids_out, hist_out);
@@ -178,11 +240,12 @@ const char * rapidmoe_llama_tensor_buffer(const llama_model * model, const char 
         }
     }
     if (t == nullptr) {
-        const rapidmoe_residual_state * st = rapidmoe_residual_get(model);
+        const auto st = rapidmoe_residual_get(model); // held while its tensor's buffer is named
         t = st != nullptr && st->ctx != nullptr ? ggml_get_tensor(st->ctx, name) : nullptr;
+        if (t != nullptr) {
+            return t->buffer != nullptr ? ggml_backend_buffer_name(t->buffer) : nullptr;
+        }
+        return rapidmoe_expert_cache_buffer_name(model, name);
     }
-    if (t == nullptr) {
-        t = rapidmoe_expert_cache_tensor(model, name);
-    }
-    return t != nullptr && t->buffer != nullptr ? ggml_backend_buffer_name(t->buffer) : nullptr;
+    return t->buffer != nullptr ? ggml_backend_buffer_name(t->buffer) : nullptr;
 }

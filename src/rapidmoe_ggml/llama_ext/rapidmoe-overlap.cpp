@@ -5,9 +5,13 @@
 #include "rapidmoe-residual.h"
 
 #include "ggml-cpu.h"
+#include "llama-impl.h" // LLAMA_LOG_ERROR
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <exception>
+#include <stdexcept>
 #include <vector>
 
 int64_t rapidmoe_overlap_now_ns() {
@@ -39,40 +43,66 @@ void rapidmoe_residual_worker::set_n_threads(int n_threads) {
     ggml_backend_cpu_set_n_threads(backend_, n_threads < 1 ? 1 : n_threads);
 }
 
-void rapidmoe_residual_worker::submit(const void * key, work_fn work, int64_t t_begin_ns) {
+uint64_t rapidmoe_residual_worker::add(const std::shared_ptr<task> & t) {
+    t->t.returned_ns = rapidmoe_overlap_now_ns();
+    const uint64_t id = next_id_++;
+    tasks_[id] = t;
+    return id;
+}
+
+uint64_t rapidmoe_residual_worker::submit(work_fn work, int64_t t_begin_ns) {
     auto t = std::make_shared<task>();
     t->work = std::move(work);
     t->t.begin_ns = t_begin_ns;
+    uint64_t id = 0;
     {
         std::lock_guard<std::mutex> lock(mutex_);
-        t->t.returned_ns = rapidmoe_overlap_now_ns();
+        id = add(t);
         queue_.push_back(t);
-        tasks_[key] = t;
     }
     wake_.notify_one();
+    return id;
 }
 
-void rapidmoe_residual_worker::complete(const void * key, int64_t t_begin_ns) {
+uint64_t rapidmoe_residual_worker::complete(int64_t t_begin_ns, const std::string & error) {
     auto t = std::make_shared<task>();
     t->t.begin_ns = t_begin_ns;
     t->done = true;
+    t->error = error;
     std::lock_guard<std::mutex> lock(mutex_);
-    t->t.returned_ns = rapidmoe_overlap_now_ns();
-    tasks_[key] = t;
+    return add(t);
 }
 
-bool rapidmoe_residual_worker::wait(const void * key, times * out) {
+rapidmoe_residual_worker::wait_result rapidmoe_residual_worker::wait(uint64_t id, int n_waiters, times * out,
+                                                                     std::string * error) {
     std::unique_lock<std::mutex> lock(mutex_);
-    auto it = tasks_.find(key);
+    auto it = tasks_.find(id);
     if (it == tasks_.end()) {
-        return false;
+        return UNKNOWN;
     }
     std::shared_ptr<task> t = it->second;
+    if (t->waiters_left < 0) {
+        t->waiters_left = n_waiters < 1 ? 1 : n_waiters;
+    }
+    if (--t->waiters_left == 0) {
+        tasks_.erase(it); // the last of the join's threads: no later join can meet this task
+    }
     done_.wait(lock, [&] { return t->done; });
     if (out != nullptr) {
         *out = t->t;
     }
-    return true;
+    if (!t->error.empty()) {
+        if (error != nullptr) {
+            *error = t->error;
+        }
+        return FAILED;
+    }
+    return DONE;
+}
+
+size_t rapidmoe_residual_worker::n_tasks() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return tasks_.size();
 }
 
 void rapidmoe_residual_worker::loop() {
@@ -88,15 +118,23 @@ void rapidmoe_residual_worker::loop() {
             queue_.pop_front();
         }
         int64_t t0 = 0, t1 = 0;
+        std::string error;
         {
             std::lock_guard<std::mutex> lock(compute_mutex_);
             t0 = rapidmoe_overlap_now_ns();
-            t->work(backend_);
+            try { // an exception must reach the join, not end the process (std::terminate on this thread)
+                t->work(backend_);
+            } catch (const std::exception & e) {
+                error = e.what()[0] != '\0' ? e.what() : "unknown error";
+            } catch (...) {
+                error = "unknown error";
+            }
             t1 = rapidmoe_overlap_now_ns();
         }
         {
             std::lock_guard<std::mutex> lock(mutex_);
             t->t.cpu_ns = t1 - t0;
+            t->error = std::move(error);
             t->done = true;
             t->work = nullptr; // frees the task's input copies now
         }
@@ -137,6 +175,9 @@ struct residual_job {
     void operator()(ggml_backend_t cpu) {
         ggml_init_params p = { 8 * ggml_tensor_overhead() + ggml_graph_overhead_custom(8, false), nullptr, true };
         ggml_context * ctx = ggml_init(p);
+        if (ctx == nullptr) {
+            throw std::runtime_error("residual worker: cannot allocate its graph context");
+        }
         ggml_tensor * x = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, in_ne[0], in_ne[1], in_ne[2]);
         x->data = in.data();
         ggml_tensor * id = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, T);
@@ -154,10 +195,29 @@ struct residual_job {
             down->data = out;
             ggml_build_forward_expand(gf, down);
         }
-        ggml_backend_graph_compute(cpu, gf);
+        const ggml_status status = ggml_backend_graph_compute(cpu, gf);
         ggml_free(ctx);
+        if (status != GGML_STATUS_SUCCESS) {
+            throw std::runtime_error(std::string("residual worker: graph compute failed (") +
+                                     ggml_status_to_string(status) + ")");
+        }
     }
 };
+
+// The task id a begin leaves for its join: in the last 8 bytes of R's op_params (the custom op's own parameters,
+// function, n_tasks and userdata, take the first 24). R is the same tensor for both: join's src[0] is begin's dst.
+constexpr size_t TASK_ID_OFFSET = GGML_MAX_OP_PARAMS - sizeof(uint64_t);
+static_assert(TASK_ID_OFFSET >= 3 * sizeof(void *), "op_params too small for the custom op and a task id");
+
+void set_task_id(ggml_tensor * r, uint64_t id) {
+    std::memcpy((char *) r->op_params + TASK_ID_OFFSET, &id, sizeof(id));
+}
+
+uint64_t task_id(const ggml_tensor * r) {
+    uint64_t id = 0;
+    std::memcpy(&id, (const char *) r->op_params + TASK_ID_OFFSET, sizeof(id));
+    return id;
+}
 
 // begin: dst->src = {input, critical ids}
 void begin_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -178,30 +238,49 @@ void begin_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
     if (!any) {
         std::memset(dst->data, 0, ggml_nbytes(dst));
-        site->worker->complete(dst->data, t0);
+        set_task_id(dst, site->worker->complete(t0));
         return;
     }
-    auto job = std::make_shared<residual_job>();
-    job->layer = site->layer;
-    job->stage = site->stage;
-    job->in_ne[0] = in->ne[0];
-    job->in_ne[1] = in->ne[1];
-    job->in_ne[2] = in->ne[2];
-    job->k = ids->ne[0];
-    job->T = ids->ne[1];
-    job->in = copy_3d(in);
-    job->ids = copy_3d(ids);
-    job->out = (char *) dst->data;
-    job->out_part = dst->nb[3];
-    site->worker->submit(dst->data, [job](ggml_backend_t cpu) { (*job)(cpu); }, t0);
+    try { // on a compute thread: an exception (out of memory copying the inputs) must reach the join
+        auto job = std::make_shared<residual_job>();
+        job->layer = site->layer;
+        job->stage = site->stage;
+        job->in_ne[0] = in->ne[0];
+        job->in_ne[1] = in->ne[1];
+        job->in_ne[2] = in->ne[2];
+        job->k = ids->ne[0];
+        job->T = ids->ne[1];
+        job->in = copy_3d(in);
+        job->ids = copy_3d(ids);
+        job->out = (char *) dst->data;
+        job->out_part = dst->nb[3];
+        set_task_id(dst, site->worker->submit([job](ggml_backend_t cpu) { (*job)(cpu); }, t0));
+    } catch (const std::exception & e) {
+        set_task_id(dst, site->worker->complete(t0, std::string("residual begin: ") + e.what()));
+    }
 }
 
-// Wait for the task whose output is `r` (every thread: each combines its share after it); thread 0 records
-// the stage's timing. Returns the time the device's results were here (join started).
-void join_wait(const rapidmoe_overlap_site * site, const ggml_tensor * r, int ith) {
+// Wait for the task of begin's output `r` (every thread: each combines its share after it); thread 0 records
+// the stage's timing. False when the task failed: the error is recorded in the sidecar state and logged once.
+bool join_wait(const rapidmoe_overlap_site * site, const ggml_tensor * r, int ith, int nth) {
     const int64_t t_enter = rapidmoe_overlap_now_ns();
     rapidmoe_residual_worker::times t;
-    GGML_ASSERT(site->worker->wait(r->data, &t) && "rapidmoe: join without its begin");
+    std::string error;
+    const auto res = site->worker->wait(task_id(r), nth, &t, &error);
+    if (res != rapidmoe_residual_worker::DONE) {
+        if (ith == 0) {
+            if (res == rapidmoe_residual_worker::UNKNOWN) {
+                error = "join without its begin (no task " + std::to_string(task_id(r)) + ")";
+            }
+            rapidmoe_residual_state * st = site->layer->state;
+            std::lock_guard<std::mutex> lock(st->error_mutex);
+            if (st->worker_error.empty()) {
+                LLAMA_LOG_ERROR("rapidmoe: layer %d: %s; its results are NaN\n", site->layer->il, error.c_str());
+                st->worker_error = "layer " + std::to_string(site->layer->il) + ": " + error;
+            }
+        }
+        return false;
+    }
     if (ith == 0) {
         const int64_t t_done = rapidmoe_overlap_now_ns();
         rapidmoe_overlap_timing & tm = *site->timing;
@@ -211,6 +290,7 @@ void join_wait(const rapidmoe_overlap_site * site, const ggml_tensor * r, int it
         tm.wait_ns += t_done - t_enter;
         tm.wall_ns += t_done - t.begin_ns; // the combine after it is a few adds
     }
+    return true;
 }
 
 inline const float * row_of(const ggml_tensor * t, int64_t i1, int64_t i2, int64_t i3 = 0) {
@@ -224,7 +304,7 @@ inline float * row_of(ggml_tensor * t, int64_t i1, int64_t i2, int64_t i3 = 0) {
 // join (gate/up): dst->src = {R, gate, up}; dst [n_ff, k, T, 2] = (gate + R[.., 0], up + R[.., 1])
 void join_gate_up_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const ggml_tensor * r = dst->src[0];
-    join_wait((const rapidmoe_overlap_site *) userdata, r, ith);
+    const bool ok = join_wait((const rapidmoe_overlap_site *) userdata, r, ith, nth);
     const int64_t n = dst->ne[0], rows = dst->ne[1] * dst->ne[2];
     for (int64_t row = ith; row < 2 * rows; row += nth) {
         const int64_t part = row / rows, i1 = (row % rows) % dst->ne[1], i2 = (row % rows) / dst->ne[1];
@@ -232,7 +312,7 @@ void join_gate_up_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         const float * res = row_of(r, i1, i2, part);
         float * out = row_of(dst, i1, i2, part);
         for (int64_t i = 0; i < n; ++i) {
-            out[i] = wq[i] + res[i];
+            out[i] = ok ? wq[i] + res[i] : NAN;
         }
     }
 }
@@ -242,7 +322,7 @@ void join_down_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const auto * site = (const rapidmoe_overlap_site *) userdata;
     const ggml_tensor * r = dst->src[0];
     const ggml_tensor * ids = dst->src[2];
-    join_wait(site, r, ith);
+    const bool ok = join_wait(site, r, ith, nth);
     const bool copy = site->layer->down_is_copy;
     const int64_t n = dst->ne[0], rows = dst->ne[1] * dst->ne[2];
     for (int64_t row = ith; row < rows; row += nth) {
@@ -252,7 +332,7 @@ void join_down_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         const float * res = row_of(r, i1, i2);
         float * out = row_of(dst, i1, i2);
         for (int64_t i = 0; i < n; ++i) {
-            out[i] = critical ? (copy ? res[i] : wq[i] + res[i]) : wq[i];
+            out[i] = !ok ? NAN : critical ? (copy ? res[i] : wq[i] + res[i]) : wq[i];
         }
     }
 }

@@ -13,6 +13,10 @@
 // they meet at the operator boundaries where the SwiGLU and the weighted sum need both paths.
 // R stays allocated until join reads it (it is join's input), and begin copies what the worker reads, so the
 // graph allocator may reuse begin's inputs as soon as begin returns.
+// Each begin gets a fresh task id (never reused, so a join can only ever meet its own begin's task) and leaves it in
+// R's op_params for its join; the task is forgotten once every thread of the join has seen it. A task that fails
+// (the worker's graph, an exception, begin itself) reaches join as an error: join fills its output with NaN and
+// records the message in the model's sidecar state (rapidmoe_llama_take_worker_error); nothing terminates.
 #pragma once
 
 #include "ggml.h"
@@ -26,6 +30,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <unordered_map>
 
@@ -65,25 +70,32 @@ class rapidmoe_residual_worker {
 
     void set_n_threads(int n_threads);
 
-    // queue `work`; `key` (the output's data pointer) names the task for wait(). t_begin_ns: when begin started
-    void submit(const void * key, work_fn work, int64_t t_begin_ns);
-    // record a task with nothing to compute as done (no thread wake-up)
-    void complete(const void * key, int64_t t_begin_ns);
+    // queue `work` (it may throw: the message goes to wait); returns the task's id. t_begin_ns: when begin started
+    uint64_t submit(work_fn work, int64_t t_begin_ns);
+    // record a task with nothing to compute as done (no thread wake-up), or as failed when error is not empty
+    uint64_t complete(int64_t t_begin_ns, const std::string & error = "");
 
     struct times {
         int64_t begin_ns = 0;    // begin started
         int64_t returned_ns = 0; // the task was queued (begin returns right after)
         int64_t cpu_ns = 0;      // the worker's time on it
     };
-    // block until the task `key` has run; false: no task was ever queued under that key
-    bool wait(const void * key, times * out);
+    enum wait_result { DONE, FAILED, UNKNOWN };
+    // block until task `id` has run; the task is forgotten after the n_waiters-th wait for it (a join's threads).
+    // FAILED: its work threw (message in *error); UNKNOWN: no such task (never submitted, or already forgotten)
+    wait_result wait(uint64_t id, int n_waiters, times * out, std::string * error);
+    // tasks not yet forgotten
+    size_t n_tasks();
 
   private:
     struct task {
         work_fn work;
         times t;
         bool done = false;
+        std::string error;    // why it failed; empty: it did not
+        int waiters_left = -1; // set by the first wait
     };
+    uint64_t add(const std::shared_ptr<task> & t); // under mutex_
 
     void loop();
 
@@ -92,7 +104,8 @@ class rapidmoe_residual_worker {
     std::condition_variable wake_;
     std::condition_variable done_;
     std::deque<std::shared_ptr<task>> queue_;
-    std::unordered_map<const void *, std::shared_ptr<task>> tasks_; // the latest task per key
+    std::unordered_map<uint64_t, std::shared_ptr<task>> tasks_; // submitted, not yet waited for by every waiter
+    uint64_t next_id_ = 1;
     ggml_backend_t backend_ = nullptr;
     bool stop_ = false;
     std::thread thread_;

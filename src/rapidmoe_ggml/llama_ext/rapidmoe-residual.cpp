@@ -3,10 +3,13 @@
 // checked against the model's own expert tensors, so a mismatched file is refused rather than misread.
 #include "rapidmoe-residual.h"
 
+#include "rapidmoe-compute.h"
+
 #include "gguf.h"
 #include "llama-model.h"
 
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <map>
 #include <mutex>
@@ -14,8 +17,9 @@
 namespace {
 
 std::mutex g_mutex;
-std::map<const llama_model *, std::unique_ptr<rapidmoe_residual_state>> g_states;
-std::map<const ggml_tensor *, const rapidmoe_layer_residual *> g_layers;  // model's up_exps -> its residual
+std::map<const llama_model *, std::shared_ptr<rapidmoe_residual_state>> g_states;
+// model's up_exps -> its residual (graph builds outside a ubatch guard: the context's reserve graphs)
+std::map<const ggml_tensor *, const rapidmoe_layer_residual *> g_layers;
 
 bool same_shape(const ggml_tensor * a, const ggml_tensor * b) {
     return a->ne[0] == b->ne[0] && a->ne[1] == b->ne[1] && a->ne[2] == b->ne[2] && a->ne[3] == b->ne[3];
@@ -53,28 +57,69 @@ rapidmoe_residual_state::~rapidmoe_residual_state() {
     }
 }
 
+void rapidmoe_residual_state::compute_enter() {
+    std::lock_guard<std::mutex> lock(compute_mutex);
+    if (n_computing == 0 && !pending_policy.empty()) {
+        std::memcpy(policy->data, pending_policy.data(), ggml_nbytes(policy));
+        pending_policy.clear();
+    }
+    ++n_computing;
+}
+
+void rapidmoe_residual_state::compute_leave() {
+    std::lock_guard<std::mutex> lock(compute_mutex);
+    if (--n_computing == 0 && !pending_policy.empty()) {
+        std::memcpy(policy->data, pending_policy.data(), ggml_nbytes(policy));
+        pending_policy.clear();
+    }
+}
+
+void rapidmoe_residual_get_policy(rapidmoe_residual_state & st, float * out) {
+    std::lock_guard<std::mutex> lock(st.compute_mutex);
+    std::memcpy(out, st.pending_policy.empty() ? (const float *) st.policy->data : st.pending_policy.data(),
+                ggml_nbytes(st.policy));
+}
+
+void rapidmoe_residual_set_policy(rapidmoe_residual_state & st, const float * params) {
+    std::lock_guard<std::mutex> lock(st.compute_mutex);
+    if (st.n_computing == 0) {
+        std::memcpy(st.policy->data, params, ggml_nbytes(st.policy));
+        st.pending_policy.clear();
+    } else { // a graph is reading the policy: the last ubatch to finish writes it
+        st.pending_policy.assign(params, params + ggml_nelements(st.policy));
+    }
+}
+
 const rapidmoe_layer_residual * rapidmoe_residual_find(const ggml_tensor * up_exps) {
+    if (const rapidmoe_ubatch_guard * guard = rapidmoe_ubatch_guard::current()) {
+        return guard->find_residual(up_exps);
+    }
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_layers.find(up_exps);
     return it == g_layers.end() ? nullptr : it->second;
 }
 
-rapidmoe_residual_state * rapidmoe_residual_get(const llama_model * model) {
+std::shared_ptr<rapidmoe_residual_state> rapidmoe_residual_get(const llama_model * model) {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_states.find(model);
-    return it == g_states.end() ? nullptr : it->second.get();
+    return it == g_states.end() ? nullptr : it->second;
 }
 
 bool rapidmoe_residual_detach(const llama_model * model) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_states.find(model);
-    if (it == g_states.end()) {
-        return false;
+    std::shared_ptr<rapidmoe_residual_state> gone; // freed after the lock, unless a ubatch still holds it
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        auto it = g_states.find(model);
+        if (it == g_states.end()) {
+            return false;
+        }
+        for (const auto & lr : it->second->layers) {
+            g_layers.erase(lr.base_up);
+        }
+        gone = std::move(it->second);
+        g_states.erase(it);
+        rapidmoe_attach_generation_bump();
     }
-    for (const auto & lr : it->second->layers) {
-        g_layers.erase(lr.base_up);
-    }
-    g_states.erase(it);
     return true;
 }
 
@@ -192,5 +237,6 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         }
     }
     g_states[model] = std::move(st);
+    rapidmoe_attach_generation_bump();
     return "";
 }

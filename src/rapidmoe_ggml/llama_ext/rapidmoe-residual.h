@@ -1,5 +1,9 @@
 // A residual sidecar attached to a loaded model: its tensors in CPU memory, the UMIA policy tensor and the
 // per-layer r histograms. A graph build finds a layer's residual by the model's own up_exps tensor (what it sees).
+//
+// Lifetime: the registry holds each state by shared_ptr; every user holds one for its whole use (the C API
+// calls, and a ubatch's graph build + compute through rapidmoe_ubatch_guard, rapidmoe-compute.h), so a detach
+// while a graph computes frees the sidecar when that compute ends, never under it.
 #pragma once
 
 #include "ggml.h"
@@ -12,6 +16,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -40,7 +45,9 @@ struct rapidmoe_layer_residual {
 struct rapidmoe_residual_state {
     const llama_model * model = nullptr;
     int n_expert_used = 0;
-    ggml_tensor * policy = nullptr;          // UMIA parameters (rapidmoe-umia.h), CPU memory, read at compute time
+    // UMIA parameters (rapidmoe-umia.h), CPU memory, read at compute time. Written only while no ubatch of this
+    // model computes (rapidmoe_residual_set_policy): a graph never sees a policy change halfway through.
+    ggml_tensor * policy = nullptr;
     std::atomic<bool> skip_noncritical{false}; // "drop" baseline: non-critical slots are not computed at all
     std::atomic<int> overlap_mode{RAPIDMOE_OVERLAP_AUTO}; // rapidmoe_overlap_mode, read at graph build
     std::unique_ptr<rapidmoe_residual_worker> worker;     // runs the overlapped residual work
@@ -48,13 +55,32 @@ struct rapidmoe_residual_state {
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;
     std::vector<rapidmoe_layer_residual> layers; // index = layer; layers without experts stay empty
+
+    // ubatches of this model between graph build and compute end, and a policy set while one was running
+    std::mutex compute_mutex;
+    int n_computing = 0;
+    std::vector<float> pending_policy; // empty: none pending
+    // the first residual worker error since it was last taken (join filled its output with NaN)
+    std::mutex error_mutex;
+    std::string worker_error;
+
+    void compute_enter(); // applies a pending policy when no other ubatch computes
+    void compute_leave(); // applies a pending policy when this was the last one
     ~rapidmoe_residual_state();
 };
 
-// the residual of the layer whose routed-expert up tensor is `up_exps`; nullptr when none is attached
+// the policy as set last (pending or applied); n floats
+void rapidmoe_residual_get_policy(rapidmoe_residual_state & st, float * out);
+// write the policy now when no ubatch of the model computes, else when the running ones have finished
+void rapidmoe_residual_set_policy(rapidmoe_residual_state & st, const float * params);
+
+// the residual of the layer whose routed-expert up tensor is `up_exps`; nullptr when none is attached. Inside a
+// ubatch guard (a graph build for a compute) only the state the guard holds is searched, so the pointer stays
+// valid until the compute ends; outside one (reserve graphs, never computed) the registry.
 const rapidmoe_layer_residual * rapidmoe_residual_find(const ggml_tensor * up_exps);
 
 // load `path` into CPU memory and attach it; returns an empty string or the reason it was refused
 std::string rapidmoe_residual_attach(const llama_model * model, const char * path);
+// unregister the model's sidecar (graphs built from now on are stock; it is freed when its last user lets go)
 bool rapidmoe_residual_detach(const llama_model * model);
-rapidmoe_residual_state * rapidmoe_residual_get(const llama_model * model);
+std::shared_ptr<rapidmoe_residual_state> rapidmoe_residual_get(const llama_model * model);

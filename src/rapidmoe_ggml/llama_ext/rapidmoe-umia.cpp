@@ -82,10 +82,13 @@ void rapidmoe_umia_critical_ids_op(ggml_tensor * dst, int ith, int nth, void * u
 }
 
 void rapidmoe_umia_set_fixed(ggml_tensor * policy, int r) {
-    auto * p = (float *) policy->data;
+    rapidmoe_umia_fixed_policy((float *) policy->data, policy->ne[1], r);
+}
+
+void rapidmoe_umia_fixed_policy(float * p, int64_t n_rows, int r) {
     p[0] = -1.0f;
     p[1] = p[2] = p[3] = 0.0f;
-    for (int64_t il = 1; il < policy->ne[1]; ++il) {
+    for (int64_t il = 1; il < n_rows; ++il) {
         float * row = p + RAPIDMOE_UMIA_ROW * il;
         row[0] = row[1] = 1.0f;
         row[2] = row[3] = (float) r;

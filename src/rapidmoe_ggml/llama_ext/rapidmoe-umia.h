@@ -10,12 +10,13 @@
 #pragma once
 
 #include "ggml.h"
+#include "rapidmoe-llama.h"
 
 #include <array>
 #include <atomic>
 #include <cstdint>
 
-constexpr int RAPIDMOE_UMIA_MAX_K = 64;
+constexpr int RAPIDMOE_UMIA_MAX_K = RAPIDMOE_LLAMA_MAX_TOP_K;
 constexpr int RAPIDMOE_UMIA_ROW = 4;
 
 enum rapidmoe_umia_phase : int { RAPIDMOE_UMIA_DECODE = 0, RAPIDMOE_UMIA_PREFILL = 1 };
@@ -36,6 +37,8 @@ void rapidmoe_umia_critical_ids_op(ggml_tensor * dst, int ith, int nth, void * u
 
 // Write the fixed-r policy (every layer, both phases: r_min = r_max = r, phase from the graph) into `policy`.
 void rapidmoe_umia_set_fixed(ggml_tensor * policy, int r);
+// The same into p [n_rows, RAPIDMOE_UMIA_ROW] (n_rows = n_layer + 1).
+void rapidmoe_umia_fixed_policy(float * p, int64_t n_rows, int r);
 
 // Test entry behind rapidmoe_llama_umia_eval (rapidmoe-llama.h): the op alone on the CPU backend.
 int32_t rapidmoe_umia_eval(const float * weights, int64_t n_tokens, int32_t k, const float * policy, int32_t n_layer,

@@ -40,6 +40,9 @@ def serve(
     timeout: Annotated[float, typer.Option("--timeout", "-to", help="Socket read/write timeout, seconds.", min=0.1)] = 600.0,
     queue_timeout: Annotated[float, typer.Option("--queue-timeout", help="Longest wait for a free slot before 503, seconds.", min=0.0)] = 600.0,
     max_body: Annotated[int, typer.Option("--max-body", help="Largest request body, bytes (larger: 413).", min=1)] = 1 << 20,
+    max_connections: Annotated[int, typer.Option("--max-connections", help="Open connections (a thread each); more get 503 at once.", min=1)] = 128,
+    header_timeout: Annotated[float, typer.Option("--header-timeout", help="A request's line and headers must arrive within this, seconds (else 408).", min=0.1)] = 10.0,
+    keepalive_timeout: Annotated[float, typer.Option("--keepalive-timeout", help="Idle keep-alive connections are closed after this, seconds.", min=0.1)] = 5.0,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="Jinja chat template instead of the GGUF's.")] = None,
     chat_template_file: Annotated[Optional[Path], typer.Option("--chat-template-file", help="File with a Jinja chat template.")] = None,
     seed: Annotated[int, typer.Option("--seed", "-s", help="Default sampling seed (-1: random).", min=-1)] = -1,
@@ -75,7 +78,8 @@ def serve(
         override_tensor=tuple(place["override_tensor"] or ()),
         expert_cache=place.get("expert_cache"), expert_cache_device=place.get("expert_cache_device"),
         residual=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, api_keys=keys, timeout=timeout,
-        queue_timeout=queue_timeout, max_body=max_body, chat_template=chat_template, seed=seed, temperature=temp,
+        queue_timeout=queue_timeout, max_body=max_body, max_connections=max_connections,
+        header_timeout=header_timeout, keepalive_timeout=keepalive_timeout, chat_template=chat_template, seed=seed, temperature=temp,
         metrics=metrics, slots=slots, verbose=verbose)
     logging.getLogger("rapidmoe.server").setLevel(logging.INFO)
     run_server(config)

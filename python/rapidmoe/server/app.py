@@ -1,7 +1,8 @@
 """The HTTP layer: stdlib ThreadingHTTPServer, one thread per connection, talking to the one engine thread.
 
-Here: binding, body size limit, socket timeouts, API key (constant-time), 503 while loading, CORS, chunked SSE
-writes, disconnect detection, one log line per request. Endpoint logic is in routes.py; inference in engine.py.
+Here: binding, a cap on open connections, a deadline for a request's headers and a keep-alive idle timeout, body
+size limit, socket timeouts, API key (constant-time), 503 while loading, CORS, chunked SSE writes, disconnect
+detection, one log line per request. Endpoint logic is in routes.py; inference in engine.py.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import ModelFileError, RapidMoEError
-from . import routes
+from . import routes, sse
 from .config import ServerConfig
 from .errors import ApiError, authentication, invalid_request, not_found, payload_too_large, unavailable
 
@@ -27,10 +28,104 @@ log = logging.getLogger(__name__)
 PUBLIC = {"/health", "/v1/health"}  # no API key needed, as in llama-server
 
 
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
+         b"Connection: close\r\nContent-Length: %d\r\n\r\n%b")
+_SLOW = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json; charset=utf-8\r\n"
+         b"Connection: close\r\nContent-Length: %d\r\n\r\n%b")
+
+
+def _raw_reply(template: bytes, err: ApiError) -> bytes:
+    body = err.to_bytes()
+    return template % (len(body), body)
+
+
+class _HeaderDeadlines:
+    """A connection's request line and headers must arrive within a deadline (a client trickling bytes resets
+    the socket timeout at every byte, not this). One thread checks armed connections every 0.1 s; at the deadline
+    it answers 408 and shuts the socket down (the handler thread is then reading, never writing)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed: dict[socket.socket, float] = {}
+        self._thread = threading.Thread(target=self._run, name="rapidmoe-header-deadlines", daemon=True)
+        self._thread.start()
+
+    def arm(self, conn: socket.socket, seconds: float) -> None:
+        with self._lock:
+            self._armed[conn] = time.monotonic() + seconds
+
+    def disarm(self, conn: socket.socket) -> bool:
+        """False if the deadline already fired (the connection is being closed)."""
+        with self._lock:
+            return self._armed.pop(conn, None) is not None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.1)
+            now = time.monotonic()
+            with self._lock:
+                late = [c for c, d in self._armed.items() if d < now]
+                for conn in late:
+                    del self._armed[conn]
+                    try:
+                        conn.sendall(_raw_reply(_SLOW, ApiError(408, "invalid_request_error",
+                                                                "timed out reading the request headers")))
+                    except OSError:
+                        pass
+                    try:
+                        conn.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
     state: routes.AppState
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int) -> None:
+        super().__init__(address, handler)
+        self.max_connections = max_connections
+        self.deadlines = _HeaderDeadlines()
+        self._conn_lock = threading.Lock()
+        self.n_connections = 0  # open connections (each has a thread)
+        self.n_active = 0  # requests between reading their body and the end of their answer
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Beyond max_connections, answer 503 at once on the accepting thread and close, without a thread."""
+        with self._conn_lock:
+            full = self.n_connections >= self.max_connections
+            if not full:
+                self.n_connections += 1
+        if not full:
+            super().process_request(request, client_address)
+            return
+        log.warning("connection from %s refused: %d connections open (--max-connections)", client_address[0],
+                    self.max_connections)
+        self.state.requests.add("other", 503)
+        try:
+            request.settimeout(0.05)
+            try:
+                request.recv(65536)  # what the client already sent, so closing does not reset our answer
+            except OSError:
+                pass
+            request.sendall(_raw_reply(_BUSY, unavailable(
+                f"too many connections (at most {self.max_connections} open)")))
+            request.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._conn_lock:
+                self.n_connections -= 1
+
+    def active(self, delta: int) -> None:
+        with self._conn_lock:
+            self.n_active += delta
 
     def handle_error(self, request: Any, client_address: Any) -> None:  # keep tracebacks in our log
         log.debug("connection error from %s", client_address, exc_info=True)
@@ -59,6 +154,25 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - we log one line per request ourselves
         pass
 
+    def handle_one_request(self) -> None:
+        """Wait at most --keepalive-timeout for a request to start, and --header-timeout for its headers."""
+        config = self.server.state.config
+        self._sent = False  # a status line went out for this request
+        self.connection.settimeout(config.keepalive_timeout)
+        self.server.deadlines.arm(self.connection, config.header_timeout)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.deadlines.disarm(self.connection)
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if not self.server.deadlines.disarm(self.connection):
+            self.close_connection = True  # the deadline fired while the headers came in: already answered 408
+            return False
+        self.connection.settimeout(self.timeout)
+        return ok
+
     # ---- one request ----
 
     def _handle(self, method: str) -> None:
@@ -66,6 +180,7 @@ class Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         st = self.server.state
         status, n_tokens = 500, 0
+        self.server.active(1)
         try:
             reply = self._dispatch(method, path, st)
             if isinstance(reply, routes.Stream):
@@ -79,24 +194,35 @@ class Handler(BaseHTTPRequestHandler):
                     self._send(reply)
         except ApiError as e:
             status = e.status
-            self._send(routes.Reply(e.status, e.to_bytes()))
+            if self._sent:  # never a second status line: the answer is cut, the connection closed
+                log.error("%s %s: %s after the headers were sent", method, path, e.message)
+                self.close_connection = True
+            else:
+                self._send(routes.Reply(e.status, e.to_bytes()))
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
             status = 499
             self.close_connection = True
         except Exception:
             log.exception("%s %s: internal error", method, path)
             status = 500
-            try:
-                self._send(routes.Reply(500, ApiError(500, "server_error", "internal server error").to_bytes()))
-            except OSError:
+            if self._sent:
                 self.close_connection = True
+            else:
+                try:
+                    self._send(routes.Reply(500, ApiError(500, "server_error", "internal server error").to_bytes()))
+                except OSError:
+                    self.close_connection = True
         finally:
+            self.server.active(-1)
             route = path if path in routes.GET or path in routes.POST else "other"
             st.requests.add(route, status)
             log.info("%s %s %d %d tokens %.1f ms", method, path, status, n_tokens, 1e3 * (time.perf_counter() - t0))
 
     def _dispatch(self, method: str, path: str, st: routes.AppState) -> routes.Reply | routes.Stream:
         body = self._read_body(st) if method == "POST" else b""
+        if st.closing:
+            self.close_connection = True
+            raise unavailable("server shutting down")
         if not st.ready:
             raise unavailable("Loading model")
         if st.config.api_keys and path not in PUBLIC:
@@ -177,6 +303,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
+        self._sent = True
         self.wfile.write(r.body)
         self.wfile.flush()
 
@@ -187,13 +314,25 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
+        self._sent = True
+        status = 200
         try:
-            for data in s.chunks:
+            try:
+                for data in s.chunks:
+                    self.wfile.write(b"%x\r\n%b\r\n" % (len(data), data))
+                    self.wfile.flush()
+            except OSError:
+                raise
+            except Exception:  # a bug while streaming: an error event ends the stream (one status line only)
+                log.exception("error while streaming")
+                s.on_abort()
+                status = 500
+                self.close_connection = True
+                data = sse.error_event(ApiError(500, "server_error", "internal server error").body())
                 self.wfile.write(b"%x\r\n%b\r\n" % (len(data), data))
-                self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
-            return 200
+            return status
         except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
             s.on_abort()
             self.close_connection = True
@@ -263,7 +402,7 @@ def engine_threads() -> int:
 def make_server(config: ServerConfig) -> tuple[_Server, routes.AppState]:
     handler = type("ConfiguredHandler", (Handler,), {"timeout": config.timeout})
     try:
-        server = _Server((config.host, config.port), handler)
+        server = _Server((config.host, config.port), handler, config.max_connections)
     except OSError as e:
         raise RapidMoEError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
     server.state = routes.AppState(config)
@@ -288,9 +427,16 @@ def run_server(config: ServerConfig, stop: threading.Event | None = None) -> Non
         log.warning("ready: http://%s:%d", host, port)
         stop.wait()
     finally:
+        st.closing = True  # new requests: 503
         server.shutdown()
         server.server_close()
         if st.engine is not None:
-            st.engine.close()
-        if llm is not None:
+            st.engine.close()  # aborts a running decode; requests in flight get 503
+        t0 = time.monotonic()  # their HTTP threads may still use the model (tokenizing): wait for them
+        while server.n_active and time.monotonic() - t0 < config.timeout:
+            time.sleep(0.02)
+        if llm is not None and server.n_active:
+            log.warning("%d requests still answering after %.0f s: the model is not freed", server.n_active,
+                        config.timeout)
+        elif llm is not None:
             llm.close()

@@ -30,6 +30,9 @@ class ServerConfig:
     overlap: str = "auto"  # rapidmoe.Llama's overlap mode for split layers
     api_keys: tuple[str, ...] = ()
     timeout: float = 600.0  # socket read/write timeout, seconds (llama-server's --timeout)
+    max_connections: int = 128  # open connections (one thread each); more get 503 at once
+    header_timeout: float = 10.0  # a request's line and headers must arrive within this, seconds (else 408)
+    keepalive_timeout: float = 5.0  # an idle keep-alive connection is closed after this, seconds
     queue_timeout: float = 600.0  # longest wait for a slot before 503, seconds
     max_body: int = 1 << 20  # request body limit, bytes
     chat_template: str | None = None  # Jinja template overriding the GGUF's

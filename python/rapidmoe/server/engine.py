@@ -203,6 +203,13 @@ class Engine:
         self._outstanding = 0  # waiting + in slots
         self._next_id = 0
         self._stopping = False
+        # llama.cpp asks its abort callback between graph nodes; Engine.close sets the flag so a long decode stops
+        # at once instead of racing the context being freed. The callback is libc's strlen on a 2-byte buffer:
+        # it returns the flag (length 0 or 1) in the return register without entering Python (a Python callback
+        # would take the GIL at every graph node).
+        self._abort_flag = ctypes.create_string_buffer(2)
+        self._abort_cb = lc.ggml_abort_callback(ctypes.cast(ctypes.CDLL(None).strlen, ctypes.c_void_p).value)
+        lc.llama_set_abort_callback(self._ctx, self._abort_cb, ctypes.cast(self._abort_flag, ctypes.c_void_p))
         self._thread = threading.Thread(target=self._run, name="rapidmoe-engine", daemon=True)
         self._thread.start()
 
@@ -248,10 +255,14 @@ class Engine:
         return sum(s.busy for s in self.slots)
 
     def close(self) -> None:
+        """Stop: requests in flight get 503, a running llama_decode is aborted, and only after the engine thread
+        has ended is anything freed (no timeout: the decode returns at its next graph node)."""
         with self._cv:
             self._stopping = True
+            self._abort_flag[0] = b"\x01"
             self._cv.notify()
-        self._thread.join(timeout=10)
+        self._thread.join()
+        lc.llama_set_abort_callback(self._ctx, lc.ggml_abort_callback(0), None)
         lc.llama_batch_free(self._batch)
 
     # ---- worker thread ----
@@ -287,6 +298,15 @@ class Engine:
         for s in self.slots:
             if s.busy:
                 self._fail(s, 503, "unavailable_error", "server shutting down")
+        with self._cv:
+            waiting, calls = list(self._waiting), list(self._calls)
+            self._waiting.clear()
+            self._calls.clear()
+            self._outstanding -= len(waiting)
+        for t in waiting:
+            t.events.put(Failed(503, "unavailable_error", "server shutting down"))
+        for _, fut in calls:
+            fut.set_exception(RuntimeError("server shutting down"))
 
     def _admit(self) -> None:
         now = time.monotonic()
@@ -370,6 +390,11 @@ class Engine:
         self.stats.n_decode += 1
         self.stats.busy_slots += len(busy)
         self.stats.decode_seconds += dt
+        if rc != 0 and self._stopping:
+            log.warning("llama_decode aborted (%d) with %d tokens in %d slots: shutting down", rc, n, len(busy))
+            for s in busy:
+                self._fail(s, 503, "unavailable_error", "server shutting down")
+            return
         if rc != 0:
             log.error("llama_decode returned %d with %d tokens in %d slots", rc, n, len(busy))
             for s in busy:

@@ -43,11 +43,32 @@ class Request:
                 self._json = json.loads(self.body.decode("utf-8"))
             except UnicodeDecodeError:
                 raise invalid_request("request body is not valid UTF-8") from None
+            except RecursionError:
+                raise invalid_request(f"request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
             except ValueError as e:
                 raise invalid_request(f"request body is not valid JSON: {e}") from None
             if not isinstance(self._json, dict):
                 raise invalid_request("request body must be a JSON object")
+            if json_depth(self._json) > MAX_JSON_DEPTH:
+                raise invalid_request(f"request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
         return self._json
+
+
+MAX_JSON_DEPTH = 64  # objects and arrays inside each other; deeper bodies are refused before anything walks them
+
+
+def json_depth(obj: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion (a body may be nested as deep as the parser allowed)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, dict):
+            deepest = max(deepest, d)
+            stack.extend((v, d + 1) for v in x.values())
+        elif isinstance(x, list):
+            deepest = max(deepest, d)
+            stack.extend((v, d + 1) for v in x)
+    return deepest
 
 
 @dataclass
@@ -80,6 +101,7 @@ class AppState:
     add_bos: bool = True
     fingerprint: str = f"rapidmoe-{__version__}"
     started: float = field(default_factory=time.time)
+    closing: bool = False  # shutting down: new requests get 503
 
     @property
     def ready(self) -> bool:

@@ -1,0 +1,255 @@
+"""`rapidmoe-cli serve` under hostile or heavy clients, against real server processes: the connection cap, the
+header deadline and keep-alive idle timeout, deeply nested JSON, a shutdown that aborts a running decode, no second
+status line after an error mid-stream, and many concurrent streaming clients.
+"""
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from server_proc import ServerProc, sse_json
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """3 connections at most, 1 s for headers, 0.5 s keep-alive idle."""
+    log = tmp_path_factory.mktemp("server") / "hard.log"
+    s = ServerProc(tiny_qwen, "--parallel", "4", "--queue-size", "16", "-c", "4096", "-t", "1",
+                   "--max-connections", "3", "--header-timeout", "1", "--keepalive-timeout", "0.5", log_path=log)
+    yield s
+    s.stop()
+
+
+def good(s: ServerProc) -> None:
+    status, body = s.request("POST", "/completion", {"prompt": "Hello", "n_predict": 2})
+    assert status == 200 and body["tokens_predicted"] == 2, body
+
+
+def _read_all(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    sock.settimeout(timeout)
+    out = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except (ConnectionResetError, TimeoutError):
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def _wait_connections_closed(s: ServerProc) -> None:
+    time.sleep(0.8)  # the server closes idle keep-alive connections after 0.5 s
+
+
+def test_connection_cap_answers_503(srv: ServerProc) -> None:
+    _wait_connections_closed(srv)
+    idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(3)]
+    for sock in idle:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # headers not finished: each holds a connection
+    time.sleep(0.2)
+    extra = socket.create_connection(("127.0.0.1", srv.port))
+    extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    t0 = time.monotonic()
+    answer = _read_all(extra)
+    assert time.monotonic() - t0 < 0.5
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and b"Connection: close" in head, answer
+    assert "too many connections" in json.loads(body)["error"]["message"]
+    for sock in idle:
+        sock.close()
+    _wait_connections_closed(srv)
+    good(srv)
+
+
+def test_header_deadline_stops_a_trickling_client(srv: ServerProc) -> None:
+    _wait_connections_closed(srv)
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    t0 = time.monotonic()
+    sock.sendall(b"GET /health HTTP/1.1\r\n")
+    got = b""
+    sock.settimeout(0.2)
+    for i in range(30):  # a header line every 0.2 s: each byte would reset a plain socket timeout
+        try:
+            sock.sendall(b"X-Slow-%d: y\r\n" % i)
+        except OSError:
+            break
+        try:
+            got += sock.recv(4096)
+        except TimeoutError:
+            continue
+        except OSError:
+            break
+        if got:
+            break
+    got += _read_all(sock, 2.0)
+    elapsed = time.monotonic() - t0
+    assert got.startswith(b"HTTP/1.1 408 ") and 0.9 < elapsed < 2.5, (got, elapsed)
+    sock.close()
+    good(srv)
+
+
+def test_keepalive_idle_connection_is_closed(srv: ServerProc) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
+    conn.request("GET", "/health")
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("Connection") != "close"
+    r.read()
+    t0 = time.monotonic()
+    assert conn.sock is not None
+    assert conn.sock.recv(1) == b""  # the server closed the idle connection
+    assert 0.4 < time.monotonic() - t0 < 1.5
+    conn.close()
+
+
+def test_header_deadline_ends_with_the_headers(srv: ServerProc) -> None:
+    """A body that comes 1.5 s after its headers (past the 1 s header deadline, within --timeout) is read, and
+    the answer streams for as long as it takes."""
+    _wait_connections_closed(srv)
+    body = json.dumps({"prompt": "Once", "n_predict": 500, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+    time.sleep(1.5)
+    sock.sendall(body)
+    head, _, rest = _read_all(sock, 10.0).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    assert json.loads(rest)["tokens_predicted"] == 500
+    sock.close()
+
+
+@pytest.mark.parametrize("depth", [65, 5000, 200_000])
+def test_deep_json_is_400(srv: ServerProc, depth: int) -> None:
+    raw = b'{"prompt": "a", "x": ' + b"[" * depth + b"]" * depth + b"}"
+    status, r = srv.request("POST", "/completion", raw=raw)
+    assert status == 400 and "nested too deeply" in r["error"]["message"], r
+    ok = b'{"prompt": "a", "n_predict": 1, "x": ' + b"[" * 60 + b"]" * 60 + b"}"
+    assert srv.request("POST", "/completion", raw=ok)[0] == 200
+    good(srv)
+
+
+# ---- many clients ----
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_many_concurrent_streams_all_complete(tiny_qwen: Path, tmp_path: Path) -> None:
+    """24 streaming clients at once on 4 slots (20 wait in the queue): every answer complete, twice; the
+    server's memory after the second round is within 16 MiB of the first."""
+    s = ServerProc(tiny_qwen, "--parallel", "4", "--queue-size", "32", "-c", "4096", "-t", "1",
+                   log_path=tmp_path / "load.log")
+    n = 24
+
+    def client(i: int) -> str:
+        events = sse_json(s.stream("/v1/completions", {"prompt": f"Client {i} says", "max_tokens": 16,
+                                                       "ignore_eos": True, "stream": True, "temperature": 0}))
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 16
+        return "".join(e["choices"][0]["text"] for e in events[:-1])
+
+    try:
+        rss = []
+        texts = []
+        for _ in range(2):
+            with ThreadPoolExecutor(n) as ex:
+                texts.append(list(ex.map(client, range(n))))
+            rss.append(_rss_kib(s.proc.pid))
+        assert texts[0] == texts[1]  # greedy: the same answers whatever the interleaving
+        assert rss[1] - rss[0] < 16 * 1024, rss
+        _, m = s.request("GET", "/metrics")
+        assert f'rapidmoe:http_requests_total{{route="/v1/completions",status="200"}} {2 * n}' in m
+    finally:
+        s.stop()
+
+
+# ---- shutdown ----
+
+def test_shutdown_aborts_a_running_decode(tiny_qwen: Path, tmp_path: Path) -> None:
+    """SIGTERM while a 3500-token prompt is in one llama_decode: the decode is aborted through llama.cpp's abort
+    callback, the client gets 503, the process exits 0 soon after."""
+    s = ServerProc(tiny_qwen, "--parallel", "1", "-c", "8192", "-b", "4096", "-t", "1",
+                   log_path=tmp_path / "stop.log")
+    prompt = " ".join(["word"] * 3500)
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(s.request, "POST", "/completion", {"prompt": prompt, "n_predict": 4})
+        t0 = time.monotonic()
+        while not s.request("GET", "/slots")[1][0]["is_processing"]:
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.005)
+        time.sleep(0.05)
+        os.kill(s.proc.pid, signal.SIGTERM)
+        t_kill = time.monotonic()
+        status, body = fut.result(30)
+    assert s.proc.wait(30) == 0
+    log = s.log()
+    s.stop()
+    assert status == 503 and "shutting down" in body["error"]["message"], body
+    assert "llama_decode aborted" in log, log
+    assert time.monotonic() - t_kill < 10
+
+
+# ---- an error after the headers were sent ----
+
+class _FakeServer:
+    def __init__(self) -> None:
+        from rapidmoe.server import routes
+        from rapidmoe.server.config import ServerConfig
+
+        self.state = routes.AppState(ServerConfig(model=Path("m.gguf")))
+
+    def active(self, delta: int) -> None:
+        pass
+
+
+def _handler() -> Any:
+    from http.client import HTTPMessage
+
+    from rapidmoe.server import app
+
+    h = app.Handler.__new__(app.Handler)
+    h.wfile, h.server = io.BytesIO(), _FakeServer()
+    h.request_version, h.command, h.path, h.requestline = "HTTP/1.1", "POST", "/completion", "POST /completion"
+    h.headers, h.close_connection, h._sent, h.client_address = HTTPMessage(), False, False, ("127.0.0.1", 1)
+    return h
+
+
+def test_error_mid_stream_ends_the_stream_without_a_second_status_line() -> None:
+    from rapidmoe.server import routes
+
+    def chunks() -> Iterator[bytes]:
+        yield b"data: {}\n\n"
+        raise ValueError("a bug")
+
+    h, aborted = _handler(), []
+    h._dispatch = lambda *a: routes.Stream(chunks(), lambda: aborted.append(True))
+    h._handle("POST")
+    out = h.wfile.getvalue()
+    assert out.count(b"HTTP/1.1 ") == 1 and out.startswith(b"HTTP/1.1 200 ")
+    assert b'"server_error"' in out and out.endswith(b"0\r\n\r\n") and aborted == [True]
+    assert h.close_connection
+
+    h = _handler()
+
+    def fails_after_headers(s: Any) -> int:
+        h.send_response(200)
+        h.end_headers()
+        h._sent = True
+        raise RuntimeError("after the headers")
+
+    h._dispatch = lambda *a: routes.Stream(iter(()), lambda: None)
+    h._send_stream = fails_after_headers
+    h._handle("POST")
+    assert h.wfile.getvalue().count(b"HTTP/1.1 ") == 1 and h.close_connection

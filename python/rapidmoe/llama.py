@@ -19,6 +19,7 @@ from .overlap import OverlapStats, overlap_mode
 from .overrides import BufferOverrides, build_overrides
 from .residual import MoELayerCounters, ResidualInfo, load_residual_info
 from .rpc import RPCDevice, model_devices, register_rpc_servers
+from .trace import NextLayerPredictor, TraceRecorder
 from .umia.policy import Policy, PolicyError, load_policy
 from .umia.stats import RHistogram
 
@@ -70,6 +71,10 @@ class Llama(llama_cpp.Llama):
         (override_tensor="exps=CPU"; CPU weight repacking is turned off); the chosen experts' WQ is copied to the
         device, which computes them, the CPU the rest, each slot exactly as that backend alone would
         (docs/execution.md). Hit counters: `expert_cache_stats`.
+    trace: record every computed token's expert choices and router weights per MoE layer into this file
+        (rapidmoe.trace: format, reader); written after each `eval`, or by `flush_trace()` for callers of
+        llama_decode, and completed (renamed into place) by `close()`. Uses the eval callback, so not with
+        eval_callback.
     """
 
     _buffer_overrides: BufferOverrides | None
@@ -92,9 +97,13 @@ class Llama(llama_cpp.Llama):
         rpc_servers: Sequence[str] | None = None,
         expert_cache: dict[int, Sequence[int]] | None = None,
         expert_cache_device: str | None = None,
+        trace: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> None:
         info = read_model_info(model_path)  # a clear error for missing, truncated and non-GGUF files
+        self._trace: TraceRecorder | None = None
+        if trace is not None and eval_callback is not None:
+            raise RapidMoEError("trace records through the eval callback: give trace or eval_callback, not both")
         if isinstance(rpc_servers, str):
             rpc_servers = rpc_servers.split(",")
         self.rpc_devices: list[RPCDevice] = register_rpc_servers(rpc_servers or [])  # before overrides name them
@@ -127,7 +136,20 @@ class Llama(llama_cpp.Llama):
                 raise RapidMoEError(f"n_critical must be >= 0, got {n_critical}")
             self.residual = load_residual_info(model_path, residual_path, verify=verify_residual)
             self._n_critical_init = min(n_critical, info.n_expert_used)
-        super().__init__(os.fspath(model_path), **kwargs)
+        if trace is not None:
+            layers = moe_layers_of(model_path)
+            self._trace = TraceRecorder(trace, moe_layers=layers, n_expert=info.n_expert, k=info.n_expert_used,
+                                        meta={"model": os.fspath(model_path), "arch": info.architecture,
+                                              "n_layer": info.n_layer},
+                                        predictor=NextLayerPredictor(model_path, layers, info.n_expert_used))
+            self._eval_callback = self._trace.callback
+        try:
+            super().__init__(os.fspath(model_path), **kwargs)
+        except BaseException:
+            if self._trace is not None:
+                self._trace.abort()
+                self._trace = None
+            raise
 
     # llama_cpp.Llama.__init__ assigns self.model_params and loads the model right after; intercepting the
     # assignment is how the override array reaches llama_model_load_from_file without copying that method.
@@ -280,7 +302,21 @@ class Llama(llama_cpp.Llama):
         no such tensor."""
         return str(_core.tensor_buffer(self._model.model, name))
 
+    def eval(self, tokens: Sequence[int]) -> None:
+        super().eval(tokens)
+        self.flush_trace()
+
+    def flush_trace(self) -> int:
+        """With trace=...: write the batches computed since the last flush (call after llama_decode when not using
+        `eval`); returns how many were written (0 without a trace)."""
+        tr = getattr(self, "_trace", None)
+        return tr.flush() if tr is not None else 0
+
     def close(self) -> None:
+        tr = getattr(self, "_trace", None)
+        if tr is not None:
+            self._trace = None
+            tr.close()
         if not hasattr(self, "_stack"):  # __init__ refused its arguments before llama_cpp set anything up
             return
         model = self.__dict__.get("_model")

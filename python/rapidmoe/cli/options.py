@@ -57,6 +57,9 @@ Reserve = Annotated[Optional[int], typer.Option(
 Freq = Annotated[Optional[Path], typer.Option(
     "--freq", help="With --gpu-mem: expert frequencies, .npy/.json counts [layers, experts] or a GGUF imatrix "
     "(default: uniform).")]
+TraceOpt = Annotated[Optional[Path], typer.Option(
+    "--trace", metavar="FILE", help="Record every computed token's expert choices and router weights per MoE layer "
+    "into FILE (binary; rapidmoe.trace reads it; bench/bench_cache.py replays it).")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's own log output.")]
 Residual = Annotated[Optional[Path], typer.Option(
     "--residual", help="RESplit sidecar (.wr.gguf) made from MODEL: split expert routing.")]

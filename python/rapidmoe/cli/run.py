@@ -34,6 +34,7 @@ def run(
     policy: options.PolicyOpt = None,
     overlap: options.OverlapOpt = options.OverlapMode.auto,
     stats: Annotated[bool, typer.Option("--stats", help="With --residual: print the r chosen per layer and phase (histogram), and the overlap timing when layers overlapped.")] = False,
+    trace: options.TraceOpt = None,
     verbose: options.Verbose = False,
 ) -> None:
     """Generate text from PROMPT with MODEL, streaming tokens as they come, then print prefill and decode speed.
@@ -51,7 +52,8 @@ def run(
                       freq=freq, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=override_tensor)
     try:
         llm = Llama(path, n_threads=threads, n_threads_batch=threads, seed=seed, **place,
-                    residual_path=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, verbose=verbose)
+                    residual_path=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, trace=trace,
+                    verbose=verbose)
     except RapidMoEError:
         raise
     except ValueError as e:  # llama_cpp reports load failures as ValueError
@@ -86,3 +88,5 @@ def run(
           f"model:   {path} ({info.architecture}, {info.n_expert} experts, top-{info.n_expert_used}){split}",
           file=sys.stderr)
     llm.close()
+    if trace is not None:
+        print(f"trace:   {trace}", file=sys.stderr)

@@ -28,6 +28,7 @@ class ServerConfig:
     n_critical: int = 2
     policy: Path | None = None
     overlap: str = "auto"  # rapidmoe.Llama's overlap mode for split layers
+    trace: Path | None = None  # routing trace file (rapidmoe.trace), written as batches are decoded
     api_keys: tuple[str, ...] = ()
     timeout: float = 600.0  # socket read/write timeout, seconds (llama-server's --timeout)
     max_connections: int = 128  # open connections (one thread each); more get 503 at once

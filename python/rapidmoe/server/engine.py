@@ -387,6 +387,7 @@ class Engine:
         rc = lc.llama_decode(self._ctx, b)
         dt = time.perf_counter() - t0
         self.llm.flush_trace()  # routing trace (serve --trace): this step's batches
+        self.llm.flush_trace()  # routing trace (serve --trace): this step's batches
         self.stats.n_decode += 1
         self.stats.busy_slots += len(busy)
         self.stats.decode_seconds += dt

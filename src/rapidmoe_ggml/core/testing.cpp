@@ -65,18 +65,52 @@ nb::ndarray<nb::numpy, float, nb::ndim<3>> mul_mat_id(U8_3 as, int type_id, int6
 struct TensorCapture {
     std::vector<std::string> names;  // exact graph tensor names, e.g. "ffn_moe_out-0"
     std::map<std::string, std::vector<std::vector<float>>> data;  // name -> one entry per computation
-    std::map<std::string, std::vector<int64_t>> shapes;
+    std::map<std::string, std::vector<std::vector<int64_t>>> shapes;  // one per computation (batches differ)
     std::mutex mutex;
 
     bool wants(const ggml_tensor * t) const {
         for (const auto & n : names) {
             if (n == t->name) {
-                return t->type == GGML_TYPE_F32;
+                return t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_I32;
             }
         }
         return false;
     }
 };
+
+// t's elements as floats, in ggml order; I32 values are converted (exact below 2^24, e.g. expert ids). Views whose
+// rows are contiguous (e.g. ffn_moe_topk, the first k columns of the argsort) are read row by row. False: the
+// layout is not one of these.
+bool read_as_float(const ggml_tensor * t, std::vector<float> & v) {
+    const size_t es = ggml_type_size(t->type);
+    if (t->nb[0] != es) {
+        return false;
+    }
+    const int64_t n0 = t->ne[0], n_rows = ggml_nrows(t);
+    std::vector<uint8_t> raw((size_t) (n0 * n_rows) * es);
+    if (ggml_is_contiguous(t)) {
+        ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
+    } else {
+        for (int64_t i3 = 0, r = 0; i3 < t->ne[3]; i3++) {
+            for (int64_t i2 = 0; i2 < t->ne[2]; i2++) {
+                for (int64_t i1 = 0; i1 < t->ne[1]; i1++, r++) {
+                    ggml_backend_tensor_get(t, raw.data() + (size_t) r * n0 * es,
+                                            i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3], (size_t) n0 * es);
+                }
+            }
+        }
+    }
+    v.resize((size_t) (n0 * n_rows));
+    if (t->type == GGML_TYPE_F32) {
+        std::memcpy(v.data(), raw.data(), raw.size());
+    } else {
+        const auto * src = reinterpret_cast<const int32_t *>(raw.data());
+        for (size_t i = 0; i < v.size(); i++) {
+            v[i] = (float) src[i];
+        }
+    }
+    return true;
+}
 
 bool capture_callback(ggml_tensor * t, bool ask, void * user_data) {
     auto * c = static_cast<TensorCapture *>(user_data);
@@ -87,14 +121,12 @@ bool capture_callback(ggml_tensor * t, bool ask, void * user_data) {
         return true;
     }
     std::lock_guard<std::mutex> lock(c->mutex);
-    std::vector<float> v((size_t) ggml_nelements(t));
-    if (ggml_is_contiguous(t)) {
-        ggml_backend_tensor_get(t, v.data(), 0, ggml_nbytes(t));
-    } else {
-        return true;  // only contiguous tensors are captured
+    std::vector<float> v;
+    if (!read_as_float(t, v)) {
+        return true;  // only tensors with contiguous rows are captured
     }
     c->data[t->name].push_back(std::move(v));
-    c->shapes[t->name] = { t->ne[3], t->ne[2], t->ne[1], t->ne[0] };
+    c->shapes[t->name].push_back({ t->ne[3], t->ne[2], t->ne[1], t->ne[0] });
     return true;
 }
 
@@ -106,7 +138,8 @@ void bind_testing(nb::module_ & m) {
           "Run ggml_mul_mat_id (or ggml_mul_mat_id_masked) on the CPU backend: as_ uint8 [n_as, n_out, row_bytes]\n"
           "of ggml type `type`, b float32 [T, n_b, n_in], ids int32 [T, k]; returns float32 [T, k, n_out].");
     nb::class_<TensorCapture>(m, "TensorCapture",
-        "Copies the named F32 graph tensors each time a llama_context computes them (eval callback).")
+        "Copies the named F32 or I32 graph tensors (I32 as exact floats; views with contiguous rows too) each time\n"
+        "a llama_context computes them (eval callback).")
         .def("__init__", [](TensorCapture * c, std::vector<std::string> names) {
             new (c) TensorCapture();
             c->names = std::move(names);
@@ -120,8 +153,10 @@ void bind_testing(nb::module_ & m) {
             if (it == c.data.end()) {
                 return out;
             }
-            const auto & sh = c.shapes[name];
-            for (const auto & v : it->second) {
+            const auto & shapes = c.shapes[name];
+            for (size_t i = 0; i < it->second.size(); i++) {
+                const auto & v = it->second[i];
+                const auto & sh = shapes[i];
                 auto * buf = new float[v.size()];
                 std::memcpy(buf, v.data(), v.size() * sizeof(float));
                 nb::capsule owner(buf, [](void * p) noexcept { delete[] (float *) p; });
@@ -133,6 +168,7 @@ void bind_testing(nb::module_ & m) {
         .def("clear", [](TensorCapture & c) {
             std::lock_guard<std::mutex> lock(c.mutex);
             c.data.clear();
+            c.shapes.clear();
         });
 }
 

@@ -24,6 +24,16 @@ def plan(
     freq: Annotated[Optional[Path], typer.Option("--freq", help="Expert frequencies: .npy/.json counts "
                                                  "[layers, experts] or a GGUF imatrix (default: uniform).")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the plans as JSON here.")] = None,
+    machine: Annotated[Optional[str], typer.Option("--machine", help="Machine profile (24gb, 48gb, or a JSON file "
+                                                   "of placement.machine.MachineProfile fields): also compare the "
+                                                   "expert-caching schemes (stock, static, lru, moepic, rapidmoe) "
+                                                   "by projected tok/s and pick one. Its GPU memory is the budget "
+                                                   "unless --gpu-mem is given.")] = None,
+    cache_policy: Annotated[Optional[str], typer.Option("--cache-policy", help="With --machine: use this scheme "
+                                                        "instead of the fastest (stock, static, lru, moepic, "
+                                                        "rapidmoe). The runtime realizes stock and static only.")] = None,
+    r_critical: Annotated[int, typer.Option("--n-critical", "-r", help="With --machine: critical slots per token "
+                                            "priced for the RESplit schemes.", min=0)] = 2,
 ) -> None:
     """Plan placement under memory budgets: VRAM and DRAM per part for RESplit (all WQ on the GPU if it fits, else
     the most frequently routed experts' WQ, misses on the CPU) and for the baselines (all-Q4 CPU-centric offload
@@ -38,10 +48,34 @@ def plan(
         p = get_preset(preset)
     except ValueError as e:
         raise RapidMoEError(str(e)) from e
+    if cache_policy is not None and machine is None:
+        raise typer.BadParameter("--cache-policy chooses among the schemes --machine compares; give --machine too",
+                                 param_hint="--cache-policy")
     budgets = {k: None if v is None else parse_size(v) for k, v in (("gpu_mem", gpu_mem), ("cpu_mem", cpu_mem))}
+    profile = None
+    if machine is not None:
+        from ..placement.machine import load_machine  # noqa: PLC0415
+
+        profile = load_machine(machine)
+        if budgets["gpu_mem"] is None:
+            budgets["gpu_mem"] = profile.gpu_mem
+        else:
+            profile = profile.with_gpu_mem(budgets["gpu_mem"])
     m = read_gguf_shapes(model) if model is not None else get_shape_set(shapes or "").model_shapes()
     frequency = load_frequency(freq, m.moe_layers, m.n_layer, m.n_expert)
     plans = plan_all(m, p, n_ctx=ctx_size, reserve=parse_size(reserve), frequency=frequency, **budgets)
     typer.echo(format_plans(m, plans))
+    extra: dict[str, object] = {}
+    if profile is not None:
+        from ..placement.schemes import compare_schemes  # noqa: PLC0415
+
+        choice, _ = compare_schemes(m, profile, p, frequency=frequency, n_ctx=ctx_size, reserve=parse_size(reserve),
+                                    r_critical=r_critical, cache_policy=cache_policy)
+        typer.echo(f"expert caching on machine {profile.name} (GPU {profile.gpu_mem / (1 << 30):.1f} GiB, PCIe "
+                   f"{profile.pcie_bw / 1e9:.0f} GB/s, CPU {profile.cpu_bw / 1e9:.0f} GB/s): PROJECTED by the cost "
+                   "model (placement/cost.py), not measured")
+        typer.echo(choice.table())
+        extra = {"machine": profile.to_dict(), "cache_schemes": [e.__dict__ for e in choice.estimates],
+                 "cache_policy": choice.chosen, "cache_policy_forced": choice.forced}
     if json_out is not None:
-        typer.echo(f"wrote {write_json(plans, m, json_out)}")
+        typer.echo(f"wrote {write_json(plans, m, json_out, extra)}")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from ..errors import RapidMoEError
 from ..resplit.presets import Preset
 from .footprint import Footprint, footprint
@@ -198,21 +200,7 @@ class _Builder:
         """Greedy by routed share: the globally most-routed (layer, expert) pairs first, which maximises the hit
         rate for equal-sized experts; ties go to lower-ranked experts, then shallower layers, so a uniform table
         spreads the cache evenly over layers."""
-        n_expert, eb = self.model.n_expert, self.fp.expert_bytes
-        if budget is None or budget >= sum(eb.values()) * n_expert:
-            return {il: tuple(range(n_expert)) for il in eb}
-        order = []
-        for il, share in self.freq.share.items():
-            ranked = sorted(range(n_expert), key=lambda e: (-share[e], e))
-            order += [(-share[e], rank, il, e) for rank, e in enumerate(ranked)]
-        order.sort()
-        chosen: dict[int, list[int]] = {}
-        left = budget
-        for _, _, il, e in order:
-            if eb[il] <= left:
-                chosen.setdefault(il, []).append(e)
-                left -= eb[il]
-        return {il: tuple(sorted(v)) for il, v in sorted(chosen.items())}
+        return greedy_cache(self.freq.share, self.fp.expert_bytes, self.model.n_expert, budget)
 
     def expert_rows(self, cached: dict[int, tuple[int, ...]]) -> list[Row]:
         eb, n_expert = self.fp.expert_bytes, self.model.n_expert
@@ -254,6 +242,27 @@ class _Builder:
         return Realization(("-ngl", "999", "--n-cpu-moe", str(first_gpu), *ctx), layer_hit, False,
                            f"whole layers {first_gpu}-{n_layer - 1} on the GPU" if gpu_layers else
                            "no whole layer fits; every routed expert in DRAM")
+
+
+def greedy_cache(share: dict[int, np.ndarray], expert_bytes: dict[int, int], n_expert: int,
+                 budget: int | None) -> dict[int, tuple[int, ...]]:
+    """The planner's static cache: (layer, expert) pairs by routed share, globally, while they fit in `budget` bytes
+    (None: everything). Ties go to lower-ranked experts, then shallower layers."""
+    eb = expert_bytes
+    if budget is None or budget >= sum(eb.values()) * n_expert:
+        return {il: tuple(range(n_expert)) for il in eb}
+    order = []
+    for il, sh in share.items():
+        ranked = sorted(range(n_expert), key=lambda e: (-sh[e], e))
+        order += [(-sh[e], rank, il, e) for rank, e in enumerate(ranked)]
+    order.sort()
+    chosen: dict[int, list[int]] = {}
+    left = budget
+    for _, _, il, e in order:
+        if eb[il] <= left:
+            chosen.setdefault(il, []).append(e)
+            left -= eb[il]
+    return {il: tuple(sorted(v)) for il, v in sorted(chosen.items())}
 
 
 def _with_problems(p: Plan) -> Plan:

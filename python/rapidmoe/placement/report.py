@@ -5,6 +5,7 @@ import json
 import os
 from pathlib import Path
 
+from ..atomic import write_text
 from .planner import CPU, GPU, Plan
 from .tensors import ModelShapes
 from .units import format_size, gib
@@ -67,9 +68,8 @@ def format_plans(model: ModelShapes, plans: list[Plan]) -> str:
     return "\n".join(lines)
 
 
-def write_json(plans: list[Plan], model: ModelShapes, path: str | os.PathLike[str]) -> Path:
-    out = Path(path)
+def write_json(plans: list[Plan], model: ModelShapes, path: str | os.PathLike[str],
+               extra: dict[str, object] | None = None) -> Path:
     doc = {"model": model.name, "arch": model.arch, "params": model.params(), "active_params": model.active_params(),
-           "plans": [p.to_dict() for p in plans]}
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    return out
+           "plans": [p.to_dict() for p in plans], **(extra or {})}
+    return write_text(path, json.dumps(doc, indent=1) + "\n")

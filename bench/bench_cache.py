@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""Expert caching, trace-driven: static, lru, moepic and rapidmoe replayed over real routing, priced by the planner's
+cost model (rapidmoe.placement.cost) for machine profiles.
+
+1. Traces: the trained tiny-moe-a (real routing) and a synthetic model (random routers) each run over a calibration
+   text and an evaluation text with `Llama(trace=...)` (every layer routes every token: logits_all).
+2. Own shape: every policy replays the evaluation trace at budgets of 1/16 .. 1/2 of each layer's experts (static
+   and rapidmoe start from the calibration trace's frequencies; moepic's per-layer split and budget come from its
+   fixed point over the calibration hit-rate curves): hit rate, experts copied per token.
+3. Projections: the tiny-moe-a statistics (per-layer popularity, token-to-token reuse beyond chance, next-layer
+   prediction accuracy) are mapped onto DeepSeek-V3 and Qwen3-235B-A22B shapes (cache_policies.scale_routing),
+   and each scheme is priced on the 24gb and 48gb machine profiles with the GPU memory the planner leaves for
+   experts: decode (one token per step) and prefill (512-token steps) tok/s, hit rate and bytes moved per token,
+   against stock llama.cpp's `-ot exps=CPU` (all experts on the CPU, Q4_K_M-like, serial).
+
+Usage: python bench/bench_cache.py [--tokens 2048] [--synthetic-size small] [--name cache]
+Writes bench/out/<name>.{md,json} (copy to bench/results/ to publish) and the traces under bench/out/traces/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"
+SHARED = ROOT.parent / "shared" / "models" / "tiny-moe-a"
+sys.path.insert(0, str(ROOT / "bench"))
+
+FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
+R_CRITICAL = 2  # RESplit's critical slots per token (Llama's default n_critical) for static / rapidmoe
+
+
+def record(model: Path, text: Path, out: Path, n_tokens: int, chunk: int = 256, threads: int = 2) -> Path:
+    """A trace of n_tokens of `text` in independent chunks (the context reset between them)."""
+    from rapidmoe import Llama
+
+    if out.exists():
+        return out
+    llm = Llama(model, n_ctx=chunk, n_batch=chunk, n_ubatch=chunk, logits_all=True, verbose=False, n_threads=threads,
+                n_threads_batch=threads, trace=out)
+    toks = llm.tokenize(text.read_text(encoding="utf-8", errors="replace").encode())
+    if len(toks) < n_tokens:
+        raise SystemExit(f"{text} has {len(toks)} tokens, fewer than --tokens {n_tokens}")
+    for i in range(0, n_tokens, chunk):
+        llm.reset()
+        llm.eval(toks[i:i + chunk])
+    llm.close()
+    return out
+
+
+def policies_for(ids_cal: np.ndarray, n_expert: int, capacity: list[int], eb: float, cost, pred_acc: np.ndarray):  # type: ignore[no-untyped-def]
+    """The four policies at a per-layer capacity (experts), all set up from the calibration routing."""
+    from rapidmoe.placement.cache_policies import (
+        LRUCache, MoEpicCache, RapidMoECache, StaticCache, hit_curve, moepic_config)
+
+    n_moe = ids_cal.shape[1]
+    counts = np.stack([np.bincount(ids_cal[:, m][ids_cal[:, m] >= 0], minlength=n_expert) for m in range(n_moe)])
+    static = [set(np.argsort(-counts[m], kind="stable")[: capacity[m]].tolist()) for m in range(n_moe)]
+    share = counts / np.maximum(1, counts.sum(axis=1, keepdims=True))
+    k = ids_cal.shape[2]
+    cfg = moepic_config([hit_curve(c) for c in counts], float(sum(capacity)) * eb, n_expert=n_expert, k=k,
+                        expert_bytes=eb, pcie_bw=cost.machine.pcie_bw, windows_s=[cost.window_s(k, k)] * n_moe,
+                        accuracy=[float(a) if np.isfinite(a) else 0.0 for a in pred_acc])
+    return {
+        "static": StaticCache(static),
+        "lru": LRUCache(capacity, eb),
+        "moepic": MoEpicCache(cfg.capacity, cfg.splits, eb),
+        "rapidmoe": RapidMoECache(static, n_expert, eb, prior=share),
+    }, cfg
+
+
+def own_shape(name: str, model: Path, cal: Path, ev: Path) -> dict:  # type: ignore[type-arg]
+    """Hit rates and experts copied per token at fractions of each layer's experts, on the model's own shape."""
+    from rapidmoe.placement.cache_policies import replay, routing_stats
+    from rapidmoe.placement.cost import CostModel, ModelCosts
+    from rapidmoe.placement.machine import MACHINES
+    from rapidmoe.placement.tensors import read_gguf_shapes
+    from rapidmoe.trace import read_trace
+
+    tc, te = read_trace(cal), read_trace(ev)
+    ids_cal, _ = tc.token_matrix()
+    ids, pred = te.token_matrix()
+    n_expert, n_moe = te.header.n_expert, te.header.n_moe
+    st = routing_stats(ids, n_expert, pred)
+    shapes = read_gguf_shapes(model)
+    cost = CostModel(MACHINES["24gb"], ModelCosts.of(shapes))
+    eb = cost.model.expert_bytes
+    rows = []
+    for f in FRACTIONS:
+        cap = [max(1, round(f * n_expert))] * n_moe
+        pols, cfg = policies_for(ids_cal, n_expert, cap, eb, cost, st.accuracy)
+        for pname, pol in pols.items():
+            r = replay(ids, pol, None, pred=pred if pname == "moepic" else None)
+            rows.append({"fraction": f, "capacity": cap[0], "policy": pname, "hit_rate": r.hit_rate,
+                         "experts_moved_per_token": r.bytes_per_token / eb,
+                         "layer_hit_rates": r.layer_hit_rates(),
+                         **({"moepic_capacity": cfg.capacity, "moepic_split": cfg.splits} if pname == "moepic" else {})})
+    return {"name": name, "model": str(model), "n_moe": n_moe, "n_expert": n_expert, "k": te.header.k,
+            "eval_tokens": te.n_tokens, "calib_tokens": tc.n_tokens,
+            "reuse": st.reuse.tolist(), "excess_reuse": st.excess_reuse.tolist(),
+            "prediction_accuracy": [None if not np.isfinite(a) else float(a) for a in st.accuracy],
+            "rows": rows}
+
+
+def project(cal: Path, ev: Path, shape_name: str, machine_name: str, n_decode: int, n_prefill: int,
+            seed: int = 0) -> dict:  # type: ignore[type-arg]
+    from rapidmoe.placement import ExpertFrequency, get_shape_set, plan
+    from rapidmoe.placement.cache_policies import (
+        LRUCache, MoEpicCache, RapidMoECache, StaticCache, hit_curve, moepic_config, replay, routing_stats,
+        scale_routing)
+    from rapidmoe.placement.cost import CostModel, ModelCosts
+    from rapidmoe.placement.machine import MACHINES
+    from rapidmoe.resplit.presets import get_preset
+    from rapidmoe.trace import read_trace
+
+    machine = MACHINES[machine_name]
+    model = get_shape_set(shape_name).model_shapes()
+    layers, n_expert, k = model.moe_layers, model.n_expert, model.n_expert_used
+    n_moe = len(layers)
+    tc, te = read_trace(cal), read_trace(ev)
+    st_cal = routing_stats(*[tc.token_matrix()[0], tc.header.n_expert, tc.token_matrix()[1]])
+    ids_e, pred_e = te.token_matrix()
+    st_ev = routing_stats(ids_e, te.header.n_expert, pred_e)
+    big_cal, _ = scale_routing(st_cal, n_tokens=2048, n_moe=n_moe, n_expert=n_expert, k=k, seed=seed)
+    n_ev = max(n_decode, n_prefill)
+    big, big_pred = scale_routing(st_ev, n_tokens=n_ev, n_moe=n_moe, n_expert=n_expert, k=k, seed=seed + 1)
+    counts = np.stack([np.bincount(big_cal[:, m].reshape(-1), minlength=n_expert) for m in range(n_moe)])
+    freq = ExpertFrequency.from_counts({il: counts[i] for i, il in enumerate(layers)}, "tiny-moe-a calibration, mapped")
+    preset = get_preset("paper")
+    p_res = plan(model, "resplit", preset=preset, gpu_mem=machine.gpu_mem, frequency=freq)
+    p_q4 = plan(model, "cpu-offload", gpu_mem=machine.gpu_mem, frequency=freq)
+    c_res = CostModel(machine, ModelCosts.of(model, preset))
+    c_q4 = CostModel(machine, ModelCosts.of(model))
+    q4_free = max(0, machine.gpu_mem - p_q4.vram)  # the experts' share of the GPU once the rest is placed
+    eb_q4 = c_q4.model.expert_bytes
+    cap_lru = [int(q4_free // eb_q4 // n_moe)] * n_moe
+    static_sets = [set(p_res.cached.get(il, ())) for il in layers]
+    share = counts / counts.sum(axis=1, keepdims=True)
+    acc = [float(st_ev.accuracy[m * st_ev.accuracy.size // n_moe]) for m in range(n_moe)]
+    acc = [a if np.isfinite(a) else 0.0 for a in acc]
+    cfg = moepic_config([hit_curve(c) for c in counts], float(q4_free), n_expert=n_expert, k=k, expert_bytes=eb_q4,
+                        pcie_bw=machine.pcie_bw, windows_s=[c_q4.window_s(k, k)] * n_moe, accuracy=acc)
+    schemes = {
+        "stock -ot exps=CPU": (lambda: StaticCache([set()] * n_moe), c_q4, dict(overlap=False)),
+        "static": (lambda: StaticCache(static_sets), c_res, dict(r_critical=R_CRITICAL)),
+        "lru": (lambda: LRUCache(cap_lru, eb_q4), c_q4, {}),
+        "moepic": (lambda: MoEpicCache(cfg.capacity, cfg.splits, eb_q4), c_q4, dict(pred=big_pred)),
+        "rapidmoe": (lambda: RapidMoECache(static_sets, n_expert, c_res.model.expert_bytes, prior=share), c_res,
+                     dict(r_critical=R_CRITICAL)),
+    }
+    out = []
+    for name, (make, cost, kw) in schemes.items():
+        dec = replay(big[:n_decode], make(), cost, batch=1, **{**kw, "pred": kw["pred"][:n_decode]} if "pred" in kw else kw)
+        pre = replay(big[:n_prefill], make(), cost, batch=512,
+                     **{**kw, "pred": kw["pred"][:n_prefill]} if "pred" in kw else kw)
+        out.append({"scheme": name, "form": cost.model.form, "hit_rate": dec.hit_rate,
+                    "bytes_per_token_decode": dec.bytes_per_token, "bytes_per_token_prefill": pre.bytes_per_token,
+                    "decode_tok_s": dec.tok_s, "prefill_tok_s": pre.tok_s, "prefill_hit_rate": pre.hit_rate})
+    return {"shape": shape_name, "machine": machine.to_dict(), "resplit_vram": p_res.vram,
+            "resplit_experts_cached": p_res.experts_on_gpu, "resplit_planned_hit_rate": p_res.hit_rate,
+            "q4_vram_without_experts": p_q4.vram, "q4_expert_budget": q4_free, "lru_capacity": cap_lru[0],
+            "moepic_capacity": cfg.capacity, "moepic_split": [round(s, 3) for s in cfg.splits],
+            "n_moe": n_moe, "n_expert": n_expert, "k": k, "results": out}
+
+
+def fmt_own(d: dict) -> str:  # type: ignore[type-arg]
+    lines = [f"### {d['name']} ({d['n_moe']} MoE layers x {d['n_expert']} experts, top-{d['k']}; "
+             f"calibration {d['calib_tokens']} tokens, evaluation {d['eval_tokens']} tokens)", "",
+             "Reuse (share of a token's experts the previous token used), per layer: "
+             + " ".join(f"{x:.2f}" for x in d["reuse"]) + "; beyond chance: "
+             + " ".join(f"{x:.2f}" for x in d["excess_reuse"]) + ". Next-layer prediction accuracy: "
+             + " ".join("-" if a is None else f"{a:.2f}" for a in d["prediction_accuracy"]) + ".", "",
+             "| experts cached per layer | policy | hit rate | experts copied per token |", "|---|---|---|---|"]
+    for r in d["rows"]:
+        lines.append(f"| {r['capacity']} / {d['n_expert']} | {r['policy']} | {r['hit_rate']:.1%} | "
+                     f"{r['experts_moved_per_token']:.2f} |")
+    return "\n".join(lines)
+
+
+def fmt_proj(d: dict) -> str:  # type: ignore[type-arg]
+    gib = 1 << 30
+    m = d["machine"]
+    lines = [f"### {d['shape']} on {m['name']} ({m['gpu_mem'] / gib:.0f} GiB GPU, PCIe {m['pcie_bw'] / 1e9:.0f} GB/s, "
+             f"CPU {m['cpu_bw'] / 1e9:.0f} GB/s)", "",
+             f"RESplit (paper preset) caches {d['resplit_experts_cached']} of {d['n_moe'] * d['n_expert']} WQ experts "
+             f"(planned hit rate {d['resplit_planned_hit_rate']:.1%}); Q4_K_M-like: {d['q4_expert_budget'] / gib:.1f} GiB "
+             f"left for experts after the rest ({d['q4_vram_without_experts'] / gib:.1f} GiB): lru {d['lru_capacity']} "
+             f"experts per layer, moepic tops per layer {min(d['moepic_capacity'])}-{max(d['moepic_capacity'])} at "
+             f"split {min(d['moepic_split']):.2f}-{max(d['moepic_split']):.2f}.", "",
+             "| scheme | expert form | hit rate (decode) | MB moved/token decode | decode tok/s | prefill tok/s |",
+             "|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        lines.append(f"| {r['scheme']} | {r['form']} | {r['hit_rate']:.1%} | {r['bytes_per_token_decode'] / 1e6:.1f} | "
+                     f"{r['decode_tok_s']:.2f} | {r['prefill_tok_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=SHARED / "model-f16.gguf")
+    ap.add_argument("--calib-text", type=Path, default=SHARED / "calib.txt")
+    ap.add_argument("--eval-text", type=Path, default=SHARED / "eval.txt")
+    ap.add_argument("--synthetic-size", default="small", help="synthetic qwen3moe size for the second trace pair")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per trace")
+    ap.add_argument("--decode-tokens", type=int, default=256, help="mapped tokens replayed for decode projections")
+    ap.add_argument("--prefill-tokens", type=int, default=1024, help="mapped tokens replayed for prefill projections")
+    ap.add_argument("--name", default="cache")
+    a = ap.parse_args()
+    from common import ensure_synthetic
+
+    t0 = time.time()
+    tdir = OUT / "traces"
+    tdir.mkdir(parents=True, exist_ok=True)
+    syn = ensure_synthetic(OUT / f"synthetic-qwen3moe-{a.synthetic_size}.gguf", "qwen3moe", a.synthetic_size)
+    pairs = {}
+    for name, model in (("tiny-moe-a", a.model), (f"synthetic qwen3moe {a.synthetic_size}", syn)):
+        stem = name.replace(" ", "-")
+        cal = record(model, a.calib_text, tdir / f"{stem}-calib-{a.tokens}.trace", a.tokens)
+        ev = record(model, a.eval_text, tdir / f"{stem}-eval-{a.tokens}.trace", a.tokens)
+        pairs[name] = (model, cal, ev)
+        print(f"traces of {name}: {cal}, {ev} ({time.time() - t0:.0f} s)", flush=True)
+    own = [own_shape(n, m, c, e) for n, (m, c, e) in pairs.items()]
+    print(f"own-shape replays done ({time.time() - t0:.0f} s)", flush=True)
+    _, cal, ev = pairs["tiny-moe-a"]
+    proj = []
+    for shape in ("deepseek-v3", "qwen3-235b-a22b"):
+        for mach in ("24gb", "48gb"):
+            proj.append(project(cal, ev, shape, mach, a.decode_tokens, a.prefill_tokens))
+            print(f"projection {shape} {mach} ({time.time() - t0:.0f} s)", flush=True)
+    cmd = "python bench/bench_cache.py " + " ".join(sys.argv[1:])
+    doc = {"command": cmd.strip(), "tokens": a.tokens, "r_critical": R_CRITICAL, "own_shape": own, "projections": proj,
+           "seconds": time.time() - t0}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{a.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    md = [f"# Expert caching: trace replay and projections\n\n`{cmd.strip()}` ({doc['seconds']:.0f} s on this machine)\n",
+          "## Hit rates on the traced models' own shapes (measured routing, replayed)\n",
+          *[fmt_own(d) + "\n" for d in own],
+          "## Projections for DeepSeek-V3 and Qwen3-235B-A22B (mapped routing, modelled machines)\n",
+          "PROJECTIONS, not measurements: routing is tiny-moe-a's per-layer statistics mapped onto the shape "
+          "(cache_policies.scale_routing), times come from the planner's cost model (placement/cost.py) with the "
+          "machine profiles of placement/machine.py (datasheet figures, assumed efficiencies). "
+          f"static and rapidmoe run RESplit's WQ (paper preset) with r = {R_CRITICAL} critical slots per token on "
+          "the CPU; lru, moepic and the stock baseline use a Q4_K_M-like model.\n",
+          *[fmt_proj(d) + "\n" for d in proj]]
+    (OUT / f"{a.name}.md").write_text("\n".join(md))
+    print(f"wrote {OUT / (a.name + '.md')} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -97,7 +97,7 @@ def _capture_llama_log(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     def cb(level: int, text: bytes, user: ctypes.c_void_p) -> None:
         lines.append(text.decode(errors="replace"))
 
-    import llama_cpp._logger as lg
+    import rapidmoe._llama_cpp._logger as lg
 
     llama_cpp.llama_log_set(cb, ctypes.c_void_p(0))
     monkeypatch.setattr(lg, "_test_cb", cb, raising=False)  # keep the callback alive for the test
@@ -105,7 +105,7 @@ def _capture_llama_log(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_override_tensor_and_n_cpu_moe_reach_llama_cpp(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import llama_cpp._logger as lg
+    import rapidmoe._llama_cpp._logger as lg
 
     lines = _capture_llama_log(monkeypatch)
     try:

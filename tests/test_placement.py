@@ -89,7 +89,7 @@ def test_resplit_bytes_match_a_conversion(tiny_qwen: Path, tmp_path: Path) -> No
 
 
 def test_q4_k_m_types_are_llama_quantize_s(tiny_model: Path, tmp_path: Path) -> None:
-    import llama_cpp
+    from rapidmoe import llama_cpp
 
     out = tmp_path / "q4km.gguf"
     params = llama_cpp.llama_model_quantize_default_params()

@@ -1,32 +1,22 @@
-"""Load our native libraries exactly once: llama_cpp's ctypes layer and rapidmoe._core share one libllama.
+"""Load our native libraries exactly once: the ctypes layer and rapidmoe._core share one libllama.
 
-The wheel puts our libllama/libggml in llama_cpp/lib, where llama_cpp looks by default, and _core's RPATH
-points at the same folder. The only way to get a second copy is LLAMA_CPP_LIB_PATH; we refuse that here.
+The ctypes layer is llama-cpp-python's Python package, shipped privately as `rapidmoe._llama_cpp` (its self-imports
+rewritten at build time, src/rapidmoe_ggml/private_pylayer.py), with our libllama/libggml in rapidmoe/_llama_cpp/lib
+where it looks, and _core's RPATH pointing at the same folder. It never reads LLAMA_CPP_LIB_PATH, and a
+llama-cpp-python installed beside RapidMoE (the top-level `llama_cpp`, with its own libllama) is a separate package
+that neither replaces nor is replaced by ours.
 """
 from __future__ import annotations
 
-import logging
-import os
 from pathlib import Path
-from types import ModuleType
 
-log = logging.getLogger(__name__)
-
-
-def _import_llama_cpp() -> ModuleType:
-    override = os.environ.get("LLAMA_CPP_LIB_PATH")
-    if override:
-        log.warning("ignoring LLAMA_CPP_LIB_PATH=%s: rapidmoe runs on its own libllama", override)
-        del os.environ["LLAMA_CPP_LIB_PATH"]
-    import llama_cpp  # noqa: PLC0415 - must follow the environment fix above
-
-    return llama_cpp
-
-
-llama_cpp = _import_llama_cpp()
-from . import _core  # noqa: E402  - after llama_cpp so both resolve the same files
+from . import _llama_cpp as llama_cpp
 
 LIB_DIR = Path(llama_cpp.__file__).resolve().parent / "lib"
+
+# after the ctypes layer, which opened lib/libllama.so: _core's libllama.so.0 then resolves to that same loaded
+# library (the loader matches its soname); the other order would map the file twice
+from . import _core as _core  # noqa: E402
 
 
 def loaded_library_path() -> Path:
@@ -35,12 +25,12 @@ def loaded_library_path() -> Path:
 
 
 def check_single_instance() -> None:
-    """Raise ImportError when the ctypes layer's libllama is not ours (e.g. another llama_cpp was imported)."""
+    """Raise ImportError when the ctypes layer's libllama is not ours (a broken or mixed installation)."""
     lib = llama_cpp.llama_cpp._lib
     if not hasattr(lib, "rapidmoe_llama_build_info"):
         raise ImportError(
-            f"llama_cpp loaded {loaded_library_path()}, which is not RapidMoE's libllama; "
-            "import rapidmoe before llama_cpp and do not set LLAMA_CPP_LIB_PATH")
+            f"rapidmoe's ctypes layer loaded {loaded_library_path()}, which is not RapidMoE's libllama; "
+            "reinstall rapidmoe")
 
 
 check_single_instance()

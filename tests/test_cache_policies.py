@@ -50,6 +50,9 @@ def test_static_hits_equal_a_numpy_count() -> None:
     want = sum(int(np.isin(ids[:, m], list(c)).sum()) for m, c in enumerate(cached))
     assert res.hits == want and res.slots == ids.size and res.bytes_moved == 0
     assert res.layer_hits[2] == 0
+    assert replay(ids, StaticCache(cached), steps=[10, 40]).hits == want  # the same counts in two steps
+    with pytest.raises(CachePolicyError, match="add up"):
+        replay(ids, StaticCache(cached), steps=[1])
 
 
 def test_moepic_moves_only_bottoms_of_cached_tops() -> None:

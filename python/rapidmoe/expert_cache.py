@@ -95,3 +95,74 @@ class ExpertCacheStats:
     def from_raw(cls, raw: Any) -> ExpertCacheStats:
         """From `_core.expert_cache_stats` ([n_layer, 3]: cached (-1: no cache), hits, slots)."""
         return cls([ExpertCacheLayer(i, int(c), int(h), int(s)) for i, (c, h, s) in enumerate(raw) if c >= 0])
+
+
+CACHE_POLICIES = ("static", "rapidmoe")  # what the runtime realizes (lru and moepic are simulated only)
+
+
+@dataclass
+class RefreshStats:
+    """The rapidmoe policy's copies since the cache was set."""
+
+    swaps: int = 0
+    bytes_moved: int = 0  # host -> device: each swap copies one expert's WQ gate/up/down slices
+    steps: int = 0
+
+
+class CacheRefresher:
+    """The rapidmoe policy at run time: after each decode step, the per-expert routing counts the cache's route op
+    kept (since the last step) feed decayed scores, and `placement.cache_policies.refresh_swaps` (the simulator's
+    own decision) names the swaps; each is one `expert_cache_replace` (the incoming expert's WQ copied into the
+    outgoing one's slot). Steps must not overlap a decode (the caller runs them between llama_decode calls)."""
+
+    def __init__(self, model: Any, cache: dict[int, list[int]], n_expert: int, expert_bytes: dict[int, int],
+                 settings: Any) -> None:
+        import numpy as np  # noqa: PLC0415
+
+        self._model = model
+        self.layers = sorted(cache)
+        self.cached = [set(cache[il]) for il in self.layers]
+        self.n_expert = n_expert
+        self.expert_bytes = expert_bytes
+        self.settings = settings
+        self.score = np.zeros((len(self.layers), n_expert))
+        self.stats = RefreshStats()
+
+    def step(self, n_tokens: int) -> int:
+        """Fold in the counts since the last step and make the swaps; returns how many."""
+        import numpy as np  # noqa: PLC0415
+
+        from ._runtime import _core  # noqa: PLC0415
+        from .placement.cache_policies import refresh_swaps  # noqa: PLC0415
+
+        if n_tokens <= 0:
+            return 0
+        counts = np.stack([np.asarray(_core.expert_cache_expert_counts(self._model, il, True), dtype=np.float64)
+                           for il in self.layers])
+        self.score = self.score * self.settings.decay_per_token ** n_tokens + counts
+        swaps = refresh_swaps(self.score, self.cached, self.settings)
+        for m, inn, out in swaps:
+            il = self.layers[m]
+            try:
+                _core.expert_cache_replace(self._model, il, out, inn)
+            except ValueError as e:
+                raise RapidMoEError(f"expert cache refresh: {e}") from e
+            self.cached[m].discard(out)
+            self.cached[m].add(inn)
+            self.stats.swaps += 1
+            self.stats.bytes_moved += self.expert_bytes[il]
+        self.stats.steps += 1
+        return len(swaps)
+
+    def cache(self) -> dict[int, list[int]]:
+        return {il: sorted(c) for il, c in zip(self.layers, self.cached)}
+
+
+def wq_expert_bytes(model_path: str | os.PathLike[str], layers: Sequence[int]) -> dict[int, int]:
+    """Bytes of one expert's gate + up + down slices per layer, as stored in the file (what a swap copies)."""
+    tensors = {t.name: t for t in GGUFFile(model_path).tensors}
+    out = {}
+    for il in layers:
+        ts = [tensors[f"blk.{il}.ffn_{r}_exps.weight"] for r in ("gate", "up", "down")]
+        out[il] = sum(int(t.n_bytes) // int(t.shape[2]) for t in ts)
+    return out

@@ -13,7 +13,10 @@ from typing import Any
 
 from ._runtime import _core, llama_cpp
 from .errors import ModelFileError, RapidMoEError
-from .expert_cache import ExpertCacheStats, check_device, check_expert_cache, moe_layers_of
+from .expert_cache import (
+    CACHE_POLICIES, CacheRefresher, ExpertCacheStats, RefreshStats, check_device, check_expert_cache, moe_layers_of,
+    wq_expert_bytes)
+from .placement.cache_policies import RefreshSettings
 from .modelfile import read_model_info
 from .overlap import OverlapStats, overlap_mode
 from .overrides import BufferOverrides, build_overrides
@@ -71,6 +74,10 @@ class Llama(llama_cpp.Llama):
         (override_tensor="exps=CPU"; CPU weight repacking is turned off); the chosen experts' WQ is copied to the
         device, which computes them, the CPU the rest, each slot exactly as that backend alone would
         (docs/execution.md). Hit counters: `expert_cache_stats`.
+    expert_cache_policy: "static" (default: the set stays as given) or "rapidmoe": after every decode step the
+        set is refreshed from decayed per-expert routing counts, a bounded number of experts swapped
+        (`expert_cache_refresh`, a rapidmoe.placement.cache_policies.RefreshSettings); `expert_cache_refresh_stats`.
+        The simulator's lru and moepic are not realized at run time.
     trace: record every computed token's expert choices and router weights per MoE layer into this file
         (rapidmoe.trace: format, reader); written after each `eval`, or by `flush_trace()` for callers of
         llama_decode, and completed (renamed into place) by `close()`. Uses the eval callback, so not with
@@ -98,6 +105,8 @@ class Llama(llama_cpp.Llama):
         expert_cache: dict[int, Sequence[int]] | None = None,
         expert_cache_device: str | None = None,
         trace: str | os.PathLike[str] | None = None,
+        expert_cache_policy: str = "static",
+        expert_cache_refresh: RefreshSettings | None = None,
         **kwargs: Any,
     ) -> None:
         info = read_model_info(model_path)  # a clear error for missing, truncated and non-GGUF files
@@ -121,6 +130,15 @@ class Llama(llama_cpp.Llama):
             raise RapidMoEError(f"overlap_threads must be >= 1, got {overlap_threads}")
         self._overlap_threads = overlap_threads
         self._expert_cache: dict[int, list[int]] | None = None
+        self._refresher: CacheRefresher | None = None
+        if expert_cache_policy not in CACHE_POLICIES:
+            raise RapidMoEError(f"expert_cache_policy must be one of {', '.join(CACHE_POLICIES)} (lru and moepic are "
+                                f"simulated only), got {expert_cache_policy!r}")
+        if (expert_cache_policy != "static" or expert_cache_refresh is not None) and expert_cache is None:
+            raise RapidMoEError("expert_cache_policy and expert_cache_refresh need expert_cache={layer: [expert ids]}")
+        self._cache_policy = expert_cache_policy
+        self._refresh_settings = expert_cache_refresh or RefreshSettings()
+        self._n_expert = info.n_expert
         if expert_cache is not None:
             if skip_noncritical:
                 raise RapidMoEError("skip_noncritical (a CPU benchmark baseline) does not combine with expert_cache")
@@ -218,6 +236,11 @@ class Llama(llama_cpp.Llama):
             _core.set_overlap(model.model, self._overlap_mode, threads)
         if getattr(self, "_expert_cache", None) is not None:
             self._set_expert_cache(model.model)
+            if self._cache_policy == "rapidmoe":
+                assert self._expert_cache is not None
+                self._refresher = CacheRefresher(model.model, self._expert_cache, self._n_expert,
+                                                 wq_expert_bytes(self.model_path, sorted(self._expert_cache)),
+                                                 self._refresh_settings)
 
     def _known_devices(self) -> list[str]:
         names = [n for d in self.rpc_devices for n in (d.name, d.buffer_type)]
@@ -304,7 +327,28 @@ class Llama(llama_cpp.Llama):
 
     def eval(self, tokens: Sequence[int]) -> None:
         super().eval(tokens)
+        self.after_decode(len(tokens))
+
+    def after_decode(self, n_tokens: int) -> None:
+        """What follows a decode step: the trace's batches are written, the rapidmoe cache policy refreshes the
+        expert cache. `eval` calls it; callers of llama_decode (the server) call it after each step."""
         self.flush_trace()
+        ref = getattr(self, "_refresher", None)
+        if ref is not None:
+            ref.step(n_tokens)
+
+    def expert_cache_refresh_stats(self) -> RefreshStats:
+        """With expert_cache_policy="rapidmoe": swaps, bytes copied and steps since the cache was set."""
+        if self._refresher is None:
+            raise RapidMoEError('no refreshing expert cache (pass expert_cache_policy="rapidmoe")')
+        return self._refresher.stats
+
+    @property
+    def expert_cache_set(self) -> dict[int, list[int]]:
+        """The experts now in the cache per layer (they change under the rapidmoe policy)."""
+        if self._expert_cache is None:
+            raise RapidMoEError("no expert cache (pass expert_cache=... and expert_cache_device=...)")
+        return self._refresher.cache() if self._refresher is not None else dict(self._expert_cache)
 
     def flush_trace(self) -> int:
         """With trace=...: write the batches computed since the last flush (call after llama_decode when not using

@@ -156,6 +156,44 @@ class MoEpicCache(Policy):
         return set(self.tops[m])
 
 
+@dataclass(frozen=True)
+class RefreshSettings:
+    """The rapidmoe policy's refresh: decayed routing counts (half-life in tokens), at most copies_per_step swaps after
+    each step over all layers, a swap only when the incoming expert's score beats the outgoing one's by `margin`."""
+
+    half_life_tokens: float = 64.0
+    copies_per_step: int = 2
+    margin: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.copies_per_step < 0 or not self.half_life_tokens > 0 or self.margin < 0:
+            raise CachePolicyError("rapidmoe refresh needs copies_per_step >= 0, half_life_tokens > 0, margin >= 0")
+
+    @property
+    def decay_per_token(self) -> float:
+        return 0.5 ** (1.0 / self.half_life_tokens)
+
+
+def refresh_swaps(score: np.ndarray, cached: Sequence[set[int]], settings: RefreshSettings) -> list[tuple[int, int, int]]:
+    """The swaps (layer index, expert in, expert out) after a step: per layer, the hottest uncached expert for the
+    coldest cached one when hotter by the margin; the largest gains first, at most copies_per_step. Shared by the
+    simulator and the runtime (rapidmoe.expert_cache.CacheRefresher), so both make the same choices."""
+    n_expert = score.shape[1]
+    cands = []
+    for m, c in enumerate(cached):
+        if not c or len(c) == n_expert:
+            continue
+        sc = score[m]
+        members = np.fromiter(sorted(c), int, len(c))
+        out = int(members[np.argmin(sc[members])])
+        free = np.setdiff1d(np.arange(n_expert), members)
+        inn = int(free[np.argmax(sc[free])])
+        if sc[inn] > (1.0 + settings.margin) * sc[out] + 1e-12:
+            cands.append((float(sc[inn] - sc[out]), -m, inn, out))
+    cands.sort(reverse=True)
+    return [(-neg_m, inn, out) for _, neg_m, inn, out in cands[: settings.copies_per_step]]
+
+
 class RapidMoECache(Policy):
     """The static cache refreshed from decayed running counts, a bounded number of copies per step."""
 
@@ -164,12 +202,9 @@ class RapidMoECache(Policy):
     def __init__(self, initial: Sequence[set[int] | Sequence[int]], n_expert: int, expert_bytes: float, *,
                  half_life_tokens: float = 64.0, copies_per_step: int = 2, margin: float = 0.25,
                  prior: np.ndarray | None = None) -> None:
-        if copies_per_step < 0 or half_life_tokens <= 0 or margin < 0:
-            raise CachePolicyError("rapidmoe needs copies_per_step >= 0, half_life_tokens > 0, margin >= 0")
+        self.settings = RefreshSettings(half_life_tokens, copies_per_step, margin)
         self.cached = [set(int(e) for e in c) for c in initial]
         self.n_expert, self.eb = n_expert, expert_bytes
-        self.decay_per_token = 0.5 ** (1.0 / half_life_tokens)
-        self.copies_per_step, self.margin = copies_per_step, margin
         n_moe = len(self.cached)
         # counts start from the calibration frequencies (what chose the initial set), scaled to one half-life
         self.score = (np.zeros((n_moe, n_expert)) if prior is None else
@@ -183,23 +218,10 @@ class RapidMoECache(Policy):
         return Access(len(experts), int(uses.sum()), int(hit.sum()), int(uses[hit].sum()))
 
     def end_step(self, n_tokens: int) -> float:
-        self.score = self.score * self.decay_per_token ** n_tokens + self._pending
+        self.score = self.score * self.settings.decay_per_token ** n_tokens + self._pending
         self._pending[:] = 0
-        # candidate swaps over all layers, best gain first, within the copy budget
-        cands = []
-        for m, c in enumerate(self.cached):
-            if not c or len(c) == self.n_expert:
-                continue
-            sc = self.score[m]
-            cached = np.fromiter(c, int, len(c))
-            out = int(cached[np.argmin(sc[cached])])
-            free = np.setdiff1d(np.arange(self.n_expert), cached)
-            inn = int(free[np.argmax(sc[free])])
-            if sc[inn] > (1.0 + self.margin) * sc[out] + 1e-12:
-                cands.append((sc[inn] - sc[out], m, inn, out))
-        cands.sort(reverse=True)
         moved = 0.0
-        for _, m, inn, out in cands[: self.copies_per_step]:
+        for m, inn, out in refresh_swaps(self.score, self.cached, self.settings):
             self.cached[m].discard(out)
             self.cached[m].add(inn)
             moved += self.eb
@@ -247,8 +269,10 @@ class ReplayResult:
 
 
 def replay(ids: np.ndarray, policy: Policy, cost: CostModel | None = None, *, batch: int = 1,
-           pred: np.ndarray | None = None, r_critical: int = 0, overlap: bool = True) -> ReplayResult:
-    """Run the tokens through `policy` in steps of `batch` tokens; price each step with `cost` (None: counters only).
+           pred: np.ndarray | None = None, r_critical: int = 0, overlap: bool = True,
+           steps: Sequence[int] | None = None) -> ReplayResult:
+    """Run the tokens through `policy` in steps of `batch` tokens (or of the given `steps` sizes, e.g. a trace's own
+    batches); price each step with `cost` (None: counters only).
 
     CPU-centric policies compute misses (and the first r_critical experts of every token, the critical slots, as
     residual work) on the CPU, overlapped with the GPU's hits unless overlap=False (stock llama.cpp's order)."""
@@ -257,11 +281,16 @@ def replay(ids: np.ndarray, policy: Policy, cost: CostModel | None = None, *, ba
     if batch < 1:
         raise CachePolicyError(f"batch must be >= 1, got {batch}")
     n, n_moe, k = ids.shape
-    res = ReplayResult(policy.name, "decode" if batch == 1 else "prefill", batch, n, 0, 0, 0.0, 0.0,
-                       [0] * n_moe, [0] * n_moe, [0.0] * n_moe)
+    if steps is not None and (sum(steps) != n or min(steps, default=1) < 1):
+        raise CachePolicyError(f"step sizes must be >= 1 and add up to the {n} tokens, got {sum(steps)}")
+    starts = list(np.cumsum([0, *steps[:-1]])) if steps is not None else list(range(0, n, batch))
+    sizes = list(steps) if steps is not None else [min(batch, n - t) for t in starts]
+    res = ReplayResult(policy.name, "trace" if steps is not None else "decode" if batch == 1 else "prefill", batch, n,
+                       0, 0, 0.0, 0.0, [0] * n_moe, [0] * n_moe, [0.0] * n_moe)
     background = 0.0  # copies queued by the previous step
-    for t0 in range(0, n, batch):
-        blk = ids[t0:t0 + batch]
+    for t0, size in zip(starts, sizes):
+        t0 = int(t0)
+        blk = ids[t0:t0 + size]
         step_s = cost.resident_s(len(blk)) if cost is not None else 0.0
         prev_window = cost.resident_s(1) / max(1, n_moe) if cost is not None else 0.0
         for m in range(n_moe):
@@ -272,7 +301,7 @@ def replay(ids: np.ndarray, policy: Policy, cost: CostModel | None = None, *, ba
             experts, uses = np.unique(valid, return_counts=True)
             predicted = None
             if pred is not None and m > 0:
-                pc = pred[t0:t0 + batch, m, :]
+                pc = pred[t0:t0 + size, m, :]
                 predicted = set(int(e) for e in pc[pc >= 0].reshape(-1))
             a = policy.access(m, experts, uses, predicted)
             res.slots += a.uses

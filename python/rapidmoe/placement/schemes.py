@@ -11,7 +11,8 @@ Schemes (cache_policies.py has their replayable form):
   rapidmoe  static + refresh from running frequencies: priced as static here (with a fixed frequency table the
             refresh has nothing to gain; bench/bench_cache.py replays traces where it does)
 
-The runtime realizes `stock` and `static` only; the others are projections until their runtime is built.
+The runtime realizes `stock`, `static` and `rapidmoe` (the last through the Python API,
+`Llama(expert_cache_policy="rapidmoe")`, not yet from run/serve flags); lru and moepic are projections only.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from .planner import DEFAULT_RESERVE, Plan, PlanError, plan
 from .tensors import ModelShapes
 
 CACHE_POLICIES = ("stock", "static", "lru", "moepic", "rapidmoe")
-REALIZED = ("stock", "static")
+REALIZED = ("stock", "static", "rapidmoe")
 PREFILL_BATCH = 512
 
 
@@ -63,7 +64,7 @@ class SchemeChoice:
                         + ("" if e.fits else ", DOES NOT FIT") + mark)
         chosen = next(e for e in self.estimates if e.scheme == self.chosen)
         if not chosen.realized:
-            rows.append(f"note: the runtime does not realize {self.chosen} yet (only {' and '.join(REALIZED)}); the "
+            rows.append(f"note: the runtime does not realize {self.chosen} yet (only {', '.join(REALIZED)}); the "
                         "run flags printed with the plans are the static RESplit plan's")
         rows += [f"note ({e.scheme}): {e.note}" for e in self.estimates if e.note]
         return "\n".join(rows)

@@ -1,6 +1,6 @@
 """Structured output: a request's `grammar` (GBNF), `json_schema` or `response_format` -> one GBNF grammar.
 
-JSON schemas become GBNF with llama-cpp-python's converter (`llama_cpp.llama_grammar.json_schema_to_gbnf`, the
+JSON schemas become GBNF with llama-cpp-python's converter (`llama_grammar.SchemaConverter` of its Python layer, the
 Python port of llama.cpp's converter); every grammar is parsed once here by llama.cpp's own parser
 (`llama_sampler_init_grammar`), so a bad one is a 400 that quotes the parser's message, before the engine sees the
 request. The engine's sampler then applies the grammar to generated tokens only (never the prompt).
@@ -102,8 +102,8 @@ def _int_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
     return (None if lo is None else math.ceil(lo)), (None if hi is None else math.floor(hi))
 
 
-def _converter() -> Any:
-    from llama_cpp.llama_grammar import SchemaConverter  # noqa: PLC0415 - after _runtime loaded our lib
+def schema_converter() -> Any:
+    from .._llama_cpp.llama_grammar import SchemaConverter  # noqa: PLC0415 - the ctypes layer loads lazily
 
     class Converter(SchemaConverter):  # type: ignore[misc, valid-type]
         """llama-cpp-python's converter, plus integer bounds (which it ignores): a bounded range becomes its
@@ -127,6 +127,11 @@ def _converter() -> Any:
                 raise ValueError("integer bounds are supported as a [minimum, maximum] range or minimum 0 or 1")
             return str(super().visit(schema, name))
 
+        def visit_checked(self, schema: Any, name: str) -> str:
+            """The rule name for `schema` (checked for keywords the grammar cannot enforce, $refs resolved)."""
+            _check_schema(schema, "")
+            return self.visit(self.resolve_refs(schema, "input"), name)
+
     return Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
 
 
@@ -136,10 +141,8 @@ def schema_to_grammar(schema: Any, field: str) -> str:
     if not schema:
         schema = {"type": "object"}  # llama-server: an empty schema means any object
     try:
-        _check_schema(schema, "")
-        conv = _converter()
-        schema = conv.resolve_refs(schema, "input")
-        conv.visit(schema, "")
+        conv = schema_converter()
+        conv.visit_checked(schema, "")
         return str(conv.format_grammar())
     except Exception as e:  # noqa: BLE001 - the converter asserts on what it cannot convert
         raise invalid_request(f"\"{field}\": cannot convert this JSON schema to a grammar: {e}") from None

@@ -34,6 +34,29 @@ void bind_expert_cache(nb::module_ & m) {
           }, "model"_a, "il"_a, "ids"_a, "device"_a,
           "Copy the WQ gate/up/down slices of experts `ids` of layer il to the device (or buffer type) named "
           "`device`; the layer's graphs then compute those experts there and the others on the CPU.");
+    m.def("expert_cache_replace", [](uintptr_t model, int32_t il, int32_t out_expert, int32_t in_expert) {
+              char err[512] = {0};
+              int32_t rc = 0;
+              {
+                  nb::gil_scoped_release release; // copies one expert's slices to the device
+                  rc = rapidmoe_llama_expert_cache_replace(as_model(model), il, out_expert, in_expert, err,
+                                                           sizeof(err));
+              }
+              if (rc != 0) {
+                  throw std::invalid_argument(err);
+              }
+          }, "model"_a, "il"_a, "out_expert"_a, "in_expert"_a,
+          "Put expert in_expert of layer il into the cache slot of out_expert (between decodes only).");
+    m.def("expert_cache_expert_counts", [](uintptr_t model, int32_t il, bool reset) {
+              const llama_model * mdl = as_model(model);
+              const int32_t n = rapidmoe_llama_expert_cache_expert_counts(mdl, il, nullptr, 0, false);
+              std::vector<int64_t> buf((size_t) n);
+              rapidmoe_llama_expert_cache_expert_counts(mdl, il, buf.data(), n, reset);
+              auto [data, owner] = owned(std::move(buf));
+              return nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>(data, {(size_t) n}, owner);
+          }, "model"_a, "il"_a, "reset"_a = false,
+          "Per expert of cached layer il, the expert slots routed to it since the last reset (int64 [n_expert]; "
+          "empty when the layer has no cache).");
     m.def("expert_cache_clear", [](uintptr_t model) { return rapidmoe_llama_expert_cache_clear(as_model(model)) != 0; },
           "model"_a, "Free the model's expert caches; True if there were any.");
     m.def("expert_cache_stats", [](uintptr_t model, bool reset) {

@@ -93,6 +93,16 @@ LLAMA_API int32_t rapidmoe_llama_expert_cache_clear(const struct llama_model * m
 // (0 without a cache).
 LLAMA_API int32_t rapidmoe_llama_expert_cache_stats(const struct llama_model * model, int64_t * out,
                                                     int32_t n_layer_max, bool reset);
+// Refresh (the rapidmoe policy): put expert in_expert of layer il into the cache slot that held out_expert (its WQ
+// slices copied there, then the slot map switched). Between decodes only: not while the model computes a ubatch.
+// 0, or -1 with the reason in err (no cache for the layer, out_expert not cached, in_expert cached or out of range).
+LLAMA_API int32_t rapidmoe_llama_expert_cache_replace(const struct llama_model * model, int32_t il,
+                                                      int32_t out_expert, int32_t in_expert, char * err,
+                                                      size_t err_size);
+// Per expert e of cached layer il: out[e] = expert slots (token x top-k) routed to e since the last reset, cached
+// or not. Returns the layer's expert count (out = NULL: just that), 0 when the layer has no cache.
+LLAMA_API int32_t rapidmoe_llama_expert_cache_expert_counts(const struct llama_model * model, int32_t il,
+                                                            int64_t * out, int32_t n_max, bool reset);
 // Test entry: run UMIA's op on the CPU backend for one layer il of a policy, weights F32 [n_tokens, k] (selected
 // ids are the slot numbers 0..k-1), in the given phase (0 decode, 1 prefill; the policy's phase_mode applies).
 // ids_out [n_tokens, k], hist_out [k + 1]. 0, or -1 on bad arguments.

@@ -8,6 +8,7 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -170,6 +171,9 @@ void miss_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         *(int32_t *) ((char *) dst->data + j * dst->nb[0] + t * dst->nb[1]) = hit ? -1 : e;
         hits += hit;
         ++slots;
+        if (e >= 0 && e < (int32_t) c->uses.size()) {
+            c->uses[e] += 1;
+        }
     });
     c->hits += hits;
     c->slots += slots;
@@ -238,6 +242,7 @@ std::string rapidmoe_expert_cache_set(const llama_model * model, int il, const i
     c->base_gate = L.ffn_gate_exps;
     c->base_down = L.ffn_down_exps;
     c->slot_of.assign((size_t) L.ffn_up_exps->ne[2], -1);
+    c->uses = std::vector<std::atomic<int64_t>>((size_t) L.ffn_up_exps->ne[2]);
     c->expert_of.assign(ids, ids + n);
     for (int slot = 0; slot < n; ++slot) {
         c->slot_of[ids[slot]] = slot;
@@ -259,6 +264,36 @@ std::string rapidmoe_expert_cache_set(const llama_model * model, int il, const i
     (*st)[il] = std::move(c);
     g_states[model] = std::move(st);
     rapidmoe_attach_generation_bump();
+    return "";
+}
+
+std::string rapidmoe_expert_cache_replace(const llama_model * model, int il, int32_t out_expert, int32_t in_expert) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const layers_t * st = state_of(model);
+    rapidmoe_expert_cache_layer * c = st != nullptr && il >= 0 && il < (int) st->size() ? (*st)[il].get() : nullptr;
+    if (c == nullptr) {
+        return "layer " + std::to_string(il) + " has no expert cache";
+    }
+    const int32_t n_expert = (int32_t) c->slot_of.size();
+    if (out_expert < 0 || out_expert >= n_expert || in_expert < 0 || in_expert >= n_expert) {
+        return "expert id out of range (0.." + std::to_string(n_expert - 1) + ")";
+    }
+    const int32_t slot = c->slot_of[out_expert];
+    if (slot < 0) {
+        return "expert " + std::to_string(out_expert) + " of layer " + std::to_string(il) + " is not cached";
+    }
+    if (c->slot_of[in_expert] >= 0) {
+        return "expert " + std::to_string(in_expert) + " of layer " + std::to_string(il) + " is already cached";
+    }
+    const std::pair<const ggml_tensor *, ggml_tensor *> roles[3] = { { c->base_up, c->up }, { c->base_gate, c->gate },
+                                                                     { c->base_down, c->down } };
+    for (const auto & [base, cache] : roles) {
+        const char * src = (const char *) base->data + (size_t) in_expert * base->nb[2];
+        ggml_backend_tensor_set(cache, src, (size_t) slot * cache->nb[2], base->nb[2]);
+    }
+    c->slot_of[out_expert] = -1;
+    c->slot_of[in_expert] = slot;
+    c->expert_of[slot] = in_expert;
     return "";
 }
 
@@ -332,6 +367,36 @@ int32_t rapidmoe_llama_expert_cache_stats(const llama_model * model, int64_t * o
         out[3 * i + 0] = c != nullptr ? (int64_t) c->expert_of.size() : -1;
         out[3 * i + 1] = c == nullptr ? 0 : reset ? c->hits.exchange(0) : c->hits.load();
         out[3 * i + 2] = c == nullptr ? 0 : reset ? c->slots.exchange(0) : c->slots.load();
+    }
+    return n;
+}
+
+int32_t rapidmoe_llama_expert_cache_replace(const llama_model * model, int32_t il, int32_t out_expert,
+                                            int32_t in_expert, char * err, size_t err_size) {
+    const std::string msg = model == nullptr ? std::string("bad arguments")
+                                             : rapidmoe_expert_cache_replace(model, il, out_expert, in_expert);
+    if (msg.empty()) {
+        return 0;
+    }
+    if (err != nullptr && err_size > 0) {
+        std::snprintf(err, err_size, "%s", msg.c_str());
+    }
+    return -1;
+}
+
+int32_t rapidmoe_llama_expert_cache_expert_counts(const llama_model * model, int32_t il, int64_t * out, int32_t n_max,
+                                                  bool reset) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const layers_t * st = state_of(model);
+    rapidmoe_expert_cache_layer * c = st != nullptr && il >= 0 && il < (int) st->size() ? (*st)[il].get() : nullptr;
+    if (c == nullptr) {
+        return 0;
+    }
+    const int32_t n = (int32_t) c->uses.size();
+    if (out != nullptr) {
+        for (int32_t e = 0; e < std::min(n, n_max); ++e) {
+            out[e] = reset ? c->uses[e].exchange(0) : c->uses[e].load();
+        }
     }
     return n;
 }

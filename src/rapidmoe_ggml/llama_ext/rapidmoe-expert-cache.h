@@ -34,6 +34,7 @@ struct rapidmoe_expert_cache_layer {
     ggml_backend_buffer_t buf = nullptr;
     std::atomic<int64_t> hits{0};            // expert slots (token x top-k) served from the cache
     std::atomic<int64_t> slots{0};           // all expert slots routed through this layer
+    std::vector<std::atomic<int64_t>> uses;  // per expert: slots routed to it (the refresh policy's input)
     ~rapidmoe_expert_cache_layer();
 };
 
@@ -50,6 +51,8 @@ std::shared_ptr<const std::vector<std::shared_ptr<rapidmoe_expert_cache_layer>>>
 std::string rapidmoe_expert_cache_set(const llama_model * model, int il, const int32_t * ids, int n,
                                       const char * device);
 bool rapidmoe_expert_cache_clear(const llama_model * model);
+// Put in_expert into out_expert's slot (between decodes only); empty string or the reason it was refused.
+std::string rapidmoe_expert_cache_replace(const llama_model * model, int il, int32_t out_expert, int32_t in_expert);
 // the buffer name of a cache tensor ("blk.N.ffn_up_exps.cache"), nullptr when there is none
 const char * rapidmoe_expert_cache_buffer_name(const llama_model * model, const char * name);
 

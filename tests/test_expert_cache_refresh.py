@@ -1,0 +1,106 @@
+"""The rapidmoe cache policy at run time (the expert cache refreshed between decode steps) on the RPC stand-in:
+logits equal the all-CPU run at every step while experts are swapped in and out, and the runtime's hits, swaps
+and bytes copied equal the simulator's replay (placement.cache_policies) of the trace recorded in the same run."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rapidmoe import Llama, RapidMoEError
+from rapidmoe._runtime import _core
+from rapidmoe.expert_cache import moe_layers_of, wq_expert_bytes
+from rapidmoe.placement.cache_policies import RapidMoECache, RefreshSettings, replay
+from rapidmoe.rpc import RPCServer
+from rapidmoe.trace import read_trace
+
+TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense. " * 3
+
+
+@pytest.fixture(scope="module")
+def rpc() -> Iterator[RPCServer]:
+    with RPCServer(threads=1) as srv:
+        yield srv
+
+
+def _steps(llm: Llama, prompt: list[int], rest: list[int]) -> list[np.ndarray]:
+    """The last position's logits after the prompt and after each further token (one decode step each)."""
+    out = []
+    llm.eval(prompt)
+    out.append(np.array(llm.scores[llm.n_tokens - 1]))
+    for t in rest:
+        llm.eval([t])
+        out.append(np.array(llm.scores[llm.n_tokens - 1]))
+    return out
+
+
+def test_refresh_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path = make_tiny("qwen3moe")
+    layers = moe_layers_of(path)
+    initial = {il: [0, 1] for il in layers}
+    settings = RefreshSettings(half_life_tokens=4.0, copies_per_step=1, margin=0.0)
+    cpu = Llama(path, n_ctx=128, verbose=False, n_threads=2)
+    toks = cpu.tokenize(TEXT)[:24]
+    prompt, rest = toks[:8], toks[8:]
+    want = _steps(cpu, prompt, rest)
+    cpu.close()
+    trace = tmp_path / "run.trace"
+    llm = Llama(path, n_ctx=128, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
+                override_tensor="exps=CPU", expert_cache=initial, expert_cache_device=rpc.device.buffer_type,
+                expert_cache_policy="rapidmoe", expert_cache_refresh=settings, trace=trace)
+    try:
+        got = _steps(llm, prompt, rest)
+        stats, ref = llm.expert_cache_stats(), llm.expert_cache_refresh_stats()
+        final = llm.expert_cache_set
+        assert llm.tensor_buffer(f"blk.{layers[0]}.ffn_up_exps.cache") == rpc.device.buffer_type
+    finally:
+        llm.close()
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert np.array_equal(a, b), f"step {i}: max |dev - cpu| {np.abs(a - b).max()}"
+    assert ref.steps == 1 + len(rest) and ref.swaps > 0
+    assert final != initial and all(len(v) == 2 for v in final.values())
+
+    tr = read_trace(trace)
+    assert [s.n_tokens for s in tr.steps] == [len(prompt)] + [1] * len(rest)
+    ids, _ = tr.token_matrix()
+    eb = wq_expert_bytes(path, layers)
+    sim = RapidMoECache([set(initial[il]) for il in layers], tr.header.n_expert, float(eb[layers[0]]),
+                        half_life_tokens=settings.half_life_tokens, copies_per_step=settings.copies_per_step,
+                        margin=settings.margin)
+    res = replay(ids, sim, steps=[s.n_tokens for s in tr.steps])  # refreshed after each of the run's steps
+    print(f"runtime: hits {stats.hits}/{stats.slots}, swaps {ref.swaps}, {ref.bytes_moved} B; "
+          f"replay: hits {res.hits}/{res.slots}, swaps {sim.swaps}, {res.bytes_moved:.0f} B")
+    assert [layer.hits for layer in stats.layers] == res.layer_hits
+    assert [layer.slots for layer in stats.layers] == res.layer_slots
+    assert ref.swaps == sim.swaps and ref.bytes_moved == res.bytes_moved
+    assert {il: sorted(c) for il, c in zip(layers, sim.cached)} == final
+
+
+def test_refresh_refusals(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
+    path = make_tiny("qwen3moe")
+    layers = moe_layers_of(path)
+    with pytest.raises(RapidMoEError, match="simulated only"):
+        Llama(path, verbose=False, expert_cache_policy="lru")
+    with pytest.raises(RapidMoEError, match="need expert_cache"):
+        Llama(path, verbose=False, expert_cache_policy="rapidmoe")
+    llm = Llama(path, n_ctx=64, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
+                override_tensor="exps=CPU", expert_cache={layers[0]: [0, 1]},
+                expert_cache_device=rpc.device.buffer_type)
+    try:
+        with pytest.raises(RapidMoEError, match="rapidmoe"):
+            llm.expert_cache_refresh_stats()
+        m = llm._model.model
+        with pytest.raises(ValueError, match="is not cached"):
+            _core.expert_cache_replace(m, layers[0], 5, 6)
+        with pytest.raises(ValueError, match="already cached"):
+            _core.expert_cache_replace(m, layers[0], 0, 1)
+        with pytest.raises(ValueError, match="out of range"):
+            _core.expert_cache_replace(m, layers[0], 0, 99)
+        with pytest.raises(ValueError, match="no expert cache"):
+            _core.expert_cache_replace(m, 99, 0, 2)
+        _core.expert_cache_replace(m, layers[0], 0, 5)
+        assert llm.expert_cache_stats().layers[0].cached == 2
+    finally:
+        llm.close()

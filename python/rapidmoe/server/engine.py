@@ -386,8 +386,7 @@ class Engine:
         t0 = time.perf_counter()
         rc = lc.llama_decode(self._ctx, b)
         dt = time.perf_counter() - t0
-        self.llm.flush_trace()  # routing trace (serve --trace): this step's batches
-        self.llm.flush_trace()  # routing trace (serve --trace): this step's batches
+        self.llm.after_decode(n)  # the routing trace (serve --trace) and a refreshing expert cache follow each step
         self.stats.n_decode += 1
         self.stats.busy_slots += len(busy)
         self.stats.decode_seconds += dt

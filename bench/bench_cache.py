@@ -7,13 +7,16 @@ cost model (rapidmoe.placement.cost) for machine profiles.
 2. Own shape: every policy replays the evaluation trace at budgets of 1/16 .. 1/2 of each layer's experts (static
    and rapidmoe start from the calibration trace's frequencies; moepic's per-layer split and budget come from its
    fixed point over the calibration hit-rate curves): hit rate, experts copied per token.
-3. Projections: the tiny-moe-a statistics (per-layer popularity, token-to-token reuse beyond chance, next-layer
+3. Runtime vs simulator (measured): tiny-moe-a decodes --runtime-tokens tokens one per step with its WQ cache on a
+   local rpc-server under the runtime's static and rapidmoe policies, recording a trace; the runtime's hits, slots,
+   swaps and bytes copied are compared with the simulator's replay of that trace.
+4. Projections: the tiny-moe-a statistics (per-layer popularity, token-to-token reuse beyond chance, next-layer
    prediction accuracy) are mapped onto DeepSeek-V3 and Qwen3-235B-A22B shapes (cache_policies.scale_routing),
    and each scheme is priced on the 24gb and 48gb machine profiles with the GPU memory the planner leaves for
    experts: decode (one token per step) and prefill (512-token steps) tok/s, hit rate and bytes moved per token,
    against stock llama.cpp's `-ot exps=CPU` (all experts on the CPU, Q4_K_M-like, serial).
 
-Usage: python bench/bench_cache.py [--tokens 2048] [--synthetic-size small] [--name cache]
+Usage: python bench/bench_cache.py [--tokens 2048] [--synthetic-size small] [--runtime-tokens 256] [--name cache]
 Writes bench/out/<name>.{md,json} (copy to bench/results/ to publish) and the traces under bench/out/traces/.
 """
 from __future__ import annotations
@@ -168,6 +171,71 @@ def project(cal: Path, ev: Path, shape_name: str, machine_name: str, n_decode: i
             "n_moe": n_moe, "n_expert": n_expert, "k": k, "results": out}
 
 
+def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: float = 0.25) -> dict:  # type: ignore[type-arg]
+    """The runtime policies (static, rapidmoe) on the RPC stand-in against the simulator: the model decodes n_tokens
+    of `text` one token per step with its WQ cache on a local rpc-server, recording a trace; the trace is replayed
+    through the same policy with the run's own steps; hits, slots, swaps and bytes copied are compared."""
+    from rapidmoe import Llama
+    from rapidmoe.expert_cache import moe_layers_of, wq_expert_bytes
+    from rapidmoe.placement.cache_policies import RapidMoECache, RefreshSettings, StaticCache, replay
+    from rapidmoe.rpc import RPCServer
+    from rapidmoe.trace import read_trace
+
+    layers = moe_layers_of(model)
+    tc = read_trace(cal)
+    n_expert = tc.header.n_expert
+    counts = tc.counts()
+    cap = max(1, round(fraction * n_expert))
+    initial = {il: sorted(np.argsort(-counts[m], kind="stable")[:cap].tolist()) for m, il in enumerate(layers)}
+    eb = wq_expert_bytes(model, layers)
+    settings = RefreshSettings()
+    out = {"model": str(model), "tokens": n_tokens, "cached_per_layer": cap, "n_expert": n_expert, "policies": []}
+    with RPCServer(threads=1) as srv:
+        for policy in ("static", "rapidmoe"):
+            tpath = OUT / "traces" / f"runtime-{policy}.trace"
+            t0 = time.time()
+            llm = Llama(model, n_ctx=n_tokens + 8, verbose=False, n_threads=1, rpc_servers=[srv.endpoint],
+                        n_gpu_layers=-1, override_tensor="exps=CPU", expert_cache=initial,
+                        expert_cache_device=srv.device.buffer_type, expert_cache_policy=policy,
+                        expert_cache_refresh=settings if policy == "rapidmoe" else None, trace=tpath)
+            toks = llm.tokenize(text.read_text(encoding="utf-8", errors="replace").encode())[:n_tokens]
+            for t in toks:
+                llm.eval([t])
+            st = llm.expert_cache_stats()
+            ref = llm.expert_cache_refresh_stats() if policy == "rapidmoe" else None
+            llm.close()
+            wall = time.time() - t0
+            tr = read_trace(tpath)
+            ids, _ = tr.token_matrix()
+            sets = [set(initial[il]) for il in layers]
+            sim = (RapidMoECache(sets, n_expert, float(eb[layers[0]]), half_life_tokens=settings.half_life_tokens,
+                                 copies_per_step=settings.copies_per_step, margin=settings.margin)
+                   if policy == "rapidmoe" else StaticCache(sets))
+            r = replay(ids, sim, steps=[s.n_tokens for s in tr.steps])
+            out["policies"].append({
+                "policy": policy, "runtime_hits": st.hits, "runtime_slots": st.slots, "runtime_hit_rate": st.hit_rate,
+                "replay_hits": r.hits, "replay_slots": r.slots, "replay_hit_rate": r.hit_rate,
+                "runtime_swaps": ref.swaps if ref else 0, "replay_swaps": getattr(sim, "swaps", 0),
+                "runtime_bytes": ref.bytes_moved if ref else 0, "replay_bytes": r.bytes_moved,
+                "runtime_layer_hits": [x.hits for x in st.layers], "replay_layer_hits": r.layer_hits,
+                "wall_s": wall})
+    return out
+
+
+def fmt_runtime(d: dict) -> str:  # type: ignore[type-arg]
+    lines = [f"{d['tokens']} tokens of the evaluation text decoded one per step by {Path(d['model']).name}, "
+             f"{d['cached_per_layer']} of {d['n_expert']} experts per layer cached on a local rpc-server (initially "
+             "the calibration trace's hottest), stacked experts in CPU memory. Counters of the run against the "
+             "simulator's replay of the trace the same run recorded (same steps):", "",
+             "| policy | hits runtime / replay | slots runtime / replay | hit rate | swaps runtime / replay | "
+             "bytes copied runtime / replay |", "|---|---|---|---|---|---|"]
+    for p in d["policies"]:
+        lines.append(f"| {p['policy']} | {p['runtime_hits']} / {p['replay_hits']} | {p['runtime_slots']} / "
+                     f"{p['replay_slots']} | {p['runtime_hit_rate']:.1%} | {p['runtime_swaps']} / {p['replay_swaps']} | "
+                     f"{p['runtime_bytes']} / {p['replay_bytes']:.0f} |")
+    return "\n".join(lines)
+
+
 def fmt_own(d: dict) -> str:  # type: ignore[type-arg]
     lines = [f"### {d['name']} ({d['n_moe']} MoE layers x {d['n_expert']} experts, top-{d['k']}; "
              f"calibration {d['calib_tokens']} tokens, evaluation {d['eval_tokens']} tokens)", "",
@@ -209,6 +277,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per trace")
     ap.add_argument("--decode-tokens", type=int, default=256, help="mapped tokens replayed for decode projections")
     ap.add_argument("--prefill-tokens", type=int, default=1024, help="mapped tokens replayed for prefill projections")
+    ap.add_argument("--runtime-tokens", type=int, default=256, help="tokens decoded for the RPC runtime check")
     ap.add_argument("--name", default="cache")
     a = ap.parse_args()
     from common import ensure_synthetic
@@ -226,6 +295,8 @@ def main() -> None:
         print(f"traces of {name}: {cal}, {ev} ({time.time() - t0:.0f} s)", flush=True)
     own = [own_shape(n, m, c, e) for n, (m, c, e) in pairs.items()]
     print(f"own-shape replays done ({time.time() - t0:.0f} s)", flush=True)
+    rt = runtime_check(a.model, pairs["tiny-moe-a"][1], a.eval_text, a.runtime_tokens)
+    print(f"runtime check on the RPC stand-in done ({time.time() - t0:.0f} s)", flush=True)
     _, cal, ev = pairs["tiny-moe-a"]
     proj = []
     for shape in ("deepseek-v3", "qwen3-235b-a22b"):
@@ -233,13 +304,15 @@ def main() -> None:
             proj.append(project(cal, ev, shape, mach, a.decode_tokens, a.prefill_tokens))
             print(f"projection {shape} {mach} ({time.time() - t0:.0f} s)", flush=True)
     cmd = "python bench/bench_cache.py " + " ".join(sys.argv[1:])
-    doc = {"command": cmd.strip(), "tokens": a.tokens, "r_critical": R_CRITICAL, "own_shape": own, "projections": proj,
+    doc = {"command": cmd.strip(), "tokens": a.tokens, "r_critical": R_CRITICAL, "own_shape": own, "runtime": rt, "projections": proj,
            "seconds": time.time() - t0}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{a.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
     md = [f"# Expert caching: trace replay and projections\n\n`{cmd.strip()}` ({doc['seconds']:.0f} s on this machine)\n",
           "## Hit rates on the traced models' own shapes (measured routing, replayed)\n",
           *[fmt_own(d) + "\n" for d in own],
+          "## The runtime policies on the RPC stand-in vs the simulator (tiny-moe-a, measured)\n",
+          fmt_runtime(rt) + "\n",
           "## Projections for DeepSeek-V3 and Qwen3-235B-A22B (mapped routing, modelled machines)\n",
           "PROJECTIONS, not measurements: routing is tiny-moe-a's per-layer statistics mapped onto the shape "
           "(cache_policies.scale_routing), times come from the planner's cost model (placement/cost.py) with the "

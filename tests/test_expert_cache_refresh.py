@@ -104,3 +104,30 @@ def test_refresh_refusals(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no
         assert llm.expert_cache_stats().layers[0].cached == 2
     finally:
         llm.close()
+
+
+def test_cli_cache_policy(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cache-policy rapidmoe reaches the server's Llama when --gpu-mem realizes a per-expert cache (a GPU named
+    here by monkeypatching: there is none), and is a usage error where there is no such cache."""
+    from typer.testing import CliRunner
+
+    from rapidmoe.cli.app import app
+    from rapidmoe.placement.planner import GPU
+    from rapidmoe.placement.realize import plan_for_model
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["run", str(tiny_qwen), "-n", "2", "--cache-policy", "rapidmoe"])
+    assert res.exit_code != 0 and "only on a machine with a GPU" in res.output
+    res = runner.invoke(app, ["run", str(tiny_qwen), "-n", "2", "--cache-policy", "lru"])
+    assert res.exit_code != 0 and "'lru' is not one of" in res.output
+    full = plan_for_model(tiny_qwen, gpu_mem=None, n_ctx=512, reserve=0)
+    budget = full.vram - full.device_bytes(GPU, "routed experts") // 2
+    seen: list = []  # type: ignore[type-arg]
+    monkeypatch.setattr("rapidmoe.server.run_server", seen.append)
+    monkeypatch.setattr("rapidmoe.cli.budget.gpu_devices", lambda: ["CUDA0"])
+    res = runner.invoke(app, ["serve", str(tiny_qwen), "--gpu-mem", str(budget), "--reserve", "0", "-c", "512",
+                              "--cache-policy", "rapidmoe"])
+    assert res.exit_code == 0, res.output
+    cfg = seen[0]
+    assert cfg.expert_cache_policy == "rapidmoe" and cfg.expert_cache and cfg.expert_cache_device == "CUDA0"
+    assert cfg.override_tensor == ("exps=CPU",)

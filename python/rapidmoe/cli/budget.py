@@ -29,6 +29,15 @@ def _given(ctx: typer.Context, names: dict[str, str]) -> list[str]:
     return given
 
 
+def check_cache_policy(policy: str, place: LlamaPlacement) -> str:
+    """The cache policy for rapidmoe.Llama; a refreshing one needs the per-expert cache a GPU realizes."""
+    if policy != "static" and "expert_cache" not in place:
+        raise typer.BadParameter(f"{policy} refreshes a per-expert WQ cache, which --gpu-mem realizes only on a "
+                                 "machine with a GPU and a budget below the model's WQ (here there is none)",
+                                 param_hint="--cache-policy")
+    return policy
+
+
 def gpu_devices() -> list[str]:
     """Names of the GPU devices llama.cpp would offload to here (none on a CPU-only machine or build)."""
     from .._runtime import _core  # noqa: PLC0415

@@ -8,7 +8,7 @@ import typer
 
 from ..errors import ModelFileError, RapidMoEError
 from . import options
-from .budget import placement
+from .budget import check_cache_policy, placement
 
 
 def run(
@@ -35,6 +35,7 @@ def run(
     overlap: options.OverlapOpt = options.OverlapMode.auto,
     stats: Annotated[bool, typer.Option("--stats", help="With --residual: print the r chosen per layer and phase (histogram), and the overlap timing when layers overlapped.")] = False,
     trace: options.TraceOpt = None,
+    cache_policy: options.CachePolicyOpt = options.CachePolicy.static,
     verbose: options.Verbose = False,
 ) -> None:
     """Generate text from PROMPT with MODEL, streaming tokens as they come, then print prefill and decode speed.
@@ -53,7 +54,7 @@ def run(
     try:
         llm = Llama(path, n_threads=threads, n_threads_batch=threads, seed=seed, **place,
                     residual_path=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, trace=trace,
-                    verbose=verbose)
+                    expert_cache_policy=check_cache_policy(cache_policy.value, place), verbose=verbose)
     except RapidMoEError:
         raise
     except ValueError as e:  # llama_cpp reports load failures as ValueError

@@ -9,7 +9,7 @@ import typer
 
 from ..errors import RapidMoEError
 from . import options
-from .budget import placement
+from .budget import check_cache_policy, placement
 
 
 def serve(
@@ -50,6 +50,7 @@ def serve(
     metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="Serve GET /metrics.")] = True,
     slots: Annotated[bool, typer.Option("--slots/--no-slots", help="Serve GET /slots.")] = True,
     trace: options.TraceOpt = None,
+    cache_policy: options.CachePolicyOpt = options.CachePolicy.static,
     verbose: options.Verbose = False,
 ) -> None:
     """Serve MODEL with llama-server's HTTP API: /completion, /v1/completions, /v1/chat/completions, /tokenize, ...
@@ -78,6 +79,7 @@ def serve(
         threads=threads, n_gpu_layers=place["n_gpu_layers"], n_cpu_moe=place["n_cpu_moe"],
         override_tensor=tuple(place["override_tensor"] or ()),
         expert_cache=place.get("expert_cache"), expert_cache_device=place.get("expert_cache_device"),
+        expert_cache_policy=check_cache_policy(cache_policy.value, place),
         residual=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, trace=trace, api_keys=keys, timeout=timeout,
         queue_timeout=queue_timeout, max_body=max_body, max_connections=max_connections,
         header_timeout=header_timeout, keepalive_timeout=keepalive_timeout, chat_template=chat_template, seed=seed, temperature=temp,

@@ -364,6 +364,7 @@ def _load(config: ServerConfig, st: routes.AppState) -> Any:
                     n_threads=threads, n_threads_batch=threads, n_gpu_layers=config.n_gpu_layers,
                     n_cpu_moe=config.n_cpu_moe, override_tensor=list(config.override_tensor) or None,
                     expert_cache=config.expert_cache, expert_cache_device=config.expert_cache_device,
+                    expert_cache_policy=config.expert_cache_policy,
                     residual_path=config.residual, n_critical=config.n_critical, overlap=config.overlap,
                     n_seq_max=config.parallel, trace=config.trace,
                     verbose=config.verbose)

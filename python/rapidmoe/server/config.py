@@ -23,6 +23,7 @@ class ServerConfig:
     n_cpu_moe: int = 0
     expert_cache: dict[int, list[int]] | None = None  # per-expert WQ cache (from --gpu-mem on a GPU machine)
     expert_cache_device: str | None = None
+    expert_cache_policy: str = "static"  # "rapidmoe": the cache refreshed after every step (rapidmoe.Llama)
     override_tensor: tuple[str, ...] = ()
     residual: Path | None = None
     n_critical: int = 2

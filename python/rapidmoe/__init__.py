@@ -6,6 +6,7 @@ The native libraries load on first use of `Llama`/`llama_cpp`/`_core`, so pure-P
 """
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from .errors import ModelFileError, RapidMoEError
@@ -13,7 +14,9 @@ from .errors import ModelFileError, RapidMoEError
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from ._runtime import _core, llama_cpp
+    import rapidmoe._core as _core
+
+    from ._runtime import llama_cpp
     from .llama import Llama, Timings
 
 _LAZY = {"Llama": ".llama", "Timings": ".llama", "llama_cpp": "._runtime", "_core": "._runtime"}
@@ -21,10 +24,8 @@ _LAZY = {"Llama": ".llama", "Timings": ".llama", "llama_cpp": "._runtime", "_cor
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module 'rapidmoe' has no attribute {name!r}")
 
 
-__all__ = ["Llama", "Timings", "ModelFileError", "RapidMoEError", "llama_cpp", "_core", "__version__"]
+__all__ = ["Llama", "ModelFileError", "RapidMoEError", "Timings", "__version__", "_core", "llama_cpp"]

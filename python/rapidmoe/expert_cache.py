@@ -155,7 +155,7 @@ class CacheRefresher:
         return len(swaps)
 
     def cache(self) -> dict[int, list[int]]:
-        return {il: sorted(c) for il, c in zip(self.layers, self.cached)}
+        return {il: sorted(c) for il, c in zip(self.layers, self.cached, strict=True)}
 
 
 def wq_expert_bytes(model_path: str | os.PathLike[str], layers: Sequence[int]) -> dict[int, int]:

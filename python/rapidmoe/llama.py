@@ -7,19 +7,26 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ._runtime import _core, llama_cpp
 from .errors import ModelFileError, RapidMoEError
 from .expert_cache import (
-    CACHE_POLICIES, CacheRefresher, ExpertCacheStats, RefreshStats, check_device, check_expert_cache, moe_layers_of,
-    wq_expert_bytes)
-from .placement.cache_policies import RefreshSettings
+    CACHE_POLICIES,
+    CacheRefresher,
+    ExpertCacheStats,
+    RefreshStats,
+    check_device,
+    check_expert_cache,
+    moe_layers_of,
+    wq_expert_bytes,
+)
 from .modelfile import read_model_info
 from .overlap import OverlapStats, overlap_mode
 from .overrides import BufferOverrides, build_overrides
+from .placement.cache_policies import RefreshSettings
 from .residual import MoELayerCounters, ResidualInfo, load_residual_info
 from .rpc import RPCDevice, model_devices, register_rpc_servers
 from .trace import NextLayerPredictor, TraceRecorder
@@ -102,7 +109,7 @@ class Llama(llama_cpp.Llama):
         verify_residual: bool = True,
         n_seq_max: int = 1,
         rpc_servers: Sequence[str] | None = None,
-        expert_cache: dict[int, Sequence[int]] | None = None,
+        expert_cache: Mapping[int, Sequence[int]] | None = None,
         expert_cache_device: str | None = None,
         trace: str | os.PathLike[str] | None = None,
         expert_cache_policy: str = "static",
@@ -182,7 +189,7 @@ class Llama(llama_cpp.Llama):
             params.tensor_buft_overrides = overrides.address
         devices = getattr(self, "_devices", None)
         if devices is not None:
-            params.devices = ctypes.addressof(devices)
+            params.devices = ctypes.addressof(devices)  # type: ignore[assignment]  # ctypes takes the address
         if getattr(self, "_expert_cache", None) is not None:
             # the CPU computes the misses from the stacked experts with a masked matmul, and the cache copies their
             # slices: both need the plain layout, which repacked CPU buffers do not keep
@@ -221,11 +228,12 @@ class Llama(llama_cpp.Llama):
 
     def _attach_extensions(self, model: Any) -> None:
         """The sidecar (with its policy and overlap settings) and the expert cache, right after the model loads."""
-        if getattr(self, "residual", None) is not None:
+        residual = getattr(self, "residual", None)
+        if residual is not None:
             try:
-                _core.attach_residual(model.model, str(self.residual.path))
+                _core.attach_residual(model.model, str(residual.path))
             except ValueError as e:
-                raise ModelFileError(f"cannot attach {self.residual.path}: {e}") from e
+                raise ModelFileError(f"cannot attach {residual.path}: {e}") from e
             _core.set_n_critical(model.model, self._n_critical_init)
             self._policy = Policy.fixed(self._n_critical_init)
             if self._policy_init is not None:

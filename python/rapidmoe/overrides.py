@@ -63,7 +63,7 @@ class BufferOverrides:
                     f"unknown buffer type {name!r}; available: {', '.join(sorted(available))}")
         self._strings = [p.encode() for p, _ in self.pairs]
         arr = (TensorBuftOverride * (len(self.pairs) + 1))()
-        for i, ((_, name), pat) in enumerate(zip(self.pairs, self._strings)):
+        for i, ((_, name), pat) in enumerate(zip(self.pairs, self._strings, strict=True)):
             arr[i].pattern = pat
             arr[i].buft = available[name]
         self._array = arr  # the last element stays zeroed: the terminator

@@ -131,10 +131,11 @@ class RPCServer:
             try:
                 with socket.create_connection((host, self.port), timeout=0.5):
                     break
-            except OSError:
+            except OSError as e:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RapidMoEError(f"rpc-server did not listen on {self.endpoint} within {startup_timeout} s")
+                    raise RapidMoEError(
+                        f"rpc-server did not listen on {self.endpoint} within {startup_timeout} s") from e
                 time.sleep(0.05)
         log.info("rpc-server %d listening on %s", self.proc.pid, self.endpoint)
 

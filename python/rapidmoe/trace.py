@@ -27,8 +27,9 @@ File layout (little-endian):
                             the NEXT MoE layer's router applied to this layer's FFN input (`ffn_norm-<il>`): what
                             MoEpic's predictor would prefetch for the next layer
 
-A token costs n_moe * k * (id_bytes + 2) bytes, plus (n_moe - 1) * k * id_bytes with predictions (DeepSeek-V3: 58 * 8 * 3 = 1392). The file is written under a
-temporary name and renamed when the recorder closes, so a trace is either complete or absent.
+A token costs n_moe * k * (id_bytes + 2) bytes, plus (n_moe - 1) * k * id_bytes with predictions (DeepSeek-V3:
+58 * 8 * 3 = 1392). The file is written under a temporary name and renamed when the recorder closes, so a trace is
+either complete or absent.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ class TraceHeader:
         return 1 if self.n_expert <= 256 else 2
 
     @property
-    def id_dtype(self) -> np.dtype:  # type: ignore[type-arg]
+    def id_dtype(self) -> np.dtype:
         return np.dtype(np.uint8 if self.id_bytes == 1 else "<u2")
 
 
@@ -182,11 +183,11 @@ class TraceWriter:
             raise TraceError(f"a step needs {h.n_moe} layers of ids and weights, got {len(ids)} and {len(weights)}")
         predicted = bool(h.meta.get("predicted"))
         if predicted != (pred is not None) or (pred is not None and (
-                len(pred) != h.n_moe - 1 or any(np.shape(p) != np.shape(i) for p, i in zip(pred, ids)))):
+                len(pred) != h.n_moe - 1 or any(np.shape(p) != np.shape(i) for p, i in zip(pred, ids, strict=False)))):
             raise TraceError("predictions must be given exactly when the header says so, one [rows, k] array per "
                              "MoE layer but the last")
         rows = []
-        for i, w in zip(ids, weights):
+        for i, w in zip(ids, weights, strict=True):
             i, w = np.asarray(i), np.asarray(w)
             if i.ndim != 2 or i.shape[1] != h.k or w.shape != i.shape or i.shape[0] > n_tokens:
                 raise TraceError(f"step arrays must be [rows <= {n_tokens}, {h.k}], got ids {i.shape}, "
@@ -195,7 +196,7 @@ class TraceWriter:
                 raise TraceError(f"expert id out of range 0..{h.n_expert - 1} in a step")
             rows.append(i.shape[0])
         self._f.write(struct.pack(f"<I{h.n_moe}I", n_tokens, *rows))
-        for m, (i, w) in enumerate(zip(ids, weights)):
+        for m, (i, w) in enumerate(zip(ids, weights, strict=True)):
             self._f.write(np.ascontiguousarray(i, dtype=h.id_dtype).tobytes())
             self._f.write(np.ascontiguousarray(w, dtype="<f2").tobytes())
             if pred is not None and m + 1 < h.n_moe:
@@ -250,7 +251,7 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     if len(layers) != n_moe or id_bytes != header.id_bytes:
         raise TraceError(f"{p}: inconsistent trace header ({n_moe} layers, metadata lists {len(layers)}; "
                          f"id width {id_bytes})")
-    steps = []
+    steps: list[Step] = []
     predicted = bool(meta.get("predicted"))
     pre = struct.Struct(f"<I{n_moe}I")
     while off < len(data):
@@ -303,8 +304,9 @@ class NextLayerPredictor:
         score = logits
         if self.sigmoid:
             score = 1.0 / (1.0 + np.exp(-logits))
-            if self.bias[m] is not None:
-                score = score + self.bias[m].reshape(1, -1)
+            bias = self.bias[m]
+            if bias is not None:
+                score = score + bias.reshape(1, -1)
         return np.argsort(-score, axis=1, kind="stable")[:, : self.k]
 
 

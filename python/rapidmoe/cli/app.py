@@ -13,10 +13,7 @@ from typing import Any, TypeVar
 import typer
 
 from ..errors import RapidMoEError
-from . import convert, inspect, make_model, run
-from . import serve
-from . import plan
-from . import calibrate
+from . import calibrate, convert, inspect, make_model, plan, run, serve
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -27,11 +27,13 @@ def convert(
 ) -> None:
     """Split every routed expert into WQ (low-bit, in NAME.wq.gguf, which stock llama.cpp runs) and the quantized
     residual WR (NAME.wr.gguf sidecar); print bits per weight and the reconstruction-error table."""
-    from ..resplit import collect_imatrix, convert as run_convert, get_preset, read_imatrix, write_imatrix  # noqa: PLC0415
+    from ..resplit import collect_imatrix, get_preset, read_imatrix, write_imatrix  # noqa: PLC0415
+    from ..resplit import convert as run_convert  # noqa: PLC0415
     from ..resplit.report import format_table  # noqa: PLC0415
 
     try:
-        p = get_preset(preset, wq=wq, wr=wr, down_mode=down, other=other)
+        given = {"wq": wq, "wr": wr, "down_mode": down, "other": other}
+        p = get_preset(preset, **{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
         raise RapidMoEError(str(e)) from e
     if imatrix is not None and calib_text is not None:
@@ -47,11 +49,12 @@ def convert(
         typer.echo(f"importance matrix: {saved}")
     res = run_convert(model, output, p, imatrix=im, name=name, force=force,
                       report_experts=None if report_experts == 0 else report_experts)
-    b = res.report["bits"]
+    report: dict[str, Any] = res.report
+    b = report["bits"]
     typer.echo(f"preset {p.name}: WQ {p.wq} {b['wq']:.3f} bpw | sidecar gate/up {p.wr} {b['wr_gate_up']:.3f} bpw, "
                f"down {p.down_hi} {p.down_mode} {b['down_sidecar']:.3f} bpw | critical path {b['critical']:.3f} bpw | "
                f"total stored {b['total_stored']:.3f} bpw (routed experts)")
     typer.echo(format_table(res.report))
-    f = res.report["files"]
+    f = report["files"]
     typer.echo(f"wrote {res.wq_path} ({f['wq_bytes'] / 1e6:.1f} MB), {res.wr_path} ({f['wr_bytes'] / 1e6:.1f} MB), "
                f"{res.report_path} in {res.seconds:.1f} s")

@@ -28,9 +28,9 @@ def make_model(
     from ..paths import vocab_dir  # noqa: PLC0415 - keep --help fast
     from ..synthetic import describe, spec_for, write_model  # noqa: PLC0415
 
-    overrides = {k: v for k, v in dict(n_layer=n_layer, n_embd=n_embd, n_expert=n_expert,
-                                        n_expert_used=n_expert_used, n_ff_exp=n_ff_exp, dtype=dtype,
-                                        vocab=vocab).items() if v is not None}
+    given = {"n_layer": n_layer, "n_embd": n_embd, "n_expert": n_expert, "n_expert_used": n_expert_used,
+             "n_ff_exp": n_ff_exp, "dtype": dtype, "vocab": vocab}
+    overrides = {k: v for k, v in given.items() if v is not None}
     try:
         spec = spec_for(arch, size, seed=seed, **overrides)
     except (ValueError, KeyError, TypeError) as e:

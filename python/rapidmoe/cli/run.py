@@ -65,8 +65,10 @@ def run(
     llm.reset_timings()
     out = sys.stdout
     out.write(prompt)
-    for chunk in llm.create_completion(prompt, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p,
-                                       repeat_penalty=repeat_penalty, seed=seed, stream=True):
+    chunks = llm.create_completion(prompt, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p,
+                                   repeat_penalty=repeat_penalty, seed=seed, stream=True)
+    assert not isinstance(chunks, dict)  # stream=True: an iterator of chunks
+    for chunk in chunks:
         out.write(chunk["choices"][0]["text"])
         out.flush()
     out.write("\n")

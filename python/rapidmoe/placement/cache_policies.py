@@ -77,7 +77,7 @@ class StaticCache(Policy):
     name = "static"
 
     def __init__(self, cached: Sequence[set[int] | Sequence[int]]) -> None:
-        self.cached = [set(int(e) for e in c) for c in cached]
+        self.cached = [{int(e) for e in c} for c in cached]
 
     def access(self, m: int, experts: np.ndarray, uses: np.ndarray, predicted: set[int] | None) -> Access:
         hit = np.fromiter((int(e) in self.cached[m] for e in experts), bool, len(experts))
@@ -142,7 +142,7 @@ class MoEpicCache(Policy):
             pred = np.fromiter((int(e) in predicted for e in experts), bool, len(experts))
             a.demand_bytes = float(need[~pred].sum())
             wasted = sum((1.0 - s) * self.eb if e in tops else self.eb for e in predicted
-                         if e not in set(int(x) for x in experts))
+                         if e not in {int(x) for x in experts})
             a.prefetch_bytes = float(need[pred].sum()) + wasted
         if s > 0:
             for e in experts:
@@ -174,7 +174,8 @@ class RefreshSettings:
         return 0.5 ** (1.0 / self.half_life_tokens)
 
 
-def refresh_swaps(score: np.ndarray, cached: Sequence[set[int]], settings: RefreshSettings) -> list[tuple[int, int, int]]:
+def refresh_swaps(score: np.ndarray, cached: Sequence[set[int]],
+                  settings: RefreshSettings) -> list[tuple[int, int, int]]:
     """The swaps (layer index, expert in, expert out) after a step: per layer, the hottest uncached expert for the
     coldest cached one when hotter by the margin; the largest gains first, at most copies_per_step. Shared by the
     simulator and the runtime (rapidmoe.expert_cache.CacheRefresher), so both make the same choices."""
@@ -203,7 +204,7 @@ class RapidMoECache(Policy):
                  half_life_tokens: float = 64.0, copies_per_step: int = 2, margin: float = 0.25,
                  prior: np.ndarray | None = None) -> None:
         self.settings = RefreshSettings(half_life_tokens, copies_per_step, margin)
-        self.cached = [set(int(e) for e in c) for c in initial]
+        self.cached = [{int(e) for e in c} for c in initial]
         self.n_expert, self.eb = n_expert, expert_bytes
         n_moe = len(self.cached)
         # counts start from the calibration frequencies (what chose the initial set), scaled to one half-life
@@ -259,7 +260,7 @@ class ReplayResult:
         return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
 
     def layer_hit_rates(self) -> list[float]:
-        return [h / s if s else 0.0 for h, s in zip(self.layer_hits, self.layer_slots)]
+        return [h / s if s else 0.0 for h, s in zip(self.layer_hits, self.layer_slots, strict=True)]
 
     def to_dict(self) -> dict[str, object]:
         return {"policy": self.policy, "phase": self.phase, "batch": self.batch, "n_tokens": self.n_tokens,
@@ -280,7 +281,7 @@ def replay(ids: np.ndarray, policy: Policy, cost: CostModel | None = None, *, ba
         raise CachePolicyError(f"routing must be [tokens, MoE layers, k], got shape {ids.shape}")
     if batch < 1:
         raise CachePolicyError(f"batch must be >= 1, got {batch}")
-    n, n_moe, k = ids.shape
+    n, n_moe, _ = ids.shape
     if steps is not None and (sum(steps) != n or min(steps, default=1) < 1):
         raise CachePolicyError(f"step sizes must be >= 1 and add up to the {n} tokens, got {sum(steps)}")
     starts = list(np.cumsum([0, *steps[:-1]])) if steps is not None else list(range(0, n, batch))
@@ -288,7 +289,7 @@ def replay(ids: np.ndarray, policy: Policy, cost: CostModel | None = None, *, ba
     res = ReplayResult(policy.name, "trace" if steps is not None else "decode" if batch == 1 else "prefill", batch, n,
                        0, 0, 0.0, 0.0, [0] * n_moe, [0] * n_moe, [0.0] * n_moe)
     background = 0.0  # copies queued by the previous step
-    for t0, size in zip(starts, sizes):
+    for t0, size in zip(starts, sizes, strict=True):
         t0 = int(t0)
         blk = ids[t0:t0 + size]
         step_s = cost.resident_s(len(blk)) if cost is not None else 0.0
@@ -302,7 +303,7 @@ def replay(ids: np.ndarray, policy: Policy, cost: CostModel | None = None, *, ba
             predicted = None
             if pred is not None and m > 0:
                 pc = pred[t0:t0 + size, m, :]
-                predicted = set(int(e) for e in pc[pc >= 0].reshape(-1))
+                predicted = {int(e) for e in pc[pc >= 0].reshape(-1)}
             a = policy.access(m, experts, uses, predicted)
             res.slots += a.uses
             res.hits += a.hit_uses
@@ -376,7 +377,7 @@ def split_fixed_point(curve: HitCurve, budget: float, *, n_expert: int, k: float
     the remaining memory on more experts (a higher hit rate H). The map is monotone in s, so the iteration from
     s = 1 converges; it is damped once it starts to alternate (n is capped at n_expert)."""
     eb = expert_bytes
-    kw = dict(k=k, expert_bytes=eb, pcie_bw=pcie_bw, window_s=window_s, accuracy=accuracy)
+    kw = {"k": k, "expert_bytes": eb, "pcie_bw": pcie_bw, "window_s": window_s, "accuracy": accuracy}
     if budget <= 0:
         return SplitSolution(0.0, 0.0, layer_stall_s(0.0, 0.0, **kw), 0, True)
     c = window_s * pcie_bw / (max(accuracy, 1e-9) * k * eb)
@@ -429,7 +430,7 @@ def moepic_config(curves: Sequence[HitCurve], budget: float, *, n_expert: int, k
     q_n = quanta if quanta is not None else 8 * n_moe
     q = budget / q_n if q_n else 0.0
     # a layer never needs more than all its experts whole
-    j_max = q_n if q == 0 else min(q_n, int(math.ceil(n_expert * expert_bytes / q)))
+    j_max = q_n if q == 0 else min(q_n, math.ceil(n_expert * expert_bytes / q))
     table = [[split_fixed_point(curves[m], j * q, n_expert=n_expert, k=k, expert_bytes=expert_bytes, pcie_bw=pcie_bw,
                                 window_s=windows_s[m], accuracy=accuracy[m]) for j in range(j_max + 1)]
              for m in range(n_moe)]
@@ -486,7 +487,7 @@ def chance_reuse(popularity: np.ndarray, k: int) -> float:
 
 
 def routing_stats(ids: np.ndarray, n_expert: int, pred: np.ndarray | None = None) -> RoutingStats:
-    n, n_moe, k = ids.shape
+    _, n_moe, k = ids.shape
     pop = np.zeros((n_moe, n_expert))
     reuse = np.zeros(n_moe)
     chance = np.zeros(n_moe)
@@ -513,8 +514,9 @@ def scale_routing(stats: RoutingStats, *, n_tokens: int, n_moe: int, n_expert: i
     """Routing [n_tokens, n_moe, k] (and predictions) for a larger shape from a real trace's per-layer statistics:
     big layer L takes small layer L x n_small // n_moe; small expert e becomes n_expert / n_small big experts that
     share its popularity equally; each token reuses a Binomial(k, excess reuse) number of the previous token's
-    experts (the small model's reuse beyond chance) and draws the rest by popularity, without repeats; the predictor names each chosen expert with the small
-    layer's measured accuracy (0.5 where none was measured) and fills the rest by popularity. A projection of
+    experts (the small model's reuse beyond chance) and draws the rest by popularity, without repeats; the
+    predictor names each chosen expert with the small layer's measured accuracy (0.5 where none was measured) and
+    fills the rest by popularity. A projection of
     the small model's skew and locality onto the big shape, not the big model's routing."""
     small_moe, small_e = stats.popularity.shape
     if n_expert % small_e:

@@ -54,7 +54,8 @@ class MachineProfile:
         names = {f.name for f in fields(MachineProfile)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise MachineError(f"{origin}: unknown machine fields {', '.join(unknown)} (known: {', '.join(sorted(names))})")
+            raise MachineError(f"{origin}: unknown machine fields {', '.join(unknown)} "
+                               f"(known: {', '.join(sorted(names))})")
         required = [f.name for f in fields(MachineProfile) if f.name not in ("sync_s", "source", "name")]
         missing = [n for n in required if n not in d]
         if missing:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import fields
-from typing import NotRequired, TypedDict
+from typing import TypedDict
+
+from typing_extensions import NotRequired  # typing has it from Python 3.11
 
 from ..errors import ModelFileError
 from ..resplit.presets import Preset
@@ -52,7 +54,7 @@ def realize(p: Plan, cache_device: str | None = None) -> LlamaPlacement:
         raise PlanError(f"placement flags must come in flag/value pairs: {' '.join(args)}")
     ints = {"n_ctx": p.n_ctx, "n_gpu_layers": 0, "n_cpu_moe": 0}
     overrides: list[str] = []
-    for flag, value in zip(args[::2], args[1::2]):
+    for flag, value in zip(args[::2], args[1::2], strict=True):
         if flag in _OT_FLAGS:
             overrides.append(value)
         elif flag in _INT_FLAGS:

@@ -49,8 +49,8 @@ def format_plans(model: ModelShapes, plans: list[Plan]) -> str:
         return f"{v:>{col // 2}.1f}" if v else f"{'-':>{col // 2}}"
 
     for part in parts:
-        lines.append(f"{part:<{w}}" + "".join(cell(gib(p.device_bytes(GPU, part))) + cell(gib(p.device_bytes(CPU, part)))
-                                            for p in plans))
+        lines.append(f"{part:<{w}}" + "".join(cell(gib(p.device_bytes(GPU, part)))
+                                            + cell(gib(p.device_bytes(CPU, part))) for p in plans))
     lines.append(f"{'total':<{w}}" + "".join(cell(gib(p.vram)) + cell(gib(p.dram)) for p in plans))
     lines.append(f"{'fits':<{w}}" + "".join(f"{'yes' if p.fits else 'NO':>{col}}" for p in plans))
     lines.append(f"{'experts on GPU':<{w}}" + "".join(
@@ -62,9 +62,10 @@ def format_plans(model: ModelShapes, plans: list[Plan]) -> str:
             lines.append(f"  does not fit: {msg}")
         for note in p.notes:
             lines.append(f"  note: {note}")
-        r = p.realization
-        lines.append(f"  rapidmoe-cli run {_files(model, p)} {' '.join(r.args)}" + (f"  ({r.note})" if r.note else "")
-                     + ("" if r.exact else f"  [GPU hit rate {r.hit_rate:.1%}]"))
+        real = p.realization
+        lines.append(f"  rapidmoe-cli run {_files(model, p)} {' '.join(real.args)}"
+                     + (f"  ({real.note})" if real.note else "")
+                     + ("" if real.exact else f"  [GPU hit rate {real.hit_rate:.1%}]"))
     return "\n".join(lines)
 
 

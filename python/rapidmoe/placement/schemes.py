@@ -95,7 +95,7 @@ def compare_schemes(model: ModelShapes, machine: MachineProfile, preset: Preset,
 
     def cpu_centric(cost: CostModel, cached: list[np.ndarray], r: int, overlap: bool, batch: int) -> float:
         t = cost.resident_s(batch)
-        for sh, cm in zip(shares, cached):
+        for sh, cm in zip(shares, cached, strict=True):
             p = k * sh  # per token
             d = _distinct(p, batch)
             hit_d, hit_u = float(d[cm].sum()), float(batch * p[cm].sum())
@@ -127,14 +127,15 @@ def compare_schemes(model: ModelShapes, machine: MachineProfile, preset: Preset,
     cap = int(free // eb // max(1, n_moe))
     curves = [hit_curve(sh) for sh in shares]
 
-    def gpu_centric(cost: CostModel, capacity: list[float], split: list[float], acc: float, batch: int) -> tuple[float, float, float]:
+    def gpu_centric(cost: CostModel, capacity: list[float], split: list[float], acc: float,
+                    batch: int) -> tuple[float, float, float]:
         t, moved, hits = cost.resident_s(batch), 0.0, 0.0
         window = cost.resident_s(1) / max(1, n_moe)
-        for sh, n, s in zip(shares, capacity, split):
+        for sh, n, s in zip(shares, capacity, split, strict=True):
             p = k * sh
             order = np.argsort(-sh, kind="stable")
             cached = np.zeros(n_expert, dtype=bool)
-            cached[order[: int(math.floor(n + 1e-9))]] = True
+            cached[order[: math.floor(n + 1e-9)]] = True
             d = _distinct(p, batch)
             need = float((d * np.where(cached, (1.0 - s) * eb, eb)).sum())
             hits += float(p[cached].sum()) / k

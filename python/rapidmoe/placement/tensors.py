@@ -8,6 +8,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import ModelFileError
 
@@ -120,7 +121,7 @@ def read_gguf_shapes(path: str | os.PathLike[str]) -> ModelShapes:
     r = GGUFFile(path)
     arch = info.architecture
 
-    def hp(key: str, default: object = 0) -> object:
+    def hp(key: str, default: object = 0) -> Any:
         return r.get(f"{arch}.{key}", default)
 
     n_layer = info.n_layer

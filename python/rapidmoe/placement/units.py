@@ -30,7 +30,7 @@ def parse_size(text: str) -> int:
     if m is None or unit not in _UNITS:
         raise SizeError(f"cannot read memory size {text!r}: use a number with an optional unit "
                         "(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB; K/M/G/T mean KiB/MiB/GiB/TiB), e.g. 24GiB")
-    return int(round(float(m.group(1)) * _UNITS[unit]))
+    return round(float(m.group(1)) * _UNITS[unit])
 
 
 def gib(n_bytes: float) -> float:

@@ -96,7 +96,7 @@ def _temp_outputs(paths: list[Path]) -> Iterator[list[Path]]:
     tmps = [p.with_name(p.name + ".tmp") for p in paths]
     try:
         yield tmps
-        for tmp, final in zip(tmps, paths):
+        for tmp, final in zip(tmps, paths, strict=True):
             os.replace(tmp, final)
     finally:
         for tmp in tmps:

@@ -6,6 +6,7 @@ Pure numpy; sums of squares are accumulated in float64 so totals are exact aggre
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -65,18 +66,19 @@ class TensorReport:
                 "sidecar_is_copy": self.down_copy, "rel_error": self.acc.summary()}
 
 
-def format_table(report: dict[str, object]) -> str:
+def format_table(report: dict[str, Any]) -> str:
     """The per-tensor and total relative errors as a fixed-width table."""
     rows = [("tensor", "wq", "sidecar", "WQ only", "critical", "Q4_K", "Q8_0")]
-    for t in report["tensors"]:  # type: ignore[union-attr]
+    for t in report["tensors"]:
         e = t["rel_error"]
         side = t["sidecar_type"] + (" copy" if t["sidecar_is_copy"] else " res")
         rows.append((t["name"], t["wq_type"], side, f"{e['wq_only']:.4f}", f"{e['critical']:.4f}",
                      f"{e.get('Q4_K', float('nan')):.4f}", f"{e.get('Q8_0', float('nan')):.4f}"))
-    tot = report["total"]  # type: ignore[index]
+    tot = report["total"]
     rows.append(("TOTAL (routed experts)", "", "", f"{tot['wq_only']:.4f}", f"{tot['critical']:.4f}",
                  f"{tot.get('Q4_K', float('nan')):.4f}", f"{tot.get('Q8_0', float('nan')):.4f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -14,6 +14,7 @@ import logging
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from gguf import GGUFWriter
 
@@ -85,7 +86,7 @@ def stamp_base(sidecar_path: Path, base_path: Path) -> None:
     stamp_base_hash(sidecar_path, layout_sha256(base_path), "base_layout_sha256")
 
 
-def read_sidecar_meta(path: str | os.PathLike[str] | GGUFFile) -> dict[str, object]:
+def read_sidecar_meta(path: str | os.PathLike[str] | GGUFFile) -> dict[str, Any]:
     r = path if isinstance(path, GGUFFile) else GGUFFile(path)
     if r.get("general.architecture") != SIDECAR_ARCH:
         raise ModelFileError(f"{r.path} is not a RapidMoE residual sidecar")
@@ -95,7 +96,7 @@ def read_sidecar_meta(path: str | os.PathLike[str] | GGUFFile) -> dict[str, obje
 
 
 def check_pair(wq_path: str | os.PathLike[str] | GGUFFile, wr_path: str | os.PathLike[str] | GGUFFile, *,
-               verify: bool = True, verify_data: bool = False) -> dict[str, object]:
+               verify: bool = True, verify_data: bool = False) -> dict[str, Any]:
     """Refuse a sidecar that was not made from this base; returns the sidecar's metadata.
 
     Always: the pair id. verify: the base's size and tensor table against the layout hash the sidecar recorded
@@ -106,7 +107,7 @@ def check_pair(wq_path: str | os.PathLike[str] | GGUFFile, wr_path: str | os.Pat
     side = wr_path if isinstance(wr_path, GGUFFile) else GGUFFile(wr_path)
     wq_path, wr_path = base.path, side.path
     meta = read_sidecar_meta(side)
-    if int(meta.get("format_version", 0)) != FORMAT_VERSION:  # type: ignore[arg-type]
+    if int(meta.get("format_version", 0)) != FORMAT_VERSION:
         raise ModelFileError(f"{wr_path} has sidecar format {meta.get('format_version')}, "
                              f"this RapidMoE reads {FORMAT_VERSION}")
     base_id = base.get("rapidmoe.resplit.pair_id")

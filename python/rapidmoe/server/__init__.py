@@ -5,7 +5,7 @@ continuous batching of slots as sequences of one llama context). JSON and chat t
 """
 from __future__ import annotations
 
-from .config import ServerConfig
 from .app import run_server
+from .config import ServerConfig
 
 __all__ = ["ServerConfig", "run_server"]

@@ -128,7 +128,7 @@ class _Server(ThreadingHTTPServer):
             self.n_active += delta
 
     def handle_error(self, request: Any, client_address: Any) -> None:  # keep tracebacks in our log
-        log.debug("connection error from %s", client_address, exc_info=True)
+        log.debug("connection error from %s", client_address, exc_info=True)  # noqa: LOG014 - called in an except
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -137,13 +137,13 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "rapidmoe"
     sys_version = ""
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:  # http.server's naming
         self._handle("GET")
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self._handle("POST")
 
-    def do_OPTIONS(self) -> None:  # noqa: N802 - CORS preflight, answered without auth like llama-server
+    def do_OPTIONS(self) -> None:  # CORS preflight, answered without auth like llama-server
         self.send_response(200)
         self._cors()
         self.send_header("Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS")
@@ -199,7 +199,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
             else:
                 self._send(routes.Reply(e.status, e.to_bytes()))
-        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+        except (TimeoutError, BrokenPipeError, ConnectionResetError):
             status = 499
             self.close_connection = True
         except Exception:
@@ -240,7 +240,8 @@ class Handler(BaseHTTPRequestHandler):
     def _read_body(self, st: routes.AppState) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             self.close_connection = True
-            raise ApiError(411, "invalid_request_error", "chunked request bodies are not supported; send Content-Length")
+            raise ApiError(411, "invalid_request_error",
+                           "chunked request bodies are not supported; send Content-Length")
         raw = self.headers.get("Content-Length", "0")
         try:
             n = int(raw)
@@ -255,7 +256,7 @@ class Handler(BaseHTTPRequestHandler):
             raise payload_too_large(st.config.max_body)
         try:
             data = self.rfile.read(n)
-        except socket.timeout:
+        except TimeoutError:
             self.close_connection = True
             raise ApiError(408, "invalid_request_error", "timed out reading the request body") from None
         if len(data) != n:
@@ -333,7 +334,7 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
             return status
-        except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
+        except (TimeoutError, BrokenPipeError, ConnectionResetError, OSError):
             s.on_abort()
             self.close_connection = True
             return 499

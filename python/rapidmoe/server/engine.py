@@ -40,7 +40,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-class QueueFull(Exception):
+class QueueFull(Exception):  # noqa: N818 - named like queue.Full
     """All slots are busy and the waiting queue is full."""
 
 
@@ -208,7 +208,9 @@ class Engine:
         # it returns the flag (length 0 or 1) in the return register without entering Python (a Python callback
         # would take the GIL at every graph node).
         self._abort_flag = ctypes.create_string_buffer(2)
-        self._abort_cb = lc.ggml_abort_callback(ctypes.cast(ctypes.CDLL(None).strlen, ctypes.c_void_p).value)
+        strlen = ctypes.cast(ctypes.CDLL(None).strlen, ctypes.c_void_p).value
+        assert strlen is not None  # libc is loaded in every process
+        self._abort_cb = lc.ggml_abort_callback(strlen)
         lc.llama_set_abort_callback(self._ctx, self._abort_cb, ctypes.cast(self._abort_flag, ctypes.c_void_p))
         self._thread = threading.Thread(target=self._run, name="rapidmoe-engine", daemon=True)
         self._thread.start()
@@ -457,7 +459,7 @@ class Engine:
         logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, i_batch), shape=(self.n_vocab,))
         x = logits.astype(np.float64)
         x -= x.max()
-        return x - np.log(np.exp(x).sum())  # type: ignore[no-any-return]
+        return x - np.log(np.exp(x).sum())
 
     def _token_prob(self, tok: int, logprobs: np.ndarray, n_top: int) -> TokenProb:
         top: tuple[tuple[int, bytes, float], ...] = ()

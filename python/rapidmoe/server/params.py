@@ -73,7 +73,7 @@ def not_supported(name: str, why: str = "") -> ApiError:
 
 
 def _off(*values: Any) -> Callable[[Any], bool]:
-    return lambda v: any(v == x and type(v) is type(x) for x in values)  # noqa: E721 - True is not 1 here
+    return lambda v: any(v == x and type(v) is type(x) for x in values)  # `type(v) is type(x)`: True is not 1 here
 
 
 _EMPTY = lambda v: v == [] or v == {} or v == ""  # noqa: E731

@@ -21,8 +21,15 @@ from .chat import ChatTemplate, check_messages
 from .config import ServerConfig
 from .engine import Chunk, Engine, Event, Failed, Finished, QueueFull, Ticket
 from .errors import ApiError, exceed_context, invalid_request, not_found, unavailable
-from .params import (SEED_RANDOM, GenerationParams, SamplingParams, check_utf8, generation_from, get_bool,
-                     refuse_unsupported)
+from .params import (
+    SEED_RANDOM,
+    GenerationParams,
+    SamplingParams,
+    check_utf8,
+    generation_from,
+    get_bool,
+    refuse_unsupported,
+)
 from .structured import grammar_from
 
 
@@ -352,7 +359,7 @@ def oai_completions(st: AppState, req: Request) -> Reply | Stream:
         assert isinstance(ev, Finished)
         tail = Chunk(ev.text, [], ev.n_decoded, probs=ev.tail_probs)
         out = [sse.event(responses.oai_cmpl_partial(meta, tail))] if ev.text else []
-        return out + [sse.event(responses.oai_cmpl_final(meta, ev, "", stream=True))]
+        return [*out, sse.event(responses.oai_cmpl_final(meta, ev, "", stream=True))]
 
     return _stream(st, t, req, fmt, done=True)
 
@@ -387,7 +394,7 @@ def chat_completions(st: AppState, req: Request) -> Reply | Stream:
             return [sse.event(responses.chat_partial(meta, ev, first))]
         assert isinstance(ev, Finished)
         head = [sse.event(responses.chat_partial(meta, Chunk("", [], 0), True))] if first else []
-        return head + [sse.event(responses.chat_stream_final(meta, ev, ev.text))]
+        return [*head, sse.event(responses.chat_stream_final(meta, ev, ev.text))]
 
     return _stream(st, t, req, fmt, done=True)
 

@@ -43,7 +43,7 @@ class SlotSampler:
         if p.logit_bias:
             arr = (lc.llama_logit_bias * len(p.logit_bias))()
             for i, (tok, bias) in enumerate(p.logit_bias):
-                arr[i].token, arr[i].bias = tok, bias if math.isfinite(bias) else -math.inf
+                arr[i].token, arr[i].bias = tok, bias if math.isfinite(bias) else -math.inf  # type: ignore[assignment]  # ctypes converts
             add(lc.llama_sampler_init_logit_bias(n_vocab, len(p.logit_bias), arr))
         if p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             last_n = n_vocab if p.repeat_last_n == -1 else p.repeat_last_n

@@ -105,7 +105,7 @@ def _int_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
 def schema_converter() -> Any:
     from .._llama_cpp.llama_grammar import SchemaConverter  # noqa: PLC0415 - the ctypes layer loads lazily
 
-    class Converter(SchemaConverter):  # type: ignore[misc, valid-type]
+    class Converter(SchemaConverter):
         """llama-cpp-python's converter, plus integer bounds (which it ignores): a bounded range becomes its
         values as alternatives, `minimum` 0 or 1 alone a digit pattern; other bounds are refused."""
 

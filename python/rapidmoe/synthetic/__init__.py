@@ -5,13 +5,25 @@ per-token byte accounting (spec.py), streamed atomic writing (writer.py). Same s
 """
 from __future__ import annotations
 
-from .spec import (ARCHS, SIZE_NAMES, SIZES, VOCAB_SIZES, SyntheticSpec, TensorPlan, describe, spec_for,
-                   tensor_plan)
+from .spec import ARCHS, SIZE_NAMES, SIZES, VOCAB_SIZES, SyntheticSpec, TensorPlan, describe, spec_for, tensor_plan
 from .weights import GENERATOR_VERSION, generate, router_skew_stats
 from .writer import read_spec, read_tokenizer, vocab_file, write_model
 
 __all__ = [
-    "ARCHS", "GENERATOR_VERSION", "SIZES", "SIZE_NAMES", "SyntheticSpec", "TensorPlan", "VOCAB_SIZES", "describe",
-    "generate", "read_spec", "read_tokenizer", "router_skew_stats", "spec_for", "tensor_plan", "vocab_file",
-    "write_model",
+                   "ARCHS",
+                   "GENERATOR_VERSION",
+                   "SIZES",
+                   "SIZE_NAMES",
+                   "VOCAB_SIZES",
+                   "SyntheticSpec",
+                   "TensorPlan",
+                   "describe",
+                   "generate",
+                   "read_spec",
+                   "read_tokenizer",
+                   "router_skew_stats",
+                   "spec_for",
+                   "tensor_plan",
+                   "vocab_file",
+                   "write_model",
 ]

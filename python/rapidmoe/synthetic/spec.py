@@ -219,8 +219,8 @@ def _qwen(**kw: Any) -> dict[str, Any]:
 
 
 def _ds(**kw: Any) -> dict[str, Any]:
-    base = dict(arch="deepseek2", n_expert_shared=1, n_layer_dense_lead=1, qk_rope_head_dim=64,
-                qk_nope_head_dim=128, v_head_dim=128, expert_weights_scale=2.5)
+    base: dict[str, Any] = {"arch": "deepseek2", "n_expert_shared": 1, "n_layer_dense_lead": 1, "qk_rope_head_dim": 64,
+                            "qk_nope_head_dim": 128, "v_head_dim": 128, "expert_weights_scale": 2.5}
     base.update(kw)
     return base
 

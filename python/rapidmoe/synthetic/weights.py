@@ -12,8 +12,20 @@ from typing import Any
 
 import numpy as np
 
-from .spec import (ATTN_OUT, DENSE_DOWN, EMBD, NORM, OUTPUT, PROBS_B, ROUTED, ROUTED_DOWN, ROUTER, SHARED_DOWN,
-                   SyntheticSpec, TensorPlan)
+from .spec import (
+    ATTN_OUT,
+    DENSE_DOWN,
+    EMBD,
+    NORM,
+    OUTPUT,
+    PROBS_B,
+    ROUTED,
+    ROUTED_DOWN,
+    ROUTER,
+    SHARED_DOWN,
+    SyntheticSpec,
+    TensorPlan,
+)
 
 log = logging.getLogger(__name__)
 

@@ -302,11 +302,11 @@ def calibrate(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], 
     lat, kl = [e.predicted_ms for e in evals], [e.kl_mean for e in evals]
     front = [idx[j] for j in pareto([lat[i] for i in idx], [kl[i] for i in idx])]
     chosen = choose(lat, kl, budget_ms, idx)
-    e = evals[chosen]
-    e.policy = replace(e.policy, phase="auto", meta={
+    pick = evals[chosen]
+    pick.policy = replace(pick.policy, phase="auto", meta={
         "calibrated_on": str(text_path), "tokens": len(chunks) * chunk, "chunk": chunk, "seed": seed,
-        "reference": str(reference) if reference else "r=k", "kl_mean": e.kl_mean,
-        "predicted_decode_ms": e.predicted_ms, "budget_ms": budget_ms, "model": str(wq_path),
+        "reference": str(reference) if reference else "r=k", "kl_mean": pick.kl_mean,
+        "predicted_decode_ms": pick.predicted_ms, "budget_ms": budget_ms, "model": str(wq_path),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
     settings = {"wq": str(wq_path), "wr": str(wr_path), "text": str(text_path), "reference": str(reference or "r=k"),
                 "tokens": len(chunks) * chunk, "chunk": chunk, "seed": seed, "alphas": list(alphas),
@@ -317,7 +317,7 @@ def calibrate(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], 
 
 def _refine(scorer: Scorer, evals: list[Evaluation], weights: list[np.ndarray], chunks: list[list[int]],
             ref_logp: list[np.ndarray], latency: LatencyModel, budget_ms: float | None, beta: float, r_min: int,
-            k: int, bar: tqdm) -> list[Evaluation]:  # type: ignore[type-arg]
+            k: int, bar: tqdm) -> list[Evaluation]:
     """Around the best UMIA candidate (lowest KL within the budget, or its level's best without one), try alpha
     +- 0.1 then +- 0.05 at the same target mean r (theta re-found by bisection); keep whatever lowers the KL."""
     umia = [e for e in evals if e.kind == "umia" and (budget_ms is None or e.predicted_ms <= budget_ms)]
@@ -351,12 +351,12 @@ def _refine(scorer: Scorer, evals: list[Evaluation], weights: list[np.ndarray], 
 
 
 def evaluate(scorer: Scorer, label: str, kind: str, pol: Policy, chunks: list[list[int]],
-              ref_logp: list[np.ndarray], latency: LatencyModel, bar: tqdm) -> Evaluation:  # type: ignore[type-arg]
+              ref_logp: list[np.ndarray], latency: LatencyModel, bar: tqdm) -> Evaluation:
     scorer.llm.set_policy(pol)
     scorer.llm.r_histogram(reset=True)
     kls = []
     agree = []
-    for c, lp in zip(chunks, ref_logp):
+    for c, lp in zip(chunks, ref_logp, strict=True):
         lg = scorer.logits(c)
         kls.append(_kl(lp, lg))
         agree.append(lp.argmax(-1) == lg.argmax(-1))

@@ -113,7 +113,8 @@ class LatencyModel:
         rows = ["phase    path  r   measured ms/token  predicted  error   leave-one-out error"]
         for p in self.points:
             rows.append(f"{p.phase:8s} {p.mode:5s} {p.r:<3d} {p.ms:17.3f}  {p.predicted_ms:9.3f}  "
-                        f"{100 * p.rel_err:+5.1f}%  " + (f"{100 * p.loo_rel_err:+5.1f}%" if np.isfinite(p.loo_ms) else "  n/a (needed by the fit)"))
+                        f"{100 * p.rel_err:+5.1f}%  "
+                        + (f"{100 * p.loo_rel_err:+5.1f}%" if np.isfinite(p.loo_ms) else "  n/a (needed by the fit)"))
         for ph in ("decode", "prefill"):
             if any(p.phase == ph for p in self.points):
                 f = self.fit_errors(ph)
@@ -187,7 +188,8 @@ def load_latency_model(path: str | os.PathLike[str]) -> LatencyModel:
     try:
         d = json.loads(p.read_text())
     except FileNotFoundError:
-        raise RapidMoEError(f"latency model {p} does not exist (make one with `rapidmoe-cli calibrate-latency`)") from None
+        raise RapidMoEError(
+            f"latency model {p} does not exist (make one with `rapidmoe-cli calibrate-latency`)") from None
     except (OSError, ValueError) as e:
         raise RapidMoEError(f"cannot read latency model {p}: {e}") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("version") != VERSION:
@@ -197,15 +199,21 @@ def load_latency_model(path: str | os.PathLike[str]) -> LatencyModel:
             n_moe_layers=int(d["n_moe_layers"]), k=int(d["k"]), decode=PhaseCosts(**d["decode"]),
             prefill=PhaseCosts(**d["prefill"]) if d.get("prefill") else None,
             prefill_batch=int(d["prefill_batch"]),
-            points=[Point(**{k: (float("nan") if v is None else v) for k, v in x.items()}) for x in d["points"]],
+            points=[_point(x) for x in d["points"]],
             machine=d.get("machine", {}), model=d.get("model", {}))
     except (KeyError, TypeError, ValueError) as e:
         raise RapidMoEError(f"{p}: malformed latency model ({e})") from None
 
 
+def _point(x: dict[str, Any]) -> Point:
+    """A measured point from its JSON form (null stands for NaN)."""
+    values: dict[str, Any] = {k: (float("nan") if v is None else v) for k, v in x.items()}
+    return Point(**values)
+
+
 def describe_machine(threads: int | None) -> dict[str, Any]:
     """What the measurements depend on: CPU model and flags, cores, threads used, memory."""
-    cpu, flags = platform.processor() or "unknown", []
+    cpu, flags = platform.processor() or "unknown", list[str]()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name") and cpu in ("unknown", "x86_64", ""):

@@ -20,6 +20,7 @@ def test_fails_fast_without_a_gpu(tmp_path: Path) -> None:
     assert p.returncode == 3 and "no NVIDIA GPU" in p.stderr
 
 
+@pytest.mark.native
 @pytest.mark.slow
 def test_cpu_dry_run(tmp_path: Path) -> None:
     p = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--cpu"], capture_output=True, text=True,

@@ -30,6 +30,7 @@ TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "
 
 # --- bytes ----------------------------------------------------------------------------------------------------
 
+@pytest.mark.native
 def test_type_table_matches_ggml() -> None:
     from rapidmoe._runtime import _core
 
@@ -75,6 +76,7 @@ def test_shape_set_layout_is_the_gguf_layout(tiny_model: Path) -> None:
     assert s.kv_elements_per_token() == read_gguf_shapes(tiny_model).kv_elements_per_token
 
 
+@pytest.mark.native
 def test_resplit_bytes_match_a_conversion(tiny_qwen: Path, tmp_path: Path) -> None:
     from rapidmoe.resplit import convert
 
@@ -88,6 +90,7 @@ def test_resplit_bytes_match_a_conversion(tiny_qwen: Path, tmp_path: Path) -> No
     assert sum(int(t.n_bytes) for t in GGUFFile(res.wr_path).tensors) == sum(fp.sidecar.values())
 
 
+@pytest.mark.native
 def test_q4_k_m_types_are_llama_quantize_s(tiny_model: Path, tmp_path: Path) -> None:
     from rapidmoe import llama_cpp
 

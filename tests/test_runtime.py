@@ -53,3 +53,16 @@ def test_foreign_lib_path_is_ignored(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     lib, var, name = out.stdout.split()
     assert Path(lib).parent == LIB_DIR.resolve() and var == str(tmp_path) and name == "rapidmoe._llama_cpp"
+
+
+def test_core_ships_type_stubs() -> None:
+    """nanobind's stubgen output is installed beside _core and names every binding; the package is marked typed."""
+    import ast
+
+    stub = Path(_core.__file__).with_name("_core.pyi")
+    assert stub.is_file(), f"no stub beside {_core.__file__}"
+    tree = ast.parse(stub.read_text())
+    declared = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    public = {n for n in dir(_core) if not n.startswith("_") and callable(getattr(_core, n))}
+    assert public and public <= declared, sorted(public - declared)
+    assert (Path(rapidmoe.__file__).parent / "py.typed").is_file()

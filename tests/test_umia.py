@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rapidmoe import Llama, RapidMoEError, _core
+import rapidmoe
+from rapidmoe import RapidMoEError
 from rapidmoe.umia import Policy, PolicyError, load_policy
 from rapidmoe.umia.arbitration import critical_ids, n_critical
 
@@ -49,7 +50,7 @@ def _r_loop(w: np.ndarray, tau: float, r_min: int, r_max: int) -> np.ndarray:
 
 def _run_op(w: np.ndarray, policy: Policy, il: int, phase: int) -> tuple[np.ndarray, np.ndarray]:
     arr = policy.to_array(N_LAYER, MOE_LAYERS, w.shape[1])
-    return _core.umia_eval(np.ascontiguousarray(w, dtype=np.float32), arr, il, phase)
+    return rapidmoe._core.umia_eval(np.ascontiguousarray(w, dtype=np.float32), arr, il, phase)
 
 
 def _router_weights(rng: np.random.Generator, T: int, k: int) -> np.ndarray:
@@ -59,6 +60,7 @@ def _router_weights(rng: np.random.Generator, T: int, k: int) -> np.ndarray:
     return (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("phase", [0, 1])
 @pytest.mark.parametrize("policy", [
     Policy(theta=0.5),
@@ -96,6 +98,7 @@ def test_op_matches_numpy_every_layer_and_phase(policy: Policy, phase: int) -> N
             assert rs[0] > rs[-1]
 
 
+@pytest.mark.native
 def test_op_edge_cases() -> None:
     k = 4
     # ties: equal weights keep the router's slot order
@@ -124,7 +127,7 @@ def test_op_edge_cases() -> None:
     w2 = np.array([[4.0, 3.0, 2.0, 1.0]], np.float32)
     np.testing.assert_array_equal(_run_op(w2, Policy(theta=0.7), 1, 0)[0], [[0, 1, -1, -1]])
     with pytest.raises(ValueError, match="bad arguments"):
-        _core.umia_eval(w, Policy().to_array(N_LAYER, MOE_LAYERS, k), N_LAYER, 0)
+        rapidmoe._core.umia_eval(w, Policy().to_array(N_LAYER, MOE_LAYERS, k), N_LAYER, 0)
 
 
 @pytest.mark.parametrize("doc, match", [
@@ -168,16 +171,17 @@ def test_policy_files(tmp_path: Path) -> None:
 TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense. " * 2
 
 
-def _scores(llm: Llama, toks: list[int]) -> np.ndarray:
+def _scores(llm: rapidmoe.Llama, toks: list[int]) -> np.ndarray:
     llm.reset()
     llm.eval(toks)
     return np.array(llm.scores[: len(toks)], dtype=np.float64)
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
 def test_policy_in_the_model(make_split, arch: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     _, wq, wr = make_split(arch)
-    llm = Llama(wq, residual_path=wr, n_ctx=128, logits_all=True, verbose=False, n_threads=2)
+    llm = rapidmoe.Llama(wq, residual_path=wr, n_ctx=128, logits_all=True, verbose=False, n_threads=2)
     k = llm.residual.n_expert_used
     toks = llm.tokenize(TEXT)[:40]
     fixed = {r: (llm.set_n_critical(r), _scores(llm, toks))[1] for r in (0, k)}
@@ -220,11 +224,12 @@ def test_policy_in_the_model(make_split, arch: str, tmp_path: Path) -> None:  # 
     llm.close()
 
 
+@pytest.mark.native
 def test_drop_baseline(make_split) -> None:  # type: ignore[no-untyped-def]
     _, wq, wr = make_split("qwen3moe")
-    toks = Llama(wq, n_ctx=64, vocab_only=True, verbose=False).tokenize(TEXT)[:24]
-    normal = Llama(wq, residual_path=wr, n_ctx=64, logits_all=True, verbose=False, n_threads=2)
-    drop = Llama(wq, residual_path=wr, n_ctx=64, logits_all=True, verbose=False, n_threads=2,
+    toks = rapidmoe.Llama(wq, n_ctx=64, vocab_only=True, verbose=False).tokenize(TEXT)[:24]
+    normal = rapidmoe.Llama(wq, residual_path=wr, n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    drop = rapidmoe.Llama(wq, residual_path=wr, n_ctx=64, logits_all=True, verbose=False, n_threads=2,
                  skip_noncritical=True)
     k = normal.residual.n_expert_used
     for llm in (normal, drop):
@@ -242,6 +247,7 @@ def test_drop_baseline(make_split) -> None:  # type: ignore[no-untyped-def]
     drop.close()
 
 
+@pytest.mark.native
 def test_policy_needs_a_sidecar(tiny_qwen: Path) -> None:
     with pytest.raises(RapidMoEError, match="need a residual sidecar"):
-        Llama(tiny_qwen, policy=Policy(theta=0.5), verbose=False)
+        rapidmoe.Llama(tiny_qwen, policy=Policy(theta=0.5), verbose=False)

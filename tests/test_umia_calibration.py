@@ -134,6 +134,7 @@ def test_theta_for_level_hits_the_target_and_chunks_are_seeded() -> None:
         pick_chunks(toks, 2000, 100, seed=0)
 
 
+@pytest.mark.native
 @pytest.mark.slow
 def test_calibrate_commands_end_to_end(make_split, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     _, wq, wr = make_split("qwen3moe")

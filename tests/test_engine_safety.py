@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from rapidmoe import Llama, _core
+from rapidmoe import Llama, RapidMoEError, _core
 from rapidmoe.umia import Policy
 
 TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense."
@@ -18,6 +18,34 @@ def test_worker_task_life_cycle() -> None:
     back from wait as its error and the worker runs on (today's main: std::terminate)."""
     passed, what = _core.worker_selftest()
     assert passed, what
+
+
+def test_worker_failure_reaches_the_caller(make_split) -> None:  # type: ignore[no-untyped-def]
+    """A residual task that throws on the worker thread: the process lives on, the step's logits are wrong, eval
+    raises RapidMoEError naming the failure, and the same step computed again equals an undisturbed run bit for bit."""
+    _, wq, wr = make_split("qwen3moe")
+    kw = dict(residual_path=wr, overlap="on", n_critical=2, n_ctx=64, n_threads=2, logits_all=True, verbose=False)
+    ref = Llama(wq, **kw)  # type: ignore[arg-type]
+    toks = ref.tokenize(TEXT, add_bos=False)[:3]
+    try:
+        ref.eval(toks)
+        want = np.array(ref.scores[2], dtype=np.float32)
+    finally:
+        ref.close()
+    llm = Llama(wq, **kw)  # type: ignore[arg-type]
+    try:
+        llm.eval(toks[:2])
+        _core.worker_fail_next()
+        with pytest.raises(RapidMoEError, match="injected failure"):
+            llm.eval(toks[2:])
+        # join wrote NaN; the quantized matmuls after it turn that into garbage, not always into NaN
+        assert not np.array_equal(np.array(llm.scores[2], dtype=np.float32), want)
+        llm.n_tokens = 2  # the failed step again
+        llm.eval(toks[2:])
+        assert np.array_equal(np.array(llm.scores[2], dtype=np.float32), want)
+        assert _core.take_worker_error(llm._model.model) is None  # taken by the eval that raised
+    finally:
+        llm.close()
 
 
 def _decode_r(raw: np.ndarray, layers: list[int]) -> list[int] | None:

@@ -335,7 +335,18 @@ class Llama(llama_cpp.Llama):
 
     def eval(self, tokens: Sequence[int]) -> None:
         super().eval(tokens)
+        self.raise_worker_error()
         self.after_decode(len(tokens))
+
+    def raise_worker_error(self) -> None:
+        """RapidMoEError if the residual worker failed since the last check (the join it reached wrote NaN: those
+        steps' results are not to be used). `eval` calls it; callers of llama_decode call it after a step."""
+        model = self.__dict__.get("_model")
+        if getattr(self, "residual", None) is None or model is None or model.model is None:
+            return
+        err = _core.take_worker_error(model.model)
+        if err is not None:
+            raise RapidMoEError(f"the residual worker failed: {err}")
 
     def after_decode(self, n_tokens: int) -> None:
         """What follows a decode step: the trace's batches are written, the rapidmoe cache policy refreshes the

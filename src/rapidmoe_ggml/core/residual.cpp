@@ -124,6 +124,8 @@ void bind_residual(nb::module_ & m) {
               return std::nullopt;
           }, "model"_a,
           "The residual worker's first error since the last call (its join's outputs were NaN), or None.");
+    m.def("worker_fail_next", []() { rapidmoe_llama_worker_fail_next(); },
+          "Test entry: the next residual task any worker runs throws (its join carries the error).");
     m.def("worker_selftest", []() {
               char out[256] = {0};
               int32_t rc = 0;

@@ -62,6 +62,8 @@ LLAMA_API int32_t rapidmoe_llama_take_worker_error(const struct llama_model * mo
 // Test entry: run the residual worker alone: one task that succeeds and one that throws (what = its message);
 // writes "ok" or the first discrepancy into out. 0 when every check passed.
 LLAMA_API int32_t rapidmoe_llama_worker_selftest(char * out, size_t out_size);
+// Test entry: the next residual task any worker runs throws (an error for its join to carry).
+LLAMA_API void rapidmoe_llama_worker_fail_next(void);
 // Per layer i: out[3*i + 0] tokens, [3*i + 1] expert slots, [3*i + 2] critical slots, since the last reset
 // (of these counters or of the histogram: they share it). Returns the number of layers written (0 without a sidecar).
 // The per-layer functions (counters, r_histogram, expert_cache_stats) given out = NULL return the model's layer

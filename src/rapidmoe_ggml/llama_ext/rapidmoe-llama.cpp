@@ -188,6 +188,10 @@ int32_t rapidmoe_llama_take_worker_error(const llama_model * model, char * err, 
     return msg.empty() ? 0 : (report(msg, err, err_size), 1);
 }
 
+void rapidmoe_llama_worker_fail_next(void) {
+    rapidmoe_overlap_fail_next_task();
+}
+
 int32_t rapidmoe_llama_worker_selftest(char * out, size_t out_size) {
     std::string fail;
     auto check = [&](bool ok, const char * what) {

@@ -144,6 +144,13 @@ void rapidmoe_residual_worker::loop() {
 
 // ---- the worker's graphs ---------------------------------------------------------------------------------
 
+// test entry (rapidmoe_llama_worker_fail_next): the next residual task throws, as a failure inside the worker would
+std::atomic<bool> g_fail_next{false};
+
+void rapidmoe_overlap_fail_next_task() {
+    g_fail_next = true;
+}
+
 namespace {
 
 // A contiguous copy of a 3-d F32 or I32 tensor, taken in the begin op (the allocator may reuse the source
@@ -173,6 +180,9 @@ struct residual_job {
     size_t out_part;       // bytes between the gate and up residuals (gate/up stage)
 
     void operator()(ggml_backend_t cpu) {
+        if (g_fail_next.exchange(false)) {
+            throw std::runtime_error("injected failure (rapidmoe_llama_worker_fail_next)");
+        }
         ggml_init_params p = { 8 * ggml_tensor_overhead() + ggml_graph_overhead_custom(8, false), nullptr, true };
         ggml_context * ctx = ggml_init(p);
         if (ctx == nullptr) {

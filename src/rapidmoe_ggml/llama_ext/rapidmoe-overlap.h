@@ -120,6 +120,8 @@ struct rapidmoe_overlap_site {
 };
 
 int64_t rapidmoe_overlap_now_ns();
+// test entry: the next residual task the worker runs throws (rapidmoe_llama_worker_fail_next)
+void rapidmoe_overlap_fail_next_task();
 
 // begin: [n_ff, k, T, 2] (gate residual, up residual) of the critical slots of x [n_embd, 1|k, T]
 ggml_tensor * rapidmoe_overlap_begin_gate_up(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * x,

@@ -8,7 +8,7 @@ cost model (rapidmoe.placement.cost) for machine profiles.
    and rapidmoe start from the calibration trace's frequencies; moepic's per-layer split and budget come from its
    fixed point over the calibration hit-rate curves): hit rate, experts copied per token.
 3. Runtime vs simulator (measured): tiny-moe-a decodes --runtime-tokens tokens one per step with its WQ cache on a
-   local rpc-server under the runtime's static and rapidmoe policies, recording a trace; the runtime's hits, slots,
+   local rpc-server under the runtime's static, rapidmoe and lru policies, recording a trace; the runtime's hits, slots,
    swaps and bytes copied are compared with the simulator's replay of that trace.
 4. Projections: the tiny-moe-a statistics (per-layer popularity, token-to-token reuse beyond chance, next-layer
    prediction accuracy) are mapped onto DeepSeek-V3 and Qwen3-235B-A22B shapes (cache_policies.scale_routing),
@@ -26,6 +26,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -172,12 +173,12 @@ def project(cal: Path, ev: Path, shape_name: str, machine_name: str, n_decode: i
 
 
 def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: float = 0.25) -> dict:  # type: ignore[type-arg]
-    """The runtime policies (static, rapidmoe) on the RPC stand-in against the simulator: the model decodes n_tokens
+    """The runtime policies (static, rapidmoe, lru) on the RPC stand-in against the simulator: the model decodes n_tokens
     of `text` one token per step with its WQ cache on a local rpc-server, recording a trace; the trace is replayed
     through the same policy with the run's own steps; hits, slots, swaps and bytes copied are compared."""
     from rapidmoe import Llama
     from rapidmoe.expert_cache import moe_layers_of, wq_expert_bytes
-    from rapidmoe.placement.cache_policies import RapidMoECache, RefreshSettings, StaticCache, replay
+    from rapidmoe.placement.cache_policies import LRUCache, RapidMoECache, RefreshSettings, StaticCache, replay
     from rapidmoe.rpc import RPCServer
     from rapidmoe.trace import read_trace
 
@@ -191,7 +192,7 @@ def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: f
     settings = RefreshSettings()
     out = {"model": str(model), "tokens": n_tokens, "cached_per_layer": cap, "n_expert": n_expert, "policies": []}
     with RPCServer(threads=1) as srv:
-        for policy in ("static", "rapidmoe"):
+        for policy in ("static", "rapidmoe", "lru"):
             tpath = OUT / "traces" / f"runtime-{policy}.trace"
             t0 = time.time()
             llm = Llama(model, n_ctx=n_tokens + 8, verbose=False, n_threads=1, rpc_servers=[srv.endpoint],
@@ -203,20 +204,26 @@ def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: f
                 llm.eval([t])
             st = llm.expert_cache_stats()
             ref = llm.expert_cache_refresh_stats() if policy == "rapidmoe" else None
+            copies = sum(llm.expert_cache_copies().values())
             llm.close()
             wall = time.time() - t0
             tr = read_trace(tpath)
             ids, _ = tr.token_matrix()
             sets = [set(initial[il]) for il in layers]
-            sim = (RapidMoECache(sets, n_expert, float(eb[layers[0]]), half_life_tokens=settings.half_life_tokens,
-                                 copies_per_step=settings.copies_per_step, margin=settings.margin)
-                   if policy == "rapidmoe" else StaticCache(sets))
+            sim: Any = StaticCache(sets)
+            if policy == "rapidmoe":
+                sim = RapidMoECache(sets, n_expert, float(eb[layers[0]]), half_life_tokens=settings.half_life_tokens,
+                                    copies_per_step=settings.copies_per_step, margin=settings.margin)
+            elif policy == "lru":
+                sim = LRUCache([cap] * len(layers), float(eb[layers[0]]), initial=[initial[il] for il in layers],
+                               overflow_on_cpu=True)
             r = replay(ids, sim, steps=[s.n_tokens for s in tr.steps])
             out["policies"].append({
                 "policy": policy, "runtime_hits": st.hits, "runtime_slots": st.slots, "runtime_hit_rate": st.hit_rate,
                 "replay_hits": r.hits, "replay_slots": r.slots, "replay_hit_rate": r.hit_rate,
-                "runtime_swaps": ref.swaps if ref else 0, "replay_swaps": getattr(sim, "swaps", 0),
-                "runtime_bytes": ref.bytes_moved if ref else 0, "replay_bytes": r.bytes_moved,
+                "runtime_swaps": ref.swaps if ref else copies,
+                "replay_swaps": getattr(sim, "swaps", round(r.bytes_moved / eb[layers[0]])),
+                "runtime_bytes": ref.bytes_moved if ref else copies * eb[layers[0]], "replay_bytes": r.bytes_moved,
                 "runtime_layer_hits": [x.hits for x in st.layers], "replay_layer_hits": r.layer_hits,
                 "wall_s": wall})
     return out
@@ -227,7 +234,7 @@ def fmt_runtime(d: dict) -> str:  # type: ignore[type-arg]
              f"{d['cached_per_layer']} of {d['n_expert']} experts per layer cached on a local rpc-server (initially "
              "the calibration trace's hottest), stacked experts in CPU memory. Counters of the run against the "
              "simulator's replay of the trace the same run recorded (same steps):", "",
-             "| policy | hits runtime / replay | slots runtime / replay | hit rate | swaps runtime / replay | "
+             "| policy | hits runtime / replay | slots runtime / replay | hit rate | experts copied runtime / replay | "
              "bytes copied runtime / replay |", "|---|---|---|---|---|---|"]
     for p in d["policies"]:
         lines.append(f"| {p['policy']} | {p['runtime_hits']} / {p['replay_hits']} | {p['runtime_slots']} / "

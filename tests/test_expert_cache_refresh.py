@@ -1,6 +1,7 @@
-"""The rapidmoe cache policy at run time (the expert cache refreshed between decode steps) on the RPC stand-in:
-logits equal the all-CPU run at every step while experts are swapped in and out, and the runtime's hits, swaps
-and bytes copied equal the simulator's replay (placement.cache_policies) of the trace recorded in the same run."""
+"""The runtime cache policies on the RPC stand-in: rapidmoe (the expert cache refreshed between decode steps) and
+lru (each ubatch's missing experts copied into least recently used slots before the layer computes). Logits equal
+the all-CPU run at every step while experts move, and the runtime's hits, copies and bytes equal the simulator's
+replay (placement.cache_policies) of the trace recorded in the same run."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ import pytest
 from rapidmoe import Llama, RapidMoEError
 from rapidmoe._runtime import _core
 from rapidmoe.expert_cache import moe_layers_of, wq_expert_bytes
-from rapidmoe.placement.cache_policies import RapidMoECache, RefreshSettings, replay
+from rapidmoe.placement.cache_policies import LRUCache, RapidMoECache, RefreshSettings, replay
 from rapidmoe.rpc import RPCServer
 from rapidmoe.trace import read_trace
 
@@ -78,11 +79,45 @@ def test_refresh_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, t
     assert {il: sorted(c) for il, c in zip(layers, sim.cached)} == final
 
 
+def test_lru_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path = make_tiny("qwen3moe")
+    layers = moe_layers_of(path)
+    initial = {il: [3, 0, 5] for il in layers}  # slot order = least recently used first
+    cpu = Llama(path, n_ctx=128, verbose=False, n_threads=2)
+    toks = cpu.tokenize(TEXT)[:24]
+    prompt, rest = toks[:8], toks[8:]  # the prompt needs more experts than the 3 slots: some stay on the CPU
+    want = _steps(cpu, prompt, rest)
+    cpu.close()
+    trace = tmp_path / "lru.trace"
+    llm = Llama(path, n_ctx=128, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
+                override_tensor="exps=CPU", expert_cache=initial, expert_cache_device=rpc.device.buffer_type,
+                expert_cache_policy="lru", trace=trace)
+    try:
+        got = _steps(llm, prompt, rest)
+        stats, copies = llm.expert_cache_stats(), llm.expert_cache_copies()
+    finally:
+        llm.close()
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert np.array_equal(a, b), f"step {i}: max |dev - cpu| {np.abs(a - b).max()}"
+    tr = read_trace(trace)
+    ids, _ = tr.token_matrix()
+    eb = wq_expert_bytes(path, layers)
+    sim = LRUCache([3] * len(layers), float(eb[layers[0]]), initial=[initial[il] for il in layers],
+                   overflow_on_cpu=True)
+    res = replay(ids, sim, steps=[s.n_tokens for s in tr.steps])
+    print(f"runtime: hits {stats.hits}/{stats.slots}, copies {sum(copies.values())}; "
+          f"replay: hits {res.hits}/{res.slots}, copies {res.bytes_moved / eb[layers[0]]:.0f}")
+    assert sum(copies.values()) > 0
+    assert [layer.hits for layer in stats.layers] == res.layer_hits
+    assert [layer.slots for layer in stats.layers] == res.layer_slots
+    assert [copies[il] * eb[il] for il in layers] == res.layer_bytes
+
+
 def test_refresh_refusals(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
     path = make_tiny("qwen3moe")
     layers = moe_layers_of(path)
     with pytest.raises(RapidMoEError, match="simulated only"):
-        Llama(path, verbose=False, expert_cache_policy="lru")
+        Llama(path, verbose=False, expert_cache_policy="moepic")
     with pytest.raises(RapidMoEError, match="need expert_cache"):
         Llama(path, verbose=False, expert_cache_policy="rapidmoe")
     llm = Llama(path, n_ctx=64, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
@@ -102,6 +137,9 @@ def test_refresh_refusals(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no
             _core.expert_cache_replace(m, 99, 0, 2)
         _core.expert_cache_replace(m, layers[0], 0, 5)
         assert llm.expert_cache_stats().layers[0].cached == 2
+        if len(layers) > 1:
+            with pytest.raises(ValueError, match="needs at least one"):
+                _core.expert_cache_set_lru(m, layers[1], True)  # named with no experts: no slot to load into
     finally:
         llm.close()
 
@@ -118,8 +156,8 @@ def test_cli_cache_policy(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> N
     runner = CliRunner()
     res = runner.invoke(app, ["run", str(tiny_qwen), "-n", "2", "--cache-policy", "rapidmoe"])
     assert res.exit_code != 0 and "only on a machine with a GPU" in res.output
-    res = runner.invoke(app, ["run", str(tiny_qwen), "-n", "2", "--cache-policy", "lru"])
-    assert res.exit_code != 0 and "'lru' is not one of" in res.output
+    res = runner.invoke(app, ["run", str(tiny_qwen), "-n", "2", "--cache-policy", "moepic"])
+    assert res.exit_code != 0 and "'moepic' is not one of" in res.output
     full = plan_for_model(tiny_qwen, gpu_mem=None, n_ctx=512, reserve=0)
     budget = full.vram - full.device_bytes(GPU, "routed experts") // 2
     seen: list = []  # type: ignore[type-arg]

@@ -97,7 +97,7 @@ class ExpertCacheStats:
         return cls([ExpertCacheLayer(i, int(c), int(h), int(s)) for i, (c, h, s) in enumerate(raw) if c >= 0])
 
 
-CACHE_POLICIES = ("static", "rapidmoe")  # what the runtime realizes (lru and moepic are simulated only)
+CACHE_POLICIES = ("static", "rapidmoe", "lru")  # what the runtime realizes (moepic is simulated only)
 
 
 @dataclass

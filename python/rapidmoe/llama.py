@@ -81,10 +81,11 @@ class Llama(llama_cpp.Llama):
         (override_tensor="exps=CPU"; CPU weight repacking is turned off); the chosen experts' WQ is copied to the
         device, which computes them, the CPU the rest, each slot exactly as that backend alone would
         (docs/execution.md). Hit counters: `expert_cache_stats`.
-    expert_cache_policy: "static" (default: the set stays as given) or "rapidmoe": after every decode step the
+    expert_cache_policy: "static" (default: the set stays as given); "rapidmoe": after every decode step the
         set is refreshed from decayed per-expert routing counts, a bounded number of experts swapped
-        (`expert_cache_refresh`, a rapidmoe.placement.cache_policies.RefreshSettings); `expert_cache_refresh_stats`.
-        The simulator's lru and moepic are not realized at run time.
+        (`expert_cache_refresh`, a rapidmoe.placement.cache_policies.RefreshSettings; `expert_cache_refresh_stats`);
+        "lru": GPU-centric on-demand loading, each ubatch's missing experts copied into the least recently used
+        slots before the layer computes (`expert_cache_copies`). The simulator's moepic is not realized.
     trace: record every computed token's expert choices and router weights per MoE layer into this file
         (rapidmoe.trace: format, reader); written after each `eval`, or by `flush_trace()` for callers of
         llama_decode, and completed (renamed into place) by `close()`. Uses the eval callback, so not with
@@ -139,8 +140,8 @@ class Llama(llama_cpp.Llama):
         self._expert_cache: dict[int, list[int]] | None = None
         self._refresher: CacheRefresher | None = None
         if expert_cache_policy not in CACHE_POLICIES:
-            raise RapidMoEError(f"expert_cache_policy must be one of {', '.join(CACHE_POLICIES)} (lru and moepic are "
-                                f"simulated only), got {expert_cache_policy!r}")
+            raise RapidMoEError(f"expert_cache_policy must be one of {', '.join(CACHE_POLICIES)} (moepic is simulated "
+                                f"only), got {expert_cache_policy!r}")
         if (expert_cache_policy != "static" or expert_cache_refresh is not None) and expert_cache is None:
             raise RapidMoEError("expert_cache_policy and expert_cache_refresh need expert_cache={layer: [expert ids]}")
         self._cache_policy = expert_cache_policy
@@ -244,6 +245,11 @@ class Llama(llama_cpp.Llama):
             _core.set_overlap(model.model, self._overlap_mode, threads)
         if getattr(self, "_expert_cache", None) is not None:
             self._set_expert_cache(model.model)
+            if self._cache_policy == "lru":
+                assert self._expert_cache is not None
+                for il, ids in self._expert_cache.items():
+                    if ids:
+                        _core.expert_cache_set_lru(model.model, il, True)
             if self._cache_policy == "rapidmoe":
                 assert self._expert_cache is not None
                 self._refresher = CacheRefresher(model.model, self._expert_cache, self._n_expert,
@@ -362,9 +368,17 @@ class Llama(llama_cpp.Llama):
             raise RapidMoEError('no refreshing expert cache (pass expert_cache_policy="rapidmoe")')
         return self._refresher.stats
 
+    def expert_cache_copies(self, reset: bool = False) -> dict[int, int]:
+        """Per MoE layer: experts the lru policy copied host -> device since the last reset (0 for other policies)."""
+        if self._expert_cache is None:
+            raise RapidMoEError("no expert cache (pass expert_cache=... and expert_cache_device=...)")
+        raw = _core.expert_cache_copies(self._model.model, reset)
+        return {il: int(raw[il]) for il in sorted(self._expert_cache)}
+
     @property
     def expert_cache_set(self) -> dict[int, list[int]]:
-        """The experts now in the cache per layer (they change under the rapidmoe policy)."""
+        """The experts now in the cache per layer (they change under the rapidmoe policy; under lru the set changes
+        inside the graph and this gives the initial one)."""
         if self._expert_cache is None:
             raise RapidMoEError("no expert cache (pass expert_cache=... and expert_cache_device=...)")
         return self._refresher.cache() if self._refresher is not None else dict(self._expert_cache)

@@ -60,13 +60,15 @@ Freq = Annotated[Optional[Path], typer.Option(
 class CachePolicy(str, Enum):
     static = "static"
     rapidmoe = "rapidmoe"
+    lru = "lru"
 
 
 CachePolicyOpt = Annotated[CachePolicy, typer.Option(
     "--cache-policy",
     help="With a per-expert WQ cache (--gpu-mem on a machine with a GPU): static keeps the planned experts; rapidmoe "
-    "refreshes the set from running routing counts after every step (a few expert copies per step). The "
-    "simulator's lru and moepic are not realized (rapidmoe-cli plan --machine compares all of them).")]
+    "refreshes the set from running routing counts after every step (a few expert copies per step); lru "
+    "copies each step's missing experts into the least recently used slots before the layer computes. The "
+    "simulator's moepic is not realized (rapidmoe-cli plan --machine compares all of them).")]
 TraceOpt = Annotated[Optional[Path], typer.Option(
     "--trace", metavar="FILE", help="Record every computed token's expert choices and router weights per MoE layer "
     "into FILE (binary; rapidmoe.trace reads it; bench/bench_cache.py replays it).")]

@@ -31,8 +31,8 @@ def plan(
                                                    "unless --gpu-mem is given.")] = None,
     cache_policy: Annotated[Optional[str], typer.Option("--cache-policy", help="With --machine: use this scheme "
                                                         "instead of the fastest (stock, static, lru, moepic, "
-                                                        "rapidmoe). The runtime realizes stock, static and (Python API) rapidmoe; lru and moepic are "
-                                                        "simulated only.")] = None,
+                                                        "rapidmoe). The runtime realizes all but moepic, which is simulated "
+                                                        "only.")] = None,
     r_critical: Annotated[int, typer.Option("--n-critical", "-r", help="With --machine: critical slots per token "
                                             "priced for the RESplit schemes.", min=0)] = 2,
 ) -> None:

@@ -88,16 +88,28 @@ class StaticCache(Policy):
 
 
 class LRUCache(Policy):
-    """GPU-centric on-demand loading with per-layer LRU eviction."""
+    """GPU-centric on-demand loading with per-layer LRU eviction.
+
+    initial: the experts resident at the start per layer, least recently used first. overflow_on_cpu: the runtime's
+    rule (Llama(expert_cache_policy="lru")): a step's missing experts are loaded in id order into the slots of the
+    least recently used experts the step does not need, and those finding no such slot are not loaded (they run
+    on the CPU); without it every missing expert is loaded, evicting as it goes (a GPU-centric system stages
+    them)."""
 
     name, kind = "lru", "gpu"
 
-    def __init__(self, capacity: Sequence[int], expert_bytes: float) -> None:
+    def __init__(self, capacity: Sequence[int], expert_bytes: float, *,
+                 initial: Sequence[Sequence[int]] | None = None, overflow_on_cpu: bool = False) -> None:
         if any(c < 0 for c in capacity):
             raise CachePolicyError("cache capacities must be >= 0")
+        if initial is not None and (len(initial) != len(capacity) or
+                                    any(len(i) > c for i, c in zip(initial, capacity))):
+            raise CachePolicyError("the initial experts must fit each layer's capacity")
         self.capacity = list(capacity)
         self.eb = expert_bytes
-        self.slots: list[OrderedDict[int, None]] = [OrderedDict() for _ in capacity]
+        self.overflow_on_cpu = overflow_on_cpu
+        self.slots: list[OrderedDict[int, None]] = [
+            OrderedDict((int(e), None) for e in (initial[m] if initial is not None else ())) for m in range(len(capacity))]
 
     def _touch(self, m: int, e: int) -> None:
         s = self.slots[m]
@@ -110,6 +122,20 @@ class LRUCache(Policy):
         s = self.slots[m]
         hit = np.fromiter((int(e) in s for e in experts), bool, len(experts))
         a = Access(len(experts), int(uses.sum()), int(hit.sum()), int(uses[hit].sum()))
+        if self.overflow_on_cpu:
+            need = {int(e) for e in experts}
+            for e in (int(x) for x in experts):
+                if e in s:
+                    s.move_to_end(e)
+                    continue
+                if len(s) >= self.capacity[m]:
+                    victim = next((x for x in s if x not in need), None)
+                    if victim is None:
+                        continue  # no slot: runs on the CPU this step, not loaded
+                    del s[victim]
+                s[e] = None
+                a.demand_bytes += self.eb
+            return a
         a.demand_bytes = float((~hit).sum()) * self.eb
         for e in experts:  # in use order: the step's experts are the most recent
             self._touch(m, int(e))

@@ -11,8 +11,9 @@ Schemes (cache_policies.py has their replayable form):
   rapidmoe  static + refresh from running frequencies: priced as static here (with a fixed frequency table the
             refresh has nothing to gain; bench/bench_cache.py replays traces where it does)
 
-The runtime realizes `stock`, `static` and `rapidmoe` (the last through the Python API,
-`Llama(expert_cache_policy="rapidmoe")`, not yet from run/serve flags); lru and moepic are projections only.
+The runtime realizes `stock`, `static`, `rapidmoe` and `lru` (`Llama(expert_cache_policy=...)`, `run`/`serve
+--cache-policy` where --gpu-mem realizes a per-expert cache: on the file's own experts, e.g. WQ, where the
+comparison prices lru with Q4 experts); moepic is a projection only.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from .planner import DEFAULT_RESERVE, Plan, PlanError, plan
 from .tensors import ModelShapes
 
 CACHE_POLICIES = ("stock", "static", "lru", "moepic", "rapidmoe")
-REALIZED = ("stock", "static", "rapidmoe")
+REALIZED = ("stock", "static", "rapidmoe", "lru")
 PREFILL_BATCH = 512
 
 

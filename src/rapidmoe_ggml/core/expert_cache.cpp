@@ -47,6 +47,24 @@ void bind_expert_cache(nb::module_ & m) {
               }
           }, "model"_a, "il"_a, "out_expert"_a, "in_expert"_a,
           "Put expert in_expert of layer il into the cache slot of out_expert (between decodes only).");
+    m.def("expert_cache_set_lru", [](uintptr_t model, int32_t il, bool lru) {
+              char err[512] = {0};
+              if (rapidmoe_llama_expert_cache_set_lru(as_model(model), il, lru, err, sizeof(err)) != 0) {
+                  throw std::invalid_argument(err);
+              }
+          }, "model"_a, "il"_a, "lru"_a,
+          "Layer il's cache loads the experts each ubatch needs into its least recently used slots (lru) or stays "
+          "as set (static).");
+    m.def("expert_cache_copies", [](uintptr_t model, bool reset) {
+              const llama_model * mdl = as_model(model);
+              const int32_t n_layer = rapidmoe_llama_expert_cache_copies(mdl, nullptr, 0, false);
+              std::vector<int64_t> buf((size_t) n_layer);
+              const int32_t n = rapidmoe_llama_expert_cache_copies(mdl, buf.data(), n_layer, reset);
+              buf.resize((size_t) n);
+              auto [data, owner] = owned(std::move(buf));
+              return nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>(data, {(size_t) n}, owner);
+          }, "model"_a, "reset"_a = false,
+          "Per layer, experts the lru policy copied host -> device since the last reset (int64 [n_layer]).");
     m.def("expert_cache_expert_counts", [](uintptr_t model, int32_t il, bool reset) {
               const llama_model * mdl = as_model(model);
               const int32_t n = rapidmoe_llama_expert_cache_expert_counts(mdl, il, nullptr, 0, false);

@@ -101,6 +101,14 @@ LLAMA_API int32_t rapidmoe_llama_expert_cache_stats(const struct llama_model * m
 LLAMA_API int32_t rapidmoe_llama_expert_cache_replace(const struct llama_model * model, int32_t il,
                                                       int32_t out_expert, int32_t in_expert, char * err,
                                                       size_t err_size);
+// The lru policy for cached layer il (lru = true): before the layer computes a ubatch, its experts that are not
+// cached are copied into the slots of the least recently used experts the ubatch does not need (in expert id
+// order); those finding no slot run on the CPU. Hits are counted before the copies. 0, or -1 with the reason.
+LLAMA_API int32_t rapidmoe_llama_expert_cache_set_lru(const struct llama_model * model, int32_t il, bool lru,
+                                                      char * err, size_t err_size);
+// Per layer i: out[i] = experts the lru policy copied host -> device since the last reset. Returns the layer count.
+LLAMA_API int32_t rapidmoe_llama_expert_cache_copies(const struct llama_model * model, int64_t * out,
+                                                     int32_t n_layer_max, bool reset);
 // Per expert e of cached layer il: out[e] = expert slots (token x top-k) routed to e since the last reset, cached
 // or not. Returns the layer's expert count (out = NULL: just that), 0 when the layer has no cache.
 LLAMA_API int32_t rapidmoe_llama_expert_cache_expert_counts(const struct llama_model * model, int32_t il,

@@ -136,12 +136,68 @@ int32_t slot_of(const rapidmoe_expert_cache_layer * c, int32_t e) {
     return e >= 0 && e < (int32_t) c->slot_of.size() ? c->slot_of[e] : -1;
 }
 
+void copy_expert(rapidmoe_expert_cache_layer * c, int32_t e, int32_t slot) {
+    const std::pair<const ggml_tensor *, ggml_tensor *> roles[3] = { { c->base_up, c->up }, { c->base_gate, c->gate },
+                                                                     { c->base_down, c->down } };
+    for (const auto & [base, cache] : roles) {
+        const char * src = (const char *) base->data + (size_t) e * base->nb[2];
+        ggml_backend_tensor_set(cache, src, (size_t) slot * cache->nb[2], base->nb[2]);
+    }
+}
+
+// The lru policy's admission (see the header), by the first of the layer's three route ops in a ubatch; counts the
+// hits before any copy. The route ops run one after another on one thread (ith 0), never concurrently.
+void lru_admit(rapidmoe_expert_cache_layer * c, const ggml_tensor * dst) {
+    if (c->route_calls++ % 3 != 0) {
+        return;
+    }
+    std::vector<int32_t> need;
+    int64_t hits = 0, slots = 0;
+    for_each_slot(dst, [&](int64_t, int64_t, int32_t e) {
+        hits += slot_of(c, e) >= 0;
+        ++slots;
+        if (e >= 0 && e < (int32_t) c->slot_of.size()) {
+            need.push_back(e);
+        }
+    });
+    c->hits += hits;
+    c->slots += slots;
+    std::sort(need.begin(), need.end());
+    need.erase(std::unique(need.begin(), need.end()), need.end());
+    std::vector<bool> needed(c->slot_of.size(), false);
+    for (int32_t e : need) {
+        needed[e] = true;
+    }
+    for (int32_t e : need) {
+        int32_t slot = c->slot_of[e];
+        if (slot < 0) {  // the least recently used slot whose expert this ubatch does not need (lowest slot on ties)
+            for (int32_t s = 0; s < (int32_t) c->expert_of.size(); ++s) {
+                if (!needed[c->expert_of[s]] && (slot < 0 || c->last_use[s] < c->last_use[slot])) {
+                    slot = s;
+                }
+            }
+            if (slot < 0) {
+                continue;  // no slot left: this expert stays a miss, computed on the CPU
+            }
+            copy_expert(c, e, slot);
+            c->slot_of[c->expert_of[slot]] = -1;
+            c->slot_of[e] = slot;
+            c->expert_of[slot] = e;
+            c->copies += 1;
+        }
+        c->last_use[slot] = ++c->clock;
+    }
+}
+
 void slot_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) nth;
     if (ith != 0) {
         return;
     }
-    const auto * c = (const rapidmoe_expert_cache_layer *) userdata;
+    auto * c = (rapidmoe_expert_cache_layer *) userdata;
+    if (c->lru) {
+        lru_admit(c, dst);
+    }
     for_each_slot(dst, [&](int64_t j, int64_t t, int32_t e) {
         *(int32_t *) ((char *) dst->data + j * dst->nb[0] + t * dst->nb[1]) = std::max(slot_of(c, e), 0);
     });
@@ -152,7 +208,10 @@ void hit_mask_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     if (ith != 0) {
         return;
     }
-    const auto * c = (const rapidmoe_expert_cache_layer *) userdata;
+    auto * c = (rapidmoe_expert_cache_layer *) userdata;
+    if (c->lru) {
+        lru_admit(c, dst);
+    }
     for_each_slot(dst, [&](int64_t j, int64_t t, int32_t e) {
         *(float *) ((char *) dst->data + j * dst->nb[1] + t * dst->nb[2]) = slot_of(c, e) >= 0 ? 1.0f : 0.0f;
     });
@@ -165,6 +224,9 @@ void miss_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         return;
     }
     auto * c = (rapidmoe_expert_cache_layer *) userdata;
+    if (c->lru) {
+        lru_admit(c, dst);
+    }
     int64_t hits = 0, slots = 0;
     for_each_slot(dst, [&](int64_t j, int64_t t, int32_t e) {
         const bool hit = slot_of(c, e) >= 0;
@@ -175,8 +237,10 @@ void miss_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
             c->uses[e] += 1;
         }
     });
-    c->hits += hits;
-    c->slots += slots;
+    if (!c->lru) {  // the lru policy counted before its copies
+        c->hits += hits;
+        c->slots += slots;
+    }
 }
 
 const layers_t * state_of(const llama_model * model) {
@@ -285,15 +349,24 @@ std::string rapidmoe_expert_cache_replace(const llama_model * model, int il, int
     if (c->slot_of[in_expert] >= 0) {
         return "expert " + std::to_string(in_expert) + " of layer " + std::to_string(il) + " is already cached";
     }
-    const std::pair<const ggml_tensor *, ggml_tensor *> roles[3] = { { c->base_up, c->up }, { c->base_gate, c->gate },
-                                                                     { c->base_down, c->down } };
-    for (const auto & [base, cache] : roles) {
-        const char * src = (const char *) base->data + (size_t) in_expert * base->nb[2];
-        ggml_backend_tensor_set(cache, src, (size_t) slot * cache->nb[2], base->nb[2]);
-    }
+    copy_expert(c, in_expert, slot);
     c->slot_of[out_expert] = -1;
     c->slot_of[in_expert] = slot;
     c->expert_of[slot] = in_expert;
+    return "";
+}
+
+std::string rapidmoe_expert_cache_set_lru(const llama_model * model, int il, bool lru) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const layers_t * st = state_of(model);
+    rapidmoe_expert_cache_layer * c = st != nullptr && il >= 0 && il < (int) st->size() ? (*st)[il].get() : nullptr;
+    if (c == nullptr || (lru && c->expert_of.empty())) {
+        return "layer " + std::to_string(il) + " has no expert cache slots (the lru policy needs at least one)";
+    }
+    c->lru = lru;
+    c->last_use.assign(c->expert_of.size(), 0);
+    c->clock = 0;
+    c->route_calls = 0;
     return "";
 }
 
@@ -397,6 +470,35 @@ int32_t rapidmoe_llama_expert_cache_expert_counts(const llama_model * model, int
         for (int32_t e = 0; e < std::min(n, n_max); ++e) {
             out[e] = reset ? c->uses[e].exchange(0) : c->uses[e].load();
         }
+    }
+    return n;
+}
+
+int32_t rapidmoe_llama_expert_cache_set_lru(const llama_model * model, int32_t il, bool lru, char * err,
+                                            size_t err_size) {
+    const std::string msg = model == nullptr ? std::string("bad arguments") : rapidmoe_expert_cache_set_lru(model, il, lru);
+    if (msg.empty()) {
+        return 0;
+    }
+    if (err != nullptr && err_size > 0) {
+        std::snprintf(err, err_size, "%s", msg.c_str());
+    }
+    return -1;
+}
+
+int32_t rapidmoe_llama_expert_cache_copies(const llama_model * model, int64_t * out, int32_t n_layer_max, bool reset) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const layers_t * st = state_of(model);
+    if (st == nullptr) {
+        return 0;
+    }
+    if (out == nullptr) {
+        return (int32_t) st->size();
+    }
+    const int32_t n = std::min<int32_t>(n_layer_max, (int32_t) st->size());
+    for (int32_t i = 0; i < n; ++i) {
+        rapidmoe_expert_cache_layer * c = (*st)[i].get();
+        out[i] = c == nullptr ? 0 : reset ? c->copies.exchange(0) : c->copies.load();
     }
     return n;
 }

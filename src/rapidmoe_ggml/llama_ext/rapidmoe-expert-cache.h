@@ -35,6 +35,14 @@ struct rapidmoe_expert_cache_layer {
     std::atomic<int64_t> hits{0};            // expert slots (token x top-k) served from the cache
     std::atomic<int64_t> slots{0};           // all expert slots routed through this layer
     std::vector<std::atomic<int64_t>> uses;  // per expert: slots routed to it (the refresh policy's input)
+    // lru policy (GPU-centric on-demand loading): before the layer computes, the ubatch's uncached experts are
+    // copied into the slots of the least recently used experts it does not need; those that find no slot stay
+    // misses (CPU). Done by the first of the layer's three route ops in each ubatch (each runs once per compute).
+    bool lru = false;
+    std::vector<int64_t> last_use;           // per slot: the admission clock when its expert was last needed
+    int64_t clock = 0;
+    int64_t route_calls = 0;
+    std::atomic<int64_t> copies{0};          // experts copied host -> device by the lru policy
     ~rapidmoe_expert_cache_layer();
 };
 
@@ -51,6 +59,8 @@ std::shared_ptr<const std::vector<std::shared_ptr<rapidmoe_expert_cache_layer>>>
 std::string rapidmoe_expert_cache_set(const llama_model * model, int il, const int32_t * ids, int n,
                                       const char * device);
 bool rapidmoe_expert_cache_clear(const llama_model * model);
+// Switch layer il's cache to the lru policy (on-demand loading into least recently used slots) or back to static.
+std::string rapidmoe_expert_cache_set_lru(const llama_model * model, int il, bool lru);
 // Put in_expert into out_expert's slot (between decodes only); empty string or the reason it was refused.
 std::string rapidmoe_expert_cache_replace(const llama_model * model, int il, int32_t out_expert, int32_t in_expert);
 // the buffer name of a cache tensor ("blk.N.ffn_up_exps.cache"), nullptr when there is none

@@ -51,7 +51,7 @@ REFUSED = [
     ("/v1/completions", {"prompt": "a", "suffix": "end"}, "suffix"),
     ("/v1/completions", {"prompt": "a", "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
-    ("/v1/chat/completions", {"messages": MSGS, "reasoning_format": "deepseek"}, "reasoning_format"),
+    ("/v1/chat/completions", {"messages": MSGS, "reasoning_format": "deepseek-legacy"}, "reasoning_format"),
     ("/v1/chat/completions", {"messages": MSGS, "reasoning_effort": "high"}, "reasoning_effort"),
     ("/v1/chat/completions", {"messages": MSGS, "modalities": ["text", "audio"]}, "modalities"),
     ("/v1/chat/completions", {"messages": MSGS, "continue_final_message": True}, "continue_final_message"),

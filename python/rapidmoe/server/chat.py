@@ -5,6 +5,8 @@ ChatML, llama-server's fallback. Rendering uses llama-cpp-python's sandboxed Jin
 """
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from typing import Any
 
 from .._runtime import llama_cpp
@@ -14,17 +16,33 @@ from .params import check_utf8
 CHATML = llama_cpp.llama_chat_format.CHATML_CHAT_TEMPLATE
 
 
+def _jsonable(obj: Any) -> Any:
+    """Jinja's `map`/`select` give generators; templates pass them to `tojson` (DeepSeek-R1's tool list)."""
+    if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes, dict)):
+        return list(obj)
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
+class _Formatter(llama_cpp.llama_chat_format.Jinja2ChatFormatter):  # type: ignore[misc, name-defined]
+    @staticmethod
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys,
+                          default=_jsonable)
+
+
 class ChatTemplate:
     def __init__(self, template: str, bos_token: str, eos_token: str) -> None:
         self.source = template
-        self._fmt = llama_cpp.llama_chat_format.Jinja2ChatFormatter(template, eos_token, bos_token)
+        self._fmt = _Formatter(template, eos_token, bos_token)
 
-    def render(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
+    def render(self, messages: list[dict[str, Any]], body: dict[str, Any],
+               tools: list[dict[str, Any]] | None = None) -> str:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise invalid_request("\"chat_template_kwargs\" must be an object")
         try:
-            return self._fmt(messages=messages, **kwargs).prompt  # type: ignore[arg-type]
+            return self._fmt(messages=messages, tools=tools or None, **kwargs).prompt  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - a template error is the request's (raise_exception in the template)
             raise invalid_request(f"chat template failed: {e}") from None
 

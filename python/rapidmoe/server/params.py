@@ -100,7 +100,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "parse_tool_calls": (_off(False), "tool calls"),
     "continue_final_message": (_off(False), "continuing the last message"),
     "add_generation_prompt": (_off(True), ""),
-    "reasoning_format": (_off("none"), "reasoning is not parsed; \"none\" is what this server does"),
+    "reasoning_format": (lambda v: v in ("none", "auto", "deepseek"), "\"none\", \"auto\" or \"deepseek\""),
     "reasoning_budget_tokens": (_off(-1), "reasoning budgets"),
     "thinking_budget_tokens": (_off(-1), "reasoning budgets"),
     "reasoning_budget_message": (lambda v: False, "reasoning budgets"),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine import Chunk, Finished, TokenProb
+from .toolcalls import Delta, ToolCall
 
 _ALNUM = string.ascii_letters + string.digits
 
@@ -152,9 +153,16 @@ def oai_cmpl_final(m: Meta, f: Finished, text: str, stream: bool = False) -> dic
 
 # ---- OpenAI /v1/chat/completions ----
 
-def chat_final(m: Meta, f: Finished, text: str) -> dict[str, Any]:
-    choice: dict[str, Any] = {"finish_reason": finish_reason(f), "index": 0,
-                              "message": {"role": "assistant", "content": text}}
+def chat_final(m: Meta, f: Finished, text: str, reasoning: str = "",
+               calls: list[ToolCall] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [c.to_json() for c in calls]
+        message["content"] = text or None
+    choice: dict[str, Any] = {"finish_reason": "tool_calls" if calls else finish_reason(f), "index": 0,
+                              "message": message}
     if m.logprobs:
         choice["logprobs"] = {"content": probs_json(f.probs)}
     return {"choices": [choice], **_oai_base(m, "chat.completion"), "usage": usage(f),
@@ -177,13 +185,35 @@ def chat_partial(m: Meta, c: Chunk, first: bool) -> list[dict[str, Any]]:
     return out
 
 
-def chat_stream_final(m: Meta, f: Finished, tail: str) -> list[dict[str, Any]]:
+def chat_role_chunk(m: Meta) -> dict[str, Any]:
+    return _chat_chunk(m, {"role": "assistant", "content": None}, None)
+
+
+def chat_delta_chunks(m: Meta, d: Delta, probs: list[TokenProb], c: Chunk | None) -> list[dict[str, Any]]:
+    """Chunks for a parsed delta: reasoning_content, content, then each completed tool call whole. The token
+    probabilities go on the first chunk (on an empty delta if the text was held back)."""
+    out = []
+    if d.reasoning:
+        out.append(_chat_chunk(m, {"reasoning_content": d.reasoning}, None))
+    if d.content:
+        out.append(_chat_chunk(m, {"content": d.content}, None))
+    out += [_chat_chunk(m, {"tool_calls": [call.to_json(index)]}, None) for index, call in d.calls]
+    if m.logprobs and probs:
+        if not out:
+            out.append(_chat_chunk(m, {}, None))
+        out[0]["choices"][0]["logprobs"] = {"content": probs_json(probs)}
+    if c is not None and out:
+        m.add_timings(out[-1], c)
+    return out
+
+
+def chat_stream_final(m: Meta, f: Finished, tail: str, tool_calls: bool = False) -> list[dict[str, Any]]:
     out = []
     if tail:
         out.append(_chat_chunk(m, {"content": tail}, None))
         if m.logprobs:
             out[-1]["choices"][0]["logprobs"] = {"content": probs_json(f.tail_probs)}
-    out.append(_chat_chunk(m, {}, finish_reason(f)))
+    out.append(_chat_chunk(m, {}, "tool_calls" if tool_calls else finish_reason(f)))
     if m.include_usage:
         out.append({"choices": [], **_oai_base(m, "chat.completion.chunk"), "usage": usage(f)})
     out[-1]["timings"] = f.timings.to_json()

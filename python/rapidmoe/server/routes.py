@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import __version__
 from .._runtime import llama_cpp as lc
-from . import metrics, responses, sse
+from . import metrics, responses, sse, toolcalls
 from .chat import ChatTemplate, check_messages
 from .config import ServerConfig
 from .engine import Chunk, Engine, Event, Failed, Finished, QueueFull, Ticket
@@ -30,7 +30,7 @@ from .params import (
     get_bool,
     refuse_unsupported,
 )
-from .structured import grammar_from
+from .structured import check_grammar, grammar_from
 
 
 @dataclass
@@ -364,20 +364,34 @@ def oai_completions(st: AppState, req: Request) -> Reply | Stream:
     return _stream(st, t, req, fmt, done=True)
 
 
-def _chat_prompt(st: AppState, body: dict[str, Any]) -> str:
+def _chat_prompt(st: AppState, body: dict[str, Any]) -> tuple[str, toolcalls.ToolRequest | None]:
     assert st.template is not None
-    if body.get("tools") or body.get("tool_choice"):
-        raise ApiError(501, "not_supported_error", "tool calls are not supported by this server")
-    return st.template.render(check_messages(body), body)
+    treq = toolcalls.tools_from(body, st.template.source)
+    return st.template.render(check_messages(body), body, body.get("tools") if treq else None), treq
 
 
 def chat_completions(st: AppState, req: Request) -> Reply | Stream:
-    """POST /v1/chat/completions: the GGUF's chat template, then generation as for completions."""
+    """POST /v1/chat/completions: the GGUF's chat template, then generation as for completions; with tools or a
+    thinking template, the answer is split into reasoning, content and tool calls (toolcalls.py)."""
     body = req.json()
     model = st.check_model(body)
     refuse_unsupported(body)
-    toks = _tokenize(st, _chat_prompt(st, body), add_special=True)
+    assert st.template is not None and st.engine is not None
+    prompt, treq = _chat_prompt(st, body)
+    toks = _tokenize(st, prompt, add_special=True)
     params = _gen_params(st, body, oai=True, route="chat")
+    open_think = prompt.rstrip().endswith(toolcalls.THINK_OPEN)
+    if treq is not None and treq.choice in ("required", "named"):
+        if params.grammar is not None:
+            raise invalid_request("Cannot use custom grammar constraints with tool_choice required or a named tool")
+        g = toolcalls.tool_grammar(treq, open_think)
+        check_grammar(st.engine.llm._model.vocab, g, "tools")
+        params = dataclasses.replace(params, grammar=g)
+    reasoning = body.get("reasoning_format", "auto") != "none" and toolcalls.template_thinks(st.template.source)
+    if (treq is not None and treq.parse) or reasoning:
+        return _chat_parsed(st, req, body, model, toks, params, toolcalls.OutputParser(
+            family=treq.family if treq else None, parse_tools=treq is not None and treq.parse,
+            reasoning=reasoning, starts_in_thinking=open_think))
     stream = get_bool(body, "stream", False)
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
@@ -399,8 +413,44 @@ def chat_completions(st: AppState, req: Request) -> Reply | Stream:
     return _stream(st, t, req, fmt, done=True)
 
 
+def _chat_parsed(st: AppState, req: Request, body: dict[str, Any], model: str, toks: list[int],
+                 params: GenerationParams, parser: toolcalls.OutputParser) -> Reply | Stream:
+    """A chat answer split by `parser` into reasoning_content, content and tool_calls."""
+    stream = get_bool(body, "stream", False)
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise invalid_request("\"stream_options\" must be an object")
+    meta = responses.Meta.new(model, st.fingerprint, include_usage=get_bool(opts, "include_usage", False),
+                              timings_per_token=get_bool(body, "timings_per_token", False),
+                              logprobs=params.n_probs >= 0)
+    t = _submit(st, toks, params)
+    if not stream:
+        def final(text: str, fin: Finished) -> dict[str, Any]:
+            d = parser.feed(text)
+            d2 = parser.finish()
+            del d, d2
+            return responses.chat_final(meta, fin, parser.final_content, reasoning=parser.final_reasoning,
+                                        calls=parser.calls)
+        return _whole(st, t, req, final)
+
+    def fmt(ev: Event, first: bool) -> list[bytes]:
+        out = [responses.chat_role_chunk(meta)] if first else []
+        if isinstance(ev, Chunk):
+            out += responses.chat_delta_chunks(meta, parser.feed(ev.text), ev.probs, ev)
+            return [sse.event(out)] if out else []
+        assert isinstance(ev, Finished)
+        d = parser.feed(ev.text)
+        d2 = parser.finish()
+        d.reasoning, d.content, d.calls = d.reasoning + d2.reasoning, d.content + d2.content, d.calls + d2.calls
+        out += responses.chat_delta_chunks(meta, d, ev.tail_probs, None)
+        out += responses.chat_stream_final(meta, ev, "", tool_calls=bool(parser.calls))
+        return [sse.event(out)]
+
+    return _stream(st, t, req, fmt, done=True)
+
+
 def apply_template(st: AppState, req: Request) -> Reply:
-    return json_reply({"prompt": _chat_prompt(st, req.json())})
+    return json_reply({"prompt": _chat_prompt(st, req.json())[0]})
 
 
 def tokenize(st: AppState, req: Request) -> Reply:

@@ -1,0 +1,312 @@
+"""Tool calls and reasoning in chat answers, for the model families this project targets.
+
+- `hermes` (Qwen3, Qwen2.5): calls as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
+- `deepseek-r1` (DeepSeek-R1/V3 and llama.cpp's R1 template): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function
+  <｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`;
+- `deepseek-v3.1`: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>...`.
+
+The family is recognized from the chat template's text (the template renders `tools` itself). Reasoning:
+`<think>...</think>` at the start of the answer (or an answer that starts inside it because the generation
+prompt ended with `<think>`) goes to `reasoning_content` (llama-server's `reasoning_format` "auto"/"deepseek").
+`tool_choice` "required" or a named function is enforced with a GBNF grammar built from the tools' parameter
+schemas. `OutputParser` splits the text as it streams: it sends reasoning and content as soon as they cannot be
+the start of a tag, and each tool call whole once its block has closed.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ApiError, invalid_request
+from .text import partial_stop_len
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+_DS_R1_CALL = re.compile(re.escape(DS_CALL_BEGIN) + r"\s*(?:function)?\s*" + re.escape(DS_SEP)
+                         + r"(?P<name>[^\n]+?)\s*\n```(?:json)?\s*(?P<args>.*?)\s*```\s*" + re.escape(DS_CALL_END),
+                         re.DOTALL)
+_DS_V31_CALL = re.compile(re.escape(DS_CALL_BEGIN) + r"(?P<name>[^<\n]+?)" + re.escape(DS_SEP)
+                          + r"(?P<args>.*?)" + re.escape(DS_CALL_END), re.DOTALL)
+
+
+def template_family(template: str) -> str | None:
+    """The tool-call format a chat template writes, or None if it renders no tool calls we can parse."""
+    if HERMES_OPEN in template:
+        return "hermes"
+    if DS_CALLS_BEGIN in template:
+        if re.search(re.escape(DS_CALL_BEGIN) + r"'\s*\+\s*tool\['function'\]\['name'\]", template):
+            return "deepseek-v3.1"
+        return "deepseek-r1"
+    return None
+
+
+def template_thinks(template: str) -> bool:
+    return THINK_CLOSE in template or THINK_OPEN in template
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    parameters: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A chat request's tools as this server handles them."""
+
+    family: str
+    tools: tuple[Tool, ...]
+    choice: str  # "auto" | "none" | "required" | "named"
+    named: str | None = None
+    parallel: bool = True
+
+    @property
+    def parse(self) -> bool:
+        return self.choice != "none"
+
+
+def tools_from(body: dict[str, Any], template: str) -> ToolRequest | None:
+    """Validate `tools`, `tool_choice` and `parallel_tool_calls` (OpenAI's shapes); None without tools."""
+    tools_v = body.get("tools")
+    choice_v = body.get("tool_choice")
+    if tools_v is None or tools_v == []:
+        if choice_v not in (None, "none", "auto"):
+            raise invalid_request("\"tool_choice\" needs \"tools\"")
+        return None
+    if not isinstance(tools_v, list):
+        raise invalid_request("\"tools\" must be an array")
+    family = template_family(template)
+    if family is None:
+        raise ApiError(501, "not_supported_error", "\"tools\" is not supported with this model's chat template "
+                       "(tool calls are parsed for Qwen3/Hermes and DeepSeek-R1/V3 templates)")
+    tools: list[Tool] = []
+    for i, t in enumerate(tools_v):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise invalid_request(f"\"tools[{i}]\" must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise invalid_request(f"\"tools[{i}].function.name\" must be 1-64 letters, digits, '_', '.' or '-'")
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise invalid_request(f"\"tools[{i}].function.parameters\" must be a JSON schema object")
+        tools.append(Tool(name, params))
+    if len({t.name for t in tools}) != len(tools):
+        raise invalid_request("\"tools\" has two functions with the same name")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise invalid_request("\"parallel_tool_calls\" must be a boolean")
+    named = None
+    if choice_v is None or choice_v == "auto":
+        choice = "auto"
+    elif choice_v in ("none", "required"):
+        choice = choice_v
+    elif isinstance(choice_v, dict) and isinstance(choice_v.get("function"), dict):
+        choice, named = "named", choice_v["function"].get("name")
+        if named not in {t.name for t in tools}:
+            raise invalid_request(f"\"tool_choice\" names {named!r}, which is not in \"tools\"")
+    else:
+        raise invalid_request("\"tool_choice\" must be \"auto\", \"none\", \"required\" or "
+                              "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    return ToolRequest(family, tuple(tools), choice, named, parallel)
+
+
+def _literal(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+def tool_grammar(req: ToolRequest, open_think: bool) -> str:
+    """GBNF that admits only tool calls in the family's format (one, or several with parallel_tool_calls), each
+    with arguments valid for its tool's parameter schema; for "required" any tool, for "named" that one.
+    `open_think`: the prompt left a `<think>` open, so the answer first closes it (empty)."""
+    from .structured import schema_converter  # noqa: PLC0415 - structured imports llama_cpp's converter lazily
+
+    tools = [t for t in req.tools if req.choice != "named" or t.name == req.named]
+    conv = schema_converter()
+    try:
+        alts = [_tool_alternative(conv, req.family, i, t) for i, t in enumerate(tools)]
+    except ApiError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the converter asserts on schemas it cannot convert
+        raise invalid_request(f"\"tools\": cannot make a grammar from the parameters: {e}") from None
+    one = "tool-call"
+
+    rules = [f"{one} ::= " + " | ".join(f"( {a} )" for a in alts)]
+    calls = f"{one} ( \"\\n\" {one} )*" if req.parallel else one
+    if req.family != "hermes":
+        calls = f"{_literal(DS_CALLS_BEGIN)} {one} {one}* {_literal(DS_CALLS_END)}" if req.parallel else \
+            f"{_literal(DS_CALLS_BEGIN)} {one} {_literal(DS_CALLS_END)}"
+    prefix = f"{_literal(THINK_CLOSE + chr(10) + chr(10))} " if open_think else ""
+    rules.insert(0, f"root ::= {prefix}{calls}")
+    return "\n".join(rules) + "\n" + conv.format_grammar()
+
+
+def _tool_alternative(conv: Any, family: str, i: int, t: Tool) -> str:
+    """One tool's call in the family's format, as a grammar sequence (rules added to `conv`)."""
+    nl = "\n"
+    if family == "hermes":
+        schema = {"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                  "required": ["name", "arguments"]}
+        return f"{_literal(HERMES_OPEN + nl)} {conv.visit_checked(schema, f'call-{i}')} {_literal(nl + HERMES_CLOSE)}"
+    args = conv.visit_checked(t.parameters, f"args-{i}")
+    if family == "deepseek-r1":
+        head = DS_CALL_BEGIN + "function" + DS_SEP + t.name + nl + "```json" + nl
+        return f"{_literal(head)} {args} {_literal(nl + '```' + DS_CALL_END)}"
+    return f"{_literal(DS_CALL_BEGIN + t.name + DS_SEP)} {args} {_literal(DS_CALL_END)}"
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+
+    def to_json(self, index: int | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": "function", "function": {"name": self.name, "arguments": self.arguments},
+                             "id": self.id}
+        if index is not None:
+            d["index"] = index
+        return d
+
+
+@dataclass
+class Delta:
+    reasoning: str = ""
+    content: str = ""
+    calls: list[tuple[int, ToolCall]] = field(default_factory=list)  # (index in the answer, call)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.calls)
+
+
+def _call_from_json(text: str) -> ToolCall | None:
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def _args_text(raw: str) -> str | None:
+    try:
+        return json.dumps(json.loads(raw), ensure_ascii=False)
+    except ValueError:
+        return None
+
+
+class OutputParser:
+    """Splits generated text into reasoning, content and tool calls, incrementally (`feed`) or at the end.
+
+    What `feed` returns, concatenated, equals what `finish` would answer for the whole text: reasoning is sent
+    without its trailing whitespace until more text follows, content likewise, and nothing that may still
+    become a tag."""
+
+    def __init__(self, *, family: str | None, parse_tools: bool, reasoning: bool, starts_in_thinking: bool) -> None:
+        self.family = family if parse_tools else None
+        self.reasoning = reasoning
+        self.starts_in_thinking = starts_in_thinking and reasoning
+        self.text = ""
+        self._sent_reasoning = 0
+        self._sent_content = 0
+        self._sent_calls = 0
+        self.calls: list[ToolCall] = []
+        self.final_reasoning = self.final_content = ""
+
+    # ---- splitting a whole text (final=True: the answer is complete) ----
+
+    def _split(self, final: bool) -> tuple[str, str, list[ToolCall]]:
+        text, reasoning = self.text, ""
+        if self.reasoning:
+            body = None
+            if self.starts_in_thinking:
+                body = text
+            elif text.lstrip().startswith(THINK_OPEN):
+                body = text.lstrip()[len(THINK_OPEN):]
+            elif not final and THINK_OPEN.startswith(text.lstrip()) and text.strip():
+                return "", "", []  # may still become "<think>"
+            if body is not None:
+                end = body.find(THINK_CLOSE)
+                if end < 0:
+                    keep = 0 if final else partial_stop_len(body, THINK_CLOSE)
+                    reasoning = body[:len(body) - keep].strip() if final else body[:len(body) - keep].lstrip().rstrip()
+                    return reasoning, "", []
+                reasoning, text = body[:end].strip(), body[end + len(THINK_CLOSE):]
+        content, calls = self._split_calls(text, final)
+        return reasoning, content, calls
+
+    def _split_calls(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        if self.family is None:
+            return (text.strip() if final else text.lstrip().rstrip()), []
+        opener = HERMES_OPEN if self.family == "hermes" else DS_CALLS_BEGIN
+        start = text.find(opener)
+        if start < 0:
+            keep = 0 if final else partial_stop_len(text, opener)
+            content = text[:len(text) - keep]
+            return (content.strip() if final else content.lstrip().rstrip()), []
+        content = text[:start]
+        calls, rest = self._parse_calls(text[start:], final)
+        if final and rest.strip():
+            content = content + rest
+        return (content.strip() if final else content.lstrip().rstrip()), calls
+
+    def _parse_calls(self, block: str, final: bool) -> tuple[list[ToolCall], str]:
+        """Complete calls in `block` (which starts with the opener) and, at the end, what could not be parsed."""
+        calls: list[ToolCall] = []
+        if self.family == "hermes":
+            pos = 0
+            while True:
+                i = block.find(HERMES_OPEN, pos)
+                if i < 0:
+                    return calls, block[pos:] if final else ""
+                j = block.find(HERMES_CLOSE, i)
+                if j < 0:
+                    if final:  # an unclosed last call (EOS right after the JSON): parse what is there
+                        c = _call_from_json(block[i + len(HERMES_OPEN):].strip())
+                        return (calls + [c], "") if c else (calls, block[i:])
+                    return calls, ""
+                c = _call_from_json(block[i + len(HERMES_OPEN):j].strip())
+                if c is None:
+                    return calls, block[i:] if final else ""
+                calls.append(c)
+                pos = j + len(HERMES_CLOSE)
+        pattern = _DS_R1_CALL if self.family == "deepseek-r1" else _DS_V31_CALL
+        for m in pattern.finditer(block):
+            args = _args_text(m.group("args"))
+            if args is None:
+                break
+            calls.append(ToolCall(m.group("name").strip(), args))
+        return calls, ""
+
+    # ---- incremental ----
+
+    def feed(self, text: str) -> Delta:
+        self.text += text
+        return self._delta(final=False)
+
+    def finish(self) -> Delta:
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> Delta:
+        reasoning, content, calls = self._split(final)
+        d = Delta()
+        if len(reasoning) > self._sent_reasoning:
+            d.reasoning, self._sent_reasoning = reasoning[self._sent_reasoning:], len(reasoning)
+        if len(content) > self._sent_content:
+            d.content, self._sent_content = content[self._sent_content:], len(content)
+        if len(calls) > self._sent_calls:
+            new = calls[self._sent_calls:]
+            d.calls = [(len(self.calls) + k, c) for k, c in enumerate(new)]
+            self.calls += new
+            self._sent_calls = len(calls)
+        if final:
+            self.final_reasoning, self.final_content = reasoning, content
+        return d

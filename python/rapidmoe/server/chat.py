@@ -23,7 +23,7 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
 
-class _Formatter(llama_cpp.llama_chat_format.Jinja2ChatFormatter):  # type: ignore[misc, name-defined]
+class _Formatter(llama_cpp.llama_chat_format.Jinja2ChatFormatter):
     @staticmethod
     def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
                separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:

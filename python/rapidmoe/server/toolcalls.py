@@ -12,6 +12,7 @@ prompt ended with `<think>`) goes to `reasoning_content` (llama-server's `reason
 schemas. `OutputParser` splits the text as it streams: it sends reasoning and content as soon as they cannot be
 the start of a tag, and each tool call whole once its block has closed.
 """
+# ruff: noqa: RUF001, RUF002 - DeepSeek's tool-call markers really are written with U+FF5C and U+2581
 from __future__ import annotations
 
 import json
@@ -271,7 +272,7 @@ class OutputParser:
                 if j < 0:
                     if final:  # an unclosed last call (EOS right after the JSON): parse what is there
                         c = _call_from_json(block[i + len(HERMES_OPEN):].strip())
-                        return (calls + [c], "") if c else (calls, block[i:])
+                        return ([*calls, c], "") if c else (calls, block[i:])
                     return calls, ""
                 c = _call_from_json(block[i + len(HERMES_OPEN):j].strip())
                 if c is None:

@@ -76,6 +76,11 @@ def speed(path: Path, n_prompt: int, n_gen: int, threads: int, **kw) -> dict[str
                                  "decode_ms_per_token": 1e3 * (t2 - t1) / n_gen}
         if kw.get("expert_cache"):
             out["cache_hit_rate"] = llm.expert_cache_stats().hit_rate  # prompt and generated tokens
+            policy = kw.get("expert_cache_policy", "static")
+            if policy == "lru":  # experts copied host -> device per decoded token (prompt copies included)
+                out["cache_copies_per_token"] = sum(llm.expert_cache_copies().values()) / (len(toks) + n_gen)
+            elif policy == "rapidmoe":
+                out["cache_copies_per_token"] = llm.expert_cache_refresh_stats().swaps / (len(toks) + n_gen)
         if llm.residual is not None:  # per decoded token, both stages together
             st = llm.overlap_stats()
             stages = (st.gate_up, st.down)
@@ -155,10 +160,17 @@ def main() -> int:
                           reserve=0)
     cache_kw = {k2: v for k2, v in realize(half, cache_device="CPU" if args.cpu else "CUDA0").items() if k2 != "n_ctx"}
     cache_label = f"ours r=2, per-expert WQ cache ({half.hit_rate:.0%} planned hits), misses on CPU"
+    # the runtime cache policies on the same cache (docs/execution.md, "Expert caching"): refreshed from running
+    # counts, and GPU-centric LRU loading of each ubatch's missing experts
+    policy_labels = {"rapidmoe": "ours r=2, WQ cache refreshed (rapidmoe policy), misses on CPU",
+                     "lru": "ours r=2, WQ cache loaded on demand (lru policy), overflow on CPU"}
     if "expert_cache" in cache_kw:
         cpu = logits(wq, toks, args.threads, residual_path=wr, overlap="off", n_critical=2)
         dev = logits(wq, toks, args.threads, residual_path=wr, n_critical=2, **cache_kw)
         checks.append({"variant": cache_label, "rel_gpu_vs_cpu": rel(dev, cpu), **kl_stats(ref, dev)})
+        for pol, label in policy_labels.items():
+            dev = logits(wq, toks, args.threads, residual_path=wr, n_critical=2, expert_cache_policy=pol, **cache_kw)
+            checks.append({"variant": label, "rel_gpu_vs_cpu": rel(dev, cpu), **kl_stats(ref, dev)})
     cpu = logits(q4, toks, args.threads)
     dev = logits(q4, toks, args.threads, n_gpu_layers=gpu, override_tensor="exps=CPU")
     checks.append({"variant": "stock Q4_K_M -ot exps=CPU", "rel_gpu_vs_cpu": rel(dev, cpu), **kl_stats(ref, dev)})
@@ -175,6 +187,10 @@ def main() -> int:
     if "expert_cache" in cache_kw:
         runs.append({"variant": cache_label,
                      **speed(wq, args.prompt, args.gen, args.threads, residual_path=wr, n_critical=2, **cache_kw)})
+        for pol, label in policy_labels.items():
+            runs.append({"variant": label, "cache_policy": pol,
+                         **speed(wq, args.prompt, args.gen, args.threads, residual_path=wr, n_critical=2,
+                                 expert_cache_policy=pol, **cache_kw)})
     base = float(runs[1]["decode_ms_per_token"])  # type: ignore[arg-type]  # ours r=0, overlap off
     for r in runs[1:]:
         if r.get("overlap") == "off":
@@ -190,7 +206,8 @@ def main() -> int:
     md += ["", f"| variant | prefill tok/s ({args.prompt}) | decode tok/s ({args.gen}) | decode ms/token | "
            "serial CPU residual ms/token (vs r=0) | overlap worker / device / wall / hidden ms/token |",
            "|---|---|---|---|---|---|"]
-    md += [f"| {r['variant']}{' (%.0f%% realized)' % (100 * r['cache_hit_rate']) if 'cache_hit_rate' in r else ''} | {r['prefill_tps']:.1f} | {r['decode_tps']:.1f} | {r['decode_ms_per_token']:.2f} | "
+    md += [f"| {r['variant']}{' (%.0f%% realized)' % (100 * r['cache_hit_rate']) if 'cache_hit_rate' in r else ''}"
+           f"{', %.2f experts copied/token' % r['cache_copies_per_token'] if 'cache_copies_per_token' in r else ''} | {r['prefill_tps']:.1f} | {r['decode_tps']:.1f} | {r['decode_ms_per_token']:.2f} | "
            f"{r.get('serial_cpu_residual_ms', nan):.2f} | "
            + (" / ".join(f"{r[f'overlap_{f}_ms']:.2f}" for f in ("cpu", "device", "wall", "hidden"))
               if r.get("overlap_pairs") else "-") + " |" for r in runs]

@@ -4,7 +4,8 @@
 #   2. run bench/gpu_check.py: logits GPU path vs CPU path, then prefill/decode tokens/s of stock-graph Q4_K_M
 #      with -ot exps=CPU vs ours (WQ on the GPU, sidecar on the CPU) at r = 0, 1, 2, k and UMIA, each with the
 #      residual work after the GPU's (overlap off) and overlapped with it (auto), with the overlap timing, and
-#      with a per-expert WQ cache of about half the experts (misses on the CPU), with its hit rate;
+#      with a per-expert WQ cache of about half the experts (misses on the CPU), with its hit rate, also under the
+#      runtime's rapidmoe (refreshed) and lru (on-demand loading) cache policies, with experts copied per token;
 #   3. the markdown table lands in $OUT (or bench/out/gpu-check/gpu_check.md).
 # Fails fast without a GPU. `bench/gpu_check.sh --cpu` skips the CUDA build and runs the driver with -ngl 0 on
 # tiny sizes against the installed package (what tests/test_gpu_check.py runs).

@@ -40,3 +40,8 @@ def test_cpu_dry_run(tmp_path: Path) -> None:
     cache = [r for r in res["runs"] if "per-expert WQ cache" in r["variant"]]
     assert len(cache) == 1 and 0 < cache[0]["cache_hit_rate"] < 1
     assert any("per-expert WQ cache" in c["variant"] for c in res["checks"])
+    # the same cache under the runtime's rapidmoe and lru policies: equal logits (checked above), hit rates, copies
+    pol = {r["cache_policy"]: r for r in res["runs"] if "cache_policy" in r}
+    assert set(pol) == {"rapidmoe", "lru"} and all(0 < r["cache_hit_rate"] <= 1 for r in pol.values())
+    assert pol["lru"]["cache_copies_per_token"] > 0 and pol["rapidmoe"]["cache_copies_per_token"] >= 0
+    assert sum("policy)" in c["variant"] for c in res["checks"]) == 2

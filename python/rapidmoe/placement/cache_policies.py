@@ -103,13 +103,13 @@ class LRUCache(Policy):
         if any(c < 0 for c in capacity):
             raise CachePolicyError("cache capacities must be >= 0")
         if initial is not None and (len(initial) != len(capacity) or
-                                    any(len(i) > c for i, c in zip(initial, capacity))):
+                                    any(len(i) > c for i, c in zip(initial, capacity, strict=True))):
             raise CachePolicyError("the initial experts must fit each layer's capacity")
         self.capacity = list(capacity)
         self.eb = expert_bytes
         self.overflow_on_cpu = overflow_on_cpu
-        self.slots: list[OrderedDict[int, None]] = [
-            OrderedDict((int(e), None) for e in (initial[m] if initial is not None else ())) for m in range(len(capacity))]
+        start: Sequence[Sequence[int]] = initial if initial is not None else [()] * len(capacity)
+        self.slots: list[OrderedDict[int, None]] = [OrderedDict((int(e), None) for e in ids) for ids in start]
 
     def _touch(self, m: int, e: int) -> None:
         s = self.slots[m]

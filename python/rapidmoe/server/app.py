@@ -25,7 +25,8 @@ from .errors import ApiError, authentication, invalid_request, not_found, payloa
 
 log = logging.getLogger(__name__)
 
-PUBLIC = {"/health", "/v1/health"}  # no API key needed, as in llama-server
+PUBLIC = {"/health", "/v1/health", "/", "/index.html", "/static/app.js", "/static/style.css"}  # no API key
+# needed (as in llama-server): health and the chat page, which asks for the key itself
 
 
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"

@@ -139,11 +139,12 @@ def _install_and_check(first: Path, second: Path, model: Path, tmp_path: Path) -
     py = venv / "bin" / "python"
     purelib = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                   check=True, capture_output=True, text=True).stdout.strip())
-    # dependencies from this interpreter (after the venv's own packages on sys.path; its .pth files not run)
-    (purelib / "zz_deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     pip = [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q"]
     for whl in (first, second):
         subprocess.run([*pip, str(whl)], check=True, capture_output=True, timeout=300)
+    # dependencies from this interpreter, after the installs (pip must not see this interpreter's own rapidmoe) and
+    # after the venv's own packages on sys.path (a path entry: this interpreter's .pth files are not run)
+    (purelib / "zz_deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LLAMA_CPP_LIB_PATH")}
     res = subprocess.run([str(py), "-c", CHECK, str(model)], capture_output=True, text=True, timeout=300,
                          env=env, cwd=tmp_path)

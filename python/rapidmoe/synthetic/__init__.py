@@ -10,20 +10,7 @@ from .weights import GENERATOR_VERSION, generate, router_skew_stats
 from .writer import read_spec, read_tokenizer, vocab_file, write_model
 
 __all__ = [
-                   "ARCHS",
-                   "GENERATOR_VERSION",
-                   "SIZES",
-                   "SIZE_NAMES",
-                   "VOCAB_SIZES",
-                   "SyntheticSpec",
-                   "TensorPlan",
-                   "describe",
-                   "generate",
-                   "read_spec",
-                   "read_tokenizer",
-                   "router_skew_stats",
-                   "spec_for",
-                   "tensor_plan",
-                   "vocab_file",
-                   "write_model",
+    "ARCHS", "GENERATOR_VERSION", "SIZES", "SIZE_NAMES", "VOCAB_SIZES", "SyntheticSpec", "TensorPlan", "describe",
+    "generate", "read_spec", "read_tokenizer", "router_skew_stats", "spec_for", "tensor_plan", "vocab_file",
+    "write_model",
 ]

@@ -345,3 +345,15 @@ def test_openai_logprobs_chat_and_completions(f32_srv: ServerProc) -> None:
         assert len(top) == 2 and top[token] == logprob  # greedy: the sampled token is the most likely
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         c.chat.completions.create(model="x", messages=MSGS, max_tokens=2, top_logprobs=3)
+
+
+# ---- the chat page can be switched off (llama-server's --no-ui) ----
+
+def test_no_ui_answers_404(tiny_qwen: Path, tmp_path: Path) -> None:
+    s = ServerProc(tiny_qwen, "-t", "1", "-c", "1024", "--no-ui", log_path=tmp_path / "noui.log")
+    try:
+        for path in ("/", "/static/app.js"):
+            assert s.request("GET", path)[0] == 404
+        assert s.request("GET", "/health")[0] == 200
+    finally:
+        s.stop()

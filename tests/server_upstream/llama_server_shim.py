@@ -14,10 +14,10 @@ VALUE = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": "
          "--parallel": "--parallel", "--n-predict": "--n-predict", "--alias": "--alias", "--api-key": "--api-key",
          "--batch-size": "--batch-size", "--threads": "--threads", "--chat-template": "--chat-template",
          "--chat-template-file": "--chat-template-file", "--n-gpu-layers": "-ngl", "--tags": "--tags"}
-FLAG = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots"}
+FLAG = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots", "--no-ui": "--no-ui"}
 IGNORED_VALUE = {"--hf-repo", "--hf-file", "--ubatch-size", "-ctk", "-ctv", "-fa", "--model-url", "--cache-ram",
                  "--reasoning-format", "--reasoning", "--cors-origins"}
-IGNORED_FLAG = {"--offline", "--no-jinja", "--jinja", "--no-mmproj", "--cont-batching", "--kv-unified", "--no-ui",
+IGNORED_FLAG = {"--offline", "--no-jinja", "--jinja", "--no-mmproj", "--cont-batching", "--kv-unified",
                 "--swa-full", "--no-cache-idle-slots", "--verbose"}
 
 

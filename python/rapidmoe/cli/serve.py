@@ -49,6 +49,7 @@ def serve(
     temp: Annotated[float, typer.Option("--temp", help="Default temperature.", min=0.0)] = 0.8,
     metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="Serve GET /metrics.")] = True,
     slots: Annotated[bool, typer.Option("--slots/--no-slots", help="Serve GET /slots.")] = True,
+    ui: Annotated[bool, typer.Option("--ui/--no-ui", help="Serve the chat page at /.")] = True,
     trace: options.TraceOpt = None,
     cache_policy: options.CachePolicyOpt = options.CachePolicy.static,
     verbose: options.Verbose = False,
@@ -83,6 +84,6 @@ def serve(
         residual=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, trace=trace, api_keys=keys, timeout=timeout,
         queue_timeout=queue_timeout, max_body=max_body, max_connections=max_connections,
         header_timeout=header_timeout, keepalive_timeout=keepalive_timeout, chat_template=chat_template, seed=seed, temperature=temp,
-        metrics=metrics, slots=slots, verbose=verbose)
+        metrics=metrics, slots=slots, ui=ui, verbose=verbose)
     logging.getLogger("rapidmoe.server").setLevel(logging.INFO)
     run_server(config)

@@ -41,6 +41,7 @@ class ServerConfig:
     seed: int = -1  # default sampling seed (-1: random)
     temperature: float = 0.8  # default sampling temperature
     metrics: bool = True
+    ui: bool = True  # the chat page at /
     slots: bool = True
     verbose: bool = False
 

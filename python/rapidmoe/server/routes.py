@@ -538,6 +538,8 @@ WEB_FILES = {"/": ("index.html", "text/html; charset=utf-8"), "/index.html": ("i
 
 def web_file(st: AppState, req: Request) -> Reply:
     """The chat page (server/web/, shipped in the wheel as package data; no build step)."""
+    if not st.config.ui:
+        raise not_found("File Not Found")  # --no-ui, as llama-server
     name, content_type = WEB_FILES[req.path.split("?", 1)[0]]
     data = (importlib.resources.files("rapidmoe.server") / "web" / name).read_bytes()
     return Reply(200, data, content_type, headers={"Cache-Control": "no-cache"})

@@ -185,6 +185,9 @@ def test_tools_need_a_template_that_writes_them(tiny_qwen: Path, tmp_path: Path)
     try:
         status, r = s.request("POST", "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS, "max_tokens": 2})
         assert status == 501 and '"tools"' in r["error"]["message"], r
+        status, r = s.request("POST", "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS, "max_tokens": 2,
+                                                               "tool_choice": "none"})
+        assert status == 200 and r["choices"][0]["finish_reason"] == "length", r  # rendered, nothing parsed
     finally:
         s.stop()
 

@@ -61,7 +61,7 @@ class Tool:
 class ToolRequest:
     """A chat request's tools as this server handles them."""
 
-    family: str
+    family: str  # "" when the template's format is unknown (only tool_choice "none" then)
     tools: tuple[Tool, ...]
     choice: str  # "auto" | "none" | "required" | "named"
     named: str | None = None
@@ -83,9 +83,10 @@ def tools_from(body: dict[str, Any], template: str) -> ToolRequest | None:
     if not isinstance(tools_v, list):
         raise invalid_request("\"tools\" must be an array")
     family = template_family(template)
-    if family is None:
+    if family is None and choice_v != "none":  # with "none" the template renders the tools, nothing is parsed
         raise ApiError(501, "not_supported_error", "\"tools\" is not supported with this model's chat template "
-                       "(tool calls are parsed for Qwen3/Hermes and DeepSeek-R1/V3 templates)")
+                       "(tool calls are parsed for Qwen3/Hermes and DeepSeek-R1/V3 templates; tool_choice "
+                       "\"none\" works with any template)")
     tools: list[Tool] = []
     for i, t in enumerate(tools_v):
         fn = t.get("function") if isinstance(t, dict) else None
@@ -115,7 +116,7 @@ def tools_from(body: dict[str, Any], template: str) -> ToolRequest | None:
     else:
         raise invalid_request("\"tool_choice\" must be \"auto\", \"none\", \"required\" or "
                               "{\"type\": \"function\", \"function\": {\"name\": ...}}")
-    return ToolRequest(family, tuple(tools), choice, named, parallel)
+    return ToolRequest(family or "", tuple(tools), choice, named, parallel)
 
 
 def _literal(s: str) -> str:

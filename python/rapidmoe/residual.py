@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +22,8 @@ class MoELayerCounters:
     tokens: int  # tokens routed through the layer
     slots: int  # expert slots: tokens x top-k
     critical_slots: int  # slots computed in high precision (WQ + WR)
-    wq_bytes: int  # estimated bytes of WQ expert weights read: slots x one expert's gate+up+down
+    wq_bytes: int  # estimated bytes of WQ expert weights read: slots x one expert's gate+up+down, less down for
+    #               critical slots in copy mode (their down comes from the copy; the CPU path skips WQ's)
     wr_bytes: int  # estimated bytes of sidecar weights read: critical slots x one expert's sidecar tensors
 
     @property
@@ -37,22 +38,24 @@ class ResidualInfo:
     down_mode: str  # "copy" or "residual"
     wq_bytes_per_expert: dict[int, int]  # layer -> bytes of one expert's WQ gate+up+down
     wr_bytes_per_expert: dict[int, int]  # layer -> bytes of one expert's sidecar tensors
+    wq_down_bytes_per_expert: dict[int, int] = field(default_factory=dict)  # layer -> one expert's WQ down
 
     def counters(self, raw: np.ndarray) -> list[MoELayerCounters]:
         out = []
         for il, (tokens, slots, crit) in enumerate(raw.tolist()):
             if il not in self.wq_bytes_per_expert:
                 continue
-            out.append(MoELayerCounters(il, tokens, slots, crit, slots * self.wq_bytes_per_expert[il],
+            skipped = crit * self.wq_down_bytes_per_expert.get(il, 0) if self.down_mode == "copy" else 0
+            out.append(MoELayerCounters(il, tokens, slots, crit, slots * self.wq_bytes_per_expert[il] - skipped,
                                         crit * self.wr_bytes_per_expert[il]))
         return out
 
 
-def _per_expert_bytes(f: GGUFFile) -> dict[int, int]:
+def _per_expert_bytes(f: GGUFFile, role: str | None = None) -> dict[int, int]:
     out: dict[int, int] = {}
     for t in f.tensors:
         m = _EXPERT.match(t.name)
-        if m:
+        if m and (role is None or m.group(2) == role):
             out[int(m.group(1))] = out.get(int(m.group(1)), 0) + t.n_bytes // int(t.shape[2])
     return out
 
@@ -66,4 +69,5 @@ def load_residual_info(wq_path: str | os.PathLike[str], wr_path: str | os.PathLi
     arch = base.get("general.architecture")
     return ResidualInfo(path=Path(wr_path), n_expert_used=int(base.get(f"{arch}.expert_used_count", 0)),
                         down_mode=str(meta.get("preset.down_mode", "copy")),
-                        wq_bytes_per_expert=_per_expert_bytes(base), wr_bytes_per_expert=_per_expert_bytes(side))
+                        wq_bytes_per_expert=_per_expert_bytes(base), wr_bytes_per_expert=_per_expert_bytes(side),
+                        wq_down_bytes_per_expert=_per_expert_bytes(base, "down"))

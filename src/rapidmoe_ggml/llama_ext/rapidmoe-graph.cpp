@@ -31,6 +31,34 @@ void keep_mask_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
 }
 
+// dst [k, T] i32 = the selected expert where the slot is not critical, -1 where it is; src = selected, critical ids
+void noncritical_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    (void) userdata;
+    if (ith != 0) {
+        return;
+    }
+    const ggml_tensor * sel = dst->src[0];
+    const ggml_tensor * crit = dst->src[1];
+    for (int64_t t = 0; t < sel->ne[1]; ++t) {
+        const auto * s = (const int32_t *) ((const char *) sel->data + t * sel->nb[1]);
+        const auto * c = (const int32_t *) ((const char *) crit->data + t * crit->nb[1]);
+        auto * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
+        for (int64_t j = 0; j < sel->ne[0]; ++j) {
+            out[j] = c[j] < 0 ? s[j] : -1;
+        }
+    }
+}
+
+// whether a weight lives in CPU memory (the plain or a repacked CPU buffer): the CPU can run its masked matmul
+bool in_cpu_memory(const ggml_tensor * w) {
+    if (w->buffer == nullptr) {
+        return false;
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(w->buffer));
+    return dev != nullptr && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+}
+
 // Run this node on the CPU backend whatever other devices claim (the scheduler's assignment, kept until the
 // graph is rebuilt). Used for our custom ops and the residual matmuls, whose weights live in CPU memory.
 void on_cpu(const llm_graph_context & g, ggml_tensor * t) {
@@ -74,7 +102,7 @@ void begin_split(rapidmoe_moe_split & s, const llm_graph_context & g, const rapi
     s.layer = &layer;
     s.skip_noncritical = layer.state->skip_noncritical.load();
     const int mode = layer.state->overlap_mode.load();
-    const bool wq_on_device = up_exps->buffer != nullptr && !ggml_backend_buffer_is_host(up_exps->buffer);
+    const bool wq_on_device = up_exps->buffer != nullptr && !in_cpu_memory(up_exps); // repacked CPU is not host
     s.overlap = mode == RAPIDMOE_OVERLAP_ON || (mode == RAPIDMOE_OVERLAP_AUTO && wq_on_device);
 }
 
@@ -106,6 +134,7 @@ rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor *
     }
     s.g = &g;
     s.x = x;
+    s.selected = selected;
     s.il = il;
     if (layer != nullptr) {
         begin_split(s, g, *layer, selected, weights, up_exps);
@@ -124,7 +153,7 @@ namespace {
 void wq_critical_only(const rapidmoe_moe_split & s, ggml_tensor * wq) {
     if (s.skip_noncritical && wq->op == GGML_OP_MUL_MAT_ID) {
         wq->src[2] = s.crit_ids;
-        wq->op_params[GGML_MUL_MAT_ID_MASKED_PARAM] = 1;
+        wq->op = GGML_OP_MUL_MAT_ID_MASKED; // same shapes and sources as the plain node
     }
 }
 
@@ -150,7 +179,7 @@ ggml_tensor * cached_wq(const rapidmoe_moe_split & s, ggml_tensor * wq, ggml_ten
     }
     ggml_context * ctx = s.g->ctx0;
     wq->src[2] = s.route.miss_ids;
-    wq->op_params[GGML_MUL_MAT_ID_MASKED_PARAM] = 1;
+    wq->op = GGML_OP_MUL_MAT_ID_MASKED;
     on_cpu(*s.g, wq); // its weights are in host memory, and a device could not skip the masked slots
     if (cache == nullptr) { // nothing of this layer is cached: the CPU computes every slot (and the op counts them)
         return wq;
@@ -159,6 +188,28 @@ ggml_tensor * cached_wq(const rapidmoe_moe_split & s, ggml_tensor * wq, ggml_ten
     ggml_tensor * dev = ggml_mul_mat_id(ctx, cache, wq->src[1], s.route.slot_ids);
     s.g->cb(dev, name, s.il);
     return ggml_add(ctx, wq, ggml_mul(ctx, dev, s.route.hit_mask));
+}
+
+// down in copy mode with WQ in CPU memory: each slot computed once, by the path it takes. The WQ matmul gets the
+// non-critical slots' ids (masked: the critical slots read no WQ weights) and the Q4 copy the critical ones; the
+// sum is exactly one of the two per slot. No WQ work is thrown away and no keep mask multiplies the result.
+ggml_tensor * down_copy_split(const rapidmoe_moe_split & s, ggml_tensor * experts, ggml_tensor * act) {
+    ggml_context * ctx = s.g->ctx0;
+    ggml_tensor * hi = ggml_mul_mat_id_masked(ctx, s.layer->down_hi, act, s.crit_ids); // [n_embd, k, T]
+    s.g->cb(hi, "rapidmoe_down_hi", s.il);
+    on_cpu(*s.g, hi);
+    if (s.skip_noncritical) { // drop baseline: no WQ slot at all
+        return hi;
+    }
+    ggml_tensor * srcs[2] = { s.selected, s.crit_ids };
+    ggml_tensor * wq_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, s.crit_ids->ne[0], s.crit_ids->ne[1], 1, 1, srcs, 2,
+                                          noncritical_ids_op, 1, nullptr); // [k, T]
+    s.g->cb(wq_ids, "rapidmoe_noncritical_ids", s.il);
+    on_cpu(*s.g, wq_ids);
+    experts->src[2] = wq_ids;
+    experts->op = GGML_OP_MUL_MAT_ID_MASKED;
+    on_cpu(*s.g, experts);
+    return ggml_add(ctx, experts, hi);
 }
 
 }  // namespace
@@ -198,6 +249,10 @@ ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * expe
         return experts;
     }
     ggml_context * ctx = s.g->ctx0;
+    if (!s.overlap && s.layer->down_is_copy && s.cache == nullptr && experts->op == GGML_OP_MUL_MAT_ID &&
+        in_cpu_memory(experts->src[0])) {
+        return down_copy_split(s, experts, act);
+    }
     wq_critical_only(s, experts);
     if (s.overlap) {
         ggml_tensor * r = rapidmoe_overlap_begin_down(ctx, site(s, RAPIDMOE_OVERLAP_DOWN), act, s.crit_ids);

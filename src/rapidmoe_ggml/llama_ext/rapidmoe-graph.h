@@ -3,7 +3,8 @@
 //
 //   [Router] -> selected, weights -> begin: critical ids (UMIA: top-r by weight, -1 elsewhere), keep mask
 //   [gate, up] WQ all k slots  + WR residual, critical slots only (masked mul_mat_id)
-//   [down]     WQ all k slots, critical slots replaced by the Q4 copy (or + the WR residual)
+//   [down]     copy mode: WQ for the non-critical slots only (masked; when WQ is in CPU memory) + the Q4 copy
+//              for the critical ones; residual mode: WQ all k slots + the WR residual of the critical ones
 //   -> weighting and sum: stock
 // The residual work is either plain graph nodes pinned to the CPU (computed after the device's WQ work) or,
 // when the layer overlaps (rapidmoe-overlap.h), begin/join ops around the WQ matmuls.
@@ -24,6 +25,7 @@ struct rapidmoe_moe_split {
     const rapidmoe_expert_cache_layer * cache = nullptr; // the layer's expert cache, or nullptr
     rapidmoe_expert_cache_route     route;              // the cache's slot ids, hit mask and miss ids
     ggml_tensor *                   x        = nullptr; // expert input  [n_embd, 1, n_tokens]
+    ggml_tensor *                   selected = nullptr; // the router's experts [n_expert_used, n_tokens]
     ggml_tensor *                   crit_ids = nullptr; // [n_expert_used, n_tokens], -1 for non-critical slots
     int                             il       = -1;
     bool                            skip_noncritical = false; // drop baseline: WQ computes critical slots only

@@ -246,6 +246,9 @@ const char * rapidmoe_llama_tensor_buffer(const llama_model * model, const char 
     if (t == nullptr) {
         const auto st = rapidmoe_residual_get(model); // held while its tensor's buffer is named
         t = st != nullptr && st->ctx != nullptr ? ggml_get_tensor(st->ctx, name) : nullptr;
+        if (t == nullptr && st != nullptr && st->ctx_repack != nullptr) { // the sidecar's repacked weights
+            t = ggml_get_tensor(st->ctx_repack, name);
+        }
         if (t != nullptr) {
             return t->buffer != nullptr ? ggml_backend_buffer_name(t->buffer) : nullptr;
         }

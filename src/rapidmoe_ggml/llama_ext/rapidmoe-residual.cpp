@@ -9,6 +9,7 @@
 #include "llama-model.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <map>
@@ -45,15 +46,62 @@ bool parse_name(const std::string & name, int & il, std::string & role, std::str
     return il >= 0;
 }
 
+// The CPU backend's repacked weight layout (llama.cpp's CPU_REPACK extra buffer type), when the CPU backend has one
+ggml_backend_buffer_type_t repack_buft() {
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (cpu == nullptr) {
+        return nullptr;
+    }
+    auto get_extra = (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(
+        ggml_backend_dev_backend_reg(cpu), "ggml_backend_dev_get_extra_bufts");
+    for (ggml_backend_buffer_type_t * b = get_extra ? get_extra(cpu) : nullptr; b != nullptr && *b != nullptr; ++b) {
+        if (strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) {
+            return *b;
+        }
+    }
+    return nullptr;
+}
+
+// The sidecar follows the model's own choice of CPU layout: a layer whose experts llama.cpp put in the plain CPU
+// buffer (repacking off: use_extra_bufts = false, or -ot ...=CPU for an expert cache) keeps the plain layout;
+// otherwise (repacked, or on a device) the sidecar gets the repacked layout where its type has one.
+bool model_keeps_plain_layout(const ggml_tensor * base) {
+    return base != nullptr && base->buffer != nullptr && ggml_backend_buffer_is_host(base->buffer); // CPU, CPU_Mapped
+}
+
+// Whether the CPU runs the masked matmul of `w` (the residual matmuls' op) from `buft`: the question llama.cpp's
+// loader asks before it places a weight in an extra buffer type (a dummy node whose weight claims that buffer).
+bool cpu_runs_masked_from(ggml_backend_buffer_type_t buft, const ggml_tensor * w, int n_expert_used) {
+    ggml_init_params ip = { 8 * ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
+    ggml_context * ctx = ggml_init(ip);
+    ggml_tensor * a = ggml_dup_tensor(ctx, w);
+    ggml_tensor * b = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, w->ne[0], n_expert_used, 1);
+    ggml_tensor * ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_expert_used, 1);
+    ggml_tensor * op = ggml_mul_mat_id_masked(ctx, a, b, ids);
+    ggml_backend_buffer_t dummy = ggml_backend_buft_alloc_buffer(buft, 0);
+    a->buffer = dummy;
+    const bool ok = dummy != nullptr &&
+                    ggml_backend_dev_supports_op(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU), op);
+    if (dummy != nullptr) {
+        ggml_backend_buffer_free(dummy);
+    }
+    ggml_free(ctx);
+    return ok;
+}
+
 }  // namespace
 
 rapidmoe_residual_state::~rapidmoe_residual_state() {
     worker.reset(); // finishes any queued residual task before the weights it reads are freed
-    if (buf != nullptr) {
-        ggml_backend_buffer_free(buf);
+    for (ggml_backend_buffer_t b : { buf, buf_repack }) {
+        if (b != nullptr) {
+            ggml_backend_buffer_free(b);
+        }
     }
-    if (ctx != nullptr) {
-        ggml_free(ctx);
+    for (ggml_context * c : { ctx, ctx_repack }) {
+        if (c != nullptr) {
+            ggml_free(c);
+        }
     }
 }
 
@@ -138,6 +186,12 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
     const int64_t n_t = gguf_get_n_tensors(gg);
     ggml_init_params ip = { (size_t) (n_t + 2) * ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
     st->ctx = ggml_init(ip);
+    st->ctx_repack = ggml_init(ip);
+    // the residual matmuls read these weights for every critical slot: like the model's own experts, they get
+    // the CPU's repacked layout where the CPU has one for their type (its gemv kernels are the fast path)
+    // RAPIDMOE_SIDECAR_REPACK=0: keep the plain layout (a diagnostic, for measuring what repacking buys)
+    const char * env_repack = getenv("RAPIDMOE_SIDECAR_REPACK");
+    ggml_backend_buffer_type_t repack = env_repack != nullptr && strcmp(env_repack, "0") == 0 ? nullptr : repack_buft();
     std::string err;
     for (int64_t i = 0; i < n_t && err.empty(); ++i) {
         const char * name = gguf_get_tensor_name(gg, i);
@@ -158,7 +212,9 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
             err = std::string("sidecar tensor ") + name + " does not match the model's expert tensor (shape)";
             break;
         }
-        ggml_tensor * t = ggml_dup_tensor(st->ctx, src);
+        const bool repacked = repack != nullptr && !model_keeps_plain_layout(base) &&
+                              cpu_runs_masked_from(repack, src, st->n_expert_used);
+        ggml_tensor * t = ggml_dup_tensor(repacked ? st->ctx_repack : st->ctx, src);
         ggml_set_name(t, name);
         auto & lr = st->layers[il];
         lr.state = st.get();
@@ -192,7 +248,10 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         st->policy = ggml_new_tensor_2d(st->ctx, GGML_TYPE_F32, RAPIDMOE_UMIA_ROW, (int64_t) st->layers.size() + 1);
         ggml_set_name(st->policy, "rapidmoe_umia_policy");
         st->buf = ggml_backend_alloc_ctx_tensors_from_buft(st->ctx, ggml_backend_cpu_buffer_type());
-        if (st->buf == nullptr) {
+        if (ggml_get_first_tensor(st->ctx_repack) != nullptr) {
+            st->buf_repack = ggml_backend_alloc_ctx_tensors_from_buft(st->ctx_repack, repack);
+        }
+        if (st->buf == nullptr || (ggml_get_first_tensor(st->ctx_repack) != nullptr && st->buf_repack == nullptr)) {
             err = "out of memory allocating the sidecar's tensors";
         } else { // every slot critical until a policy is set: the graph computes exactly the full-precision model
             rapidmoe_umia_set_fixed(st->policy, st->n_expert_used);
@@ -211,11 +270,21 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
             err = std::string("cannot open ") + path;
         }
         const size_t data0 = gguf_get_data_offset(gg);
+        std::vector<uint8_t> staging; // a repacked tensor is written whole through the buffer (which repacks it)
         for (int64_t i = 0; i < n_t && err.empty(); ++i) {
-            ggml_tensor * t = ggml_get_tensor(st->ctx, gguf_get_tensor_name(gg, i));
+            const char * name = gguf_get_tensor_name(gg, i);
+            ggml_tensor * t = ggml_get_tensor(st->ctx, name);
+            const bool repacked = t == nullptr;
+            if (repacked) {
+                t = ggml_get_tensor(st->ctx_repack, name);
+                staging.resize(ggml_nbytes(t));
+            }
+            void * dst = repacked ? staging.data() : t->data;
             const size_t off = data0 + gguf_get_tensor_offset(gg, i);
-            if (fseek(fp, (long) off, SEEK_SET) != 0 || fread(t->data, 1, ggml_nbytes(t), fp) != ggml_nbytes(t)) {
+            if (fseek(fp, (long) off, SEEK_SET) != 0 || fread(dst, 1, ggml_nbytes(t), fp) != ggml_nbytes(t)) {
                 err = std::string("sidecar ") + path + " is truncated at tensor " + ggml_get_name(t);
+            } else if (repacked) {
+                ggml_backend_tensor_set(t, staging.data(), 0, ggml_nbytes(t));
             }
         }
         if (fp != nullptr) {

@@ -52,8 +52,10 @@ struct rapidmoe_residual_state {
     std::atomic<int> overlap_mode{RAPIDMOE_OVERLAP_AUTO}; // rapidmoe_overlap_mode, read at graph build
     std::unique_ptr<rapidmoe_residual_worker> worker;     // runs the overlapped residual work
     std::array<rapidmoe_overlap_timing, RAPIDMOE_OVERLAP_N_STAGES> overlap_timing;
-    ggml_context * ctx = nullptr;
+    ggml_context * ctx = nullptr;            // tensors in a plain CPU buffer (the policy; weights that cannot repack)
     ggml_backend_buffer_t buf = nullptr;
+    ggml_context * ctx_repack = nullptr;     // weights in the CPU backend's repacked layout (CPU_REPACK extra buffer)
+    ggml_backend_buffer_t buf_repack = nullptr;
     std::vector<rapidmoe_layer_residual> layers; // index = layer; layers without experts stay empty
 
     // ubatches of this model between graph build and compute end, and a policy set while one was running

@@ -21,14 +21,27 @@ def native_types(model: ModelShapes) -> TypeRule:
     return lambda t: t.type
 
 
+# a llama-quantize mixture as the planner approximates it without the file: (most matrices, the output head)
+_MIXTURE_TYPES = {"Q3_K_S": ("Q3_K", "Q6_K"), "Q3_K_M": ("Q3_K", "Q6_K"), "Q3_K_L": ("Q4_K", "Q6_K"),
+                  "Q4_K_S": ("Q4_K", "Q6_K"), "Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_S": ("Q5_K", "Q6_K"),
+                  "Q5_K_M": ("Q5_K", "Q6_K")}
+
+
 def resplit_types(preset: Preset) -> TypeRule:
     """The WQ file's types (resplit/convert.py `_target_type`): routed experts in WQ; 1-D tensors, norms, router
-    and biases F32; other matrices `preset.other`, or F16 when their rows are not whole blocks of it."""
+    and biases F32; other matrices `preset.other`, or F16 when their rows are not whole blocks of it. A mixture
+    preset (other = Q4_K_M, ...) is approximated: its main type for the matrices, Q6_K for the output head
+    (conversion asks llama.cpp for the exact per-tensor types; a converted file is planned with its own)."""
+    mixture = _MIXTURE_TYPES.get(preset.other.upper())
+
     def rule(t: TensorShape) -> str:
         if t.role is not None:
             return preset.wq
         if len(t.shape) == 1 or KEEP_F32_RE.search(t.name):
             return "F32"
+        if mixture is not None:
+            ty = mixture[1] if t.name == "output.weight" else mixture[0]
+            return ty if fits_rows(ty, t.shape[0]) else "F16"
         if not fits_rows(preset.other, t.shape[0]):
             return "F16" if preset.other.upper() != "F32" else "F32"
         return preset.other.upper()

@@ -48,8 +48,24 @@ class ConvertResult:
     report: dict[str, object] = field(repr=False)
 
 
-def _target_type(t: Tensor, preset: Preset) -> GGMLQuantizationType:
-    """Type of a non-expert tensor in the WQ file: F32 for vectors/norms/router, else preset.other if it fits."""
+def _mixture_types(src: Path, ftype: int) -> dict[str, GGMLQuantizationType]:
+    """Every tensor's type in a stock llama-quantize of `src` to llama_ftype `ftype` (llama.cpp's own choice)."""
+    from .._runtime import _core  # noqa: PLC0415
+
+    try:
+        return {name: GGMLQuantizationType(ty) for name, ty in _core.quant_types(str(src), ftype)}
+    except ValueError as e:
+        raise ModelFileError(f"{src}: llama.cpp cannot plan this quantization mixture ({e})") from None
+
+
+def _target_type(t: Tensor, preset: Preset, mixture: dict[str, GGMLQuantizationType] | None = None
+                 ) -> GGMLQuantizationType:
+    """Type of a non-expert tensor in the WQ file: with a mixture preset, llama-quantize's type for it;
+    else F32 for vectors/norms/router, and preset.other where its rows fit (F16 where not)."""
+    if mixture is not None:
+        if t.name not in mixture:
+            raise ModelFileError(f"llama.cpp's quantization plan has no tensor {t.name}")
+        return mixture[t.name]
     if len(t.shape) == 1 or KEEP_F32_RE.search(t.name):
         return GGMLQuantizationType.F32
     other = qtype(preset.other)
@@ -192,6 +208,7 @@ class _Converter:
                              n_layer=int(self.reader.get(f"{self.arch}.block_count", 0)),
                              n_expert=int(self.reader.get(f"{self.arch}.expert_count", 0)))
         plan: list[tuple[Tensor, GGMLQuantizationType | None]] = []
+        mixture = _mixture_types(self.src, p.other_mixture) if p.other_mixture is not None else None
         for t in self.reader.tensors:
             m = EXPERT_RE.match(t.name)
             if m:
@@ -200,7 +217,7 @@ class _Converter:
                 _add_quant_info(wr, sidecar.sidecar_name(t.name, m.group(2), p.down_mode), _byte_shape(t, hi), hi)
                 plan.append((t, None))
             else:
-                qt = _target_type(t, p)
+                qt = _target_type(t, p, mixture)
                 if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                     dt = np.dtype(np.float32 if qt == GGMLQuantizationType.F32 else np.float16)
                     shape = tuple(int(x) for x in reversed(t.shape))
@@ -221,6 +238,10 @@ class _Converter:
                     wq.write_tensor_data(wq_data)
                     wr.write_tensor_data(hi_data)
                 else:
+                    if qt == GGMLQuantizationType(int(t.tensor_type)):  # kept as stored (a mixture keeps some)
+                        wq.write_tensor_data(np.asarray(t.data).reshape(-1).view(np.uint8))
+                        bar.update(int(t.n_bytes))
+                        continue
                     rows = tensor_rows(t, 0, n_rows(t))
                     if qt == GGMLQuantizationType.F32:
                         data = rows.reshape(tuple(int(x) for x in reversed(t.shape)))

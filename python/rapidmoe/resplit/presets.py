@@ -13,6 +13,10 @@ WQ_TYPES = ("IQ1_M", "IQ2_XXS", "IQ2_XS", "Q2_K", "Q3_K")
 WR_TYPES = ("Q2_K", "Q3_K", "Q4_K")
 DOWN_COPY_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
 OTHER_TYPES = ("Q8_0", "F16", "F32")
+# llama-quantize's per-tensor mixtures (llama_ftype ids) for the non-expert tensors: each gets exactly the type a
+# stock quantization of the same file to that mixture gives it (llama.cpp decides, through patch 0003), so the
+# WQ file differs from a stock Q4_K_M (say) only in its routed experts
+OTHER_MIXTURES = {"Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17}
 # llama-quantize refuses these without an importance matrix (ggml asserts on the first three)
 NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS")
 
@@ -43,7 +47,7 @@ class Preset:
     wr: str  # residual W - deq(WQ) of gate/up (and of down in residual mode)
     down_mode: str = "copy"
     down_type: str = "Q4_K"  # the copy's type ('copy' mode only)
-    other: str = "Q8_0"  # attention, shared experts, dense FFN, embeddings, output
+    other: str = "Q8_0"  # attention, shared experts, dense FFN, embeddings, output: one type or a mixture
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -55,8 +59,14 @@ class Preset:
             raise ValueError(f"down_mode must be 'copy' or 'residual', not {self.down_mode!r}")
         if self.down_mode == "copy" and self.down_type.upper() not in DOWN_COPY_TYPES:
             raise ValueError(f"down copy type {self.down_type} not supported; choose one of {', '.join(DOWN_COPY_TYPES)}")
-        if self.other.upper() not in OTHER_TYPES:
-            raise ValueError(f"type for other tensors {self.other} not supported; choose one of {', '.join(OTHER_TYPES)}")
+        if self.other.upper() not in OTHER_TYPES and self.other.upper() not in OTHER_MIXTURES:
+            raise ValueError(f"type for other tensors {self.other} not supported; choose one of "
+                             f"{', '.join(OTHER_TYPES + tuple(OTHER_MIXTURES))}")
+
+    @property
+    def other_mixture(self) -> int | None:
+        """llama_ftype id when the non-expert tensors follow one of llama-quantize's mixtures, else None."""
+        return OTHER_MIXTURES.get(self.other.upper())
 
     @property
     def down_hi(self) -> str:
@@ -85,8 +95,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            description="IQ1_M + Q2_K residual for gate, up and down (smallest sidecar)"),
     Preset("iq2", "IQ2_XXS", "Q2_K", "copy", "Q4_K",
            description="IQ2_XXS + Q2_K residual, Q4_K down copy (better non-critical experts)"),
-    Preset("cpu", "Q2_K", "Q2_K", "copy", "Q4_K",
-           description="Q2_K + Q2_K residual, Q4_K down copy: K-quants are faster than IQ on CPUs"),
+    Preset("cpu", "Q2_K", "Q2_K", "copy", "Q4_K", "Q4_K_M",
+           description="Q2_K + Q2_K residual, Q4_K down copy, other tensors as llama.cpp's Q4_K_M: K-quants are "
+                       "faster than IQ on CPUs"),
+    Preset("cpu-q8", "Q2_K", "Q2_K", "copy", "Q4_K", "Q8_0",
+           description="the cpu preset with every non-expert matrix in Q8_0 (more accurate attention, more bytes)"),
     Preset("dense", "Q3_K", "Q4_K", "residual",
            description="Q3_K + Q4_K residual everywhere (highest quality, largest)"),
 )}

@@ -6,9 +6,12 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include "ggml.h"
+#include "rapidmoe-llama.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -154,6 +157,24 @@ void bind_quant(nb::module_ & m) {
           }, "type"_a, "(name, block size, bytes per block, is quantized, requires imatrix) of a ggml type id.");
     m.def("row_size", [](int type_id, int64_t n) { return ggml_row_size(checked_type(type_id), n); },
           "type"_a, "n_per_row"_a, "Bytes of one row of n_per_row values in this type.");
+    m.def("quant_types", [](const std::string & path, int ftype) {
+              std::vector<std::pair<std::string, int>> out;
+              auto cb = [](void * ud, const char * name, int32_t type) {
+                  static_cast<std::vector<std::pair<std::string, int>> *>(ud)->emplace_back(name, (int) type);
+              };
+              int32_t rc;
+              {
+                  nb::gil_scoped_release release;
+                  rc = rapidmoe_llama_quant_types(path.c_str(), ftype, cb, &out);
+              }
+              if (rc != 0) {
+                  throw std::invalid_argument("llama.cpp cannot plan a quantization of " + path + " to ftype " +
+                                              std::to_string(ftype));
+              }
+              return out;
+          }, "path"_a, "ftype"_a,
+          "llama-quantize's target ggml type id for every tensor of the GGUF at path under llama_ftype `ftype`\n"
+          "(a dry run: nothing is quantized or written). Returns [(tensor name, type id)] in file order.");
 }
 
 }  // namespace rapidmoe

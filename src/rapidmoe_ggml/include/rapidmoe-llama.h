@@ -120,6 +120,13 @@ LLAMA_API int32_t rapidmoe_llama_umia_eval(const float * weights, int64_t n_toke
                                            int32_t n_layer, int32_t il, int32_t phase, int32_t * ids_out,
                                            int64_t * hist_out);
 
+// llama-quantize's type choice for every tensor of the model file at path under llama_ftype ftype (Q4_K_M, ...),
+// without quantizing or writing anything: cb(user_data, name, ggml_type) per tensor, in file order. 0, or -1
+// when the file cannot be planned (unreadable, unknown architecture, an ftype llama.cpp refuses).
+typedef void (*rapidmoe_quant_type_cb)(void * user_data, const char * name, int32_t type);
+LLAMA_API int32_t rapidmoe_llama_quant_types(const char * path, int32_t ftype, rapidmoe_quant_type_cb cb,
+                                             void * user_data);
+
 #ifdef __cplusplus
 }
 #endif

@@ -2,7 +2,7 @@
 """The Python driver of bench/gpu_check.sh: GPU-path correctness and speed against stock-style CPU offload.
 
 On a machine with one NVIDIA GPU (package built with CUDA): makes a synthetic qwen3moe, its Q4_K_M (the stock
-baseline) and a RESplit pair (preset cpu), then
+baseline) and a RESplit pair (preset cpu-q8: Q8_0 attention, one CPU kernel for every placement), then
   1. correctness: logits of the GPU path (WQ on the GPU with -ngl, sidecar in CPU memory) vs the CPU path
      (-ngl 0), at r = 0, 1, 2 and under a UMIA policy; and of stock-graph Q4_K_M with `-ot exps=CPU` vs CPU;
   2. speed: prefill and decode tokens/s of "stock" (our build on the plain Q4_K_M file: no sidecar, so every
@@ -120,10 +120,10 @@ def main() -> int:
     over = {"n_layer": args.n_layer} if args.n_layer else {}
     f16 = ensure_synthetic(wd / f"qwen3moe-{args.size}-{args.n_layer}.gguf", "qwen3moe", args.size, **over)
     q4 = quantize_q4_k_m(f16, wd / f"{f16.stem}.q4_k_m.gguf", args.threads)
-    split_dir = wd / f"{f16.stem}.cpu"
+    split_dir = wd / f"{f16.stem}.cpu-q8"
     wq, wr = split_dir / f"{f16.stem}.wq.gguf", split_dir / f"{f16.stem}.wr.gguf"
     if not (wq.exists() and wr.exists()):
-        res = convert(f16, split_dir, get_preset("cpu"), progress=False)
+        res = convert(f16, split_dir, get_preset("cpu-q8"), progress=False)
         wq, wr = res.wq_path, res.wr_path
     t_prep = time.time() - t0
     budget = int(args.gpu_budget_gib * 2**30)

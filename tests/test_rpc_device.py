@@ -16,6 +16,12 @@ from rapidmoe.ggufio import GGUFFile
 from rapidmoe.rpc import RPCServer, parse_endpoint
 from rapidmoe.umia import Policy
 
+# The CPU-vs-stand-in comparisons use preset cpu-q8: its non-expert matrices are Q8_0, which x86 CPUs run with
+# the same kernel in both processes (no repacked Q8_0 layout there). The cpu preset's Q4_K attention is repacked
+# on this CPU and not on the stand-in (its CPU backend keeps the plain layout): two kernels with different
+# summation orders, which a random-weight model amplifies past any tolerance that would still catch a bug.
+EXACT_PRESET = "cpu-q8"
+
 TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense."
 TOL = 1e-3  # relative L2 of the logits (measured: 0, the same CPU kernels run in both processes)
 
@@ -75,7 +81,7 @@ def test_bad_and_unreachable_addresses(make_split) -> None:  # type: ignore[no-u
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
 def test_stock_model_on_the_rpc_device(arch: str, make_split, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
     """No sidecar: the stock graph with every layer on the stand-in device (-ngl) equals the all-CPU run."""
-    _, wq, _ = make_split(arch)
+    _, wq, _ = make_split(arch, EXACT_PRESET)
     toks = _tokens(wq)
     buft = rpc.device.buffer_type  # "RPC<n>[host:port]": n counts servers registered earlier in this process
     exps = f"blk.{_first_moe_layer(wq)}.ffn_up_exps.weight"
@@ -92,7 +98,7 @@ def test_stock_model_on_the_rpc_device(arch: str, make_split, rpc: RPCServer) ->
 def test_split_routing_with_wq_on_the_rpc_device(arch: str, placement: str, make_split, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
     """WQ experts on the stand-in (only them, or every layer), sidecar in CPU memory: the same logits as all-CPU
     at r = 0, 1, 2 and k, and under a UMIA policy."""
-    _, wq, wr = make_split(arch)
+    _, wq, wr = make_split(arch, EXACT_PRESET)
     toks = _tokens(wq)
     f = GGUFFile(wq)
     k = int(f.get(f"{f.get('general.architecture')}.expert_used_count"))
@@ -106,7 +112,7 @@ def test_split_routing_with_wq_on_the_rpc_device(arch: str, placement: str, make
         cpu, _ = _logits(wq, toks, r, residual_path=wr)
         dev, where = _logits(wq, toks, r, residual_path=wr, rpc_servers=[rpc.endpoint], where=names + side, **placed)
         assert all(where[n] == buft for n in names), where
-        assert all(where[n] == "CPU" for n in side), where  # the sidecar never leaves this process's memory
+        assert all(where[n] in ("CPU", "CPU_REPACK") for n in side), where  # the sidecar never leaves this process's memory
         print(f"{arch} {placement} r={r}: rel {_rel(dev, cpu):.2e}")
         assert _rel(dev, cpu) < TOL, (r, _rel(dev, cpu))
         by_r[r] = dev

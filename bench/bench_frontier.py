@@ -1,0 +1,400 @@
+#!/usr/bin/env python3
+"""The CPU quantization frontier: stock llama.cpp's types against RapidMoE's presets x r x UMIA, in one run.
+
+A CPU-only user picks a GGUF type by trading decode speed against quality. This benchmark measures, on one
+model and in one run, stock llama.cpp of the same pin at Q2_K ... Q8_0 (and IQ4_XS) and ours (each preset's
+.wq.gguf + .wr.gguf at fixed r, and UMIA policies calibrated on other text), each variant in a fresh process:
+
+- decode tokens/s (--tg single-token steps after an 8-token prompt) at 2 threads and at 1 thread,
+- prefill tokens/s (one batch of --pp tokens: pp512 by default),
+- weight bytes read per decoded token (experts: from the types and, for ours, the critical-slot counters),
+- KL divergence to the F16 model and top-1 agreement over --chunks x --n-ctx held-out tokens.
+
+Stock's Pareto-optimal points make the frontier line (decode tok/s against log KL); for each of our points the
+table gives the ratio of its decode speed to that line interpolated at the same KL (beyond the line's lowest KL
+the ratio is to stock's lowest-KL point, which is then also worse in quality: marked ">").
+Repetitions run variants in alternating order; medians are reported (the machine is shared and noisy).
+
+Usage:
+  python bench/bench_frontier.py --arch qwen3moe --size bench            # the bench-size synthetic model
+  python bench/bench_frontier.py --model ../shared/models/tiny-moe-a/model-f16.gguf --name tiny-moe-a
+Writes bench/out/frontier-<name>.{json,md,png} (copy to bench/results/ to publish).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "bench"))
+OUT = ROOT / "bench" / "out"
+SHARED = ROOT.parent / "shared" / "models" / "tiny-moe-a"
+
+STOCK_TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS")
+
+# One variant in a fresh process (stock: llama_cpp over the stock build; ours: rapidmoe.Llama); prints one JSON
+# line: prefill and decode timings per repetition, the MoE counters, and the logits of the KL chunks (saved).
+MEASURE = r"""
+import json, sys, time, numpy as np
+cfg = json.loads(sys.argv[1])
+if cfg["ours"]:
+    from rapidmoe import Llama
+    from rapidmoe._runtime import llama_cpp as lc
+    kw = dict(residual_path=cfg["residual"], n_critical=cfg.get("r", 0))
+else:
+    import llama_cpp as lc
+    from llama_cpp import Llama
+    kw = {}
+llm = Llama(model_path=cfg["model"], n_ctx=max(cfg["n_ctx"], cfg["pp"] + 8), n_batch=cfg["pp"], n_ubatch=cfg["pp"],
+            n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, **kw)
+if cfg.get("policy"):
+    llm.set_policy(cfg["policy"])
+res = {"pp_tps": [], "tg_tps": {"2": [], "1": []}}
+
+def decode(threads):
+    lc.llama_set_n_threads(llm._ctx.ctx, threads, threads)
+    llm.reset(); llm._ctx.kv_cache_clear()
+    llm.eval(cfg["pp_tokens"][:8])
+    tok = int(np.argmax(llm.scores[7]))
+    t0 = time.perf_counter()
+    for _ in range(cfg["tg"]):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    return cfg["tg"] / (time.perf_counter() - t0)
+
+decode(2)  # warm-up: pages in the weights, first graph allocations
+for rep in range(cfg["reps"]):
+    lc.llama_set_n_threads(llm._ctx.ctx, 2, 2)
+    llm.reset(); llm._ctx.kv_cache_clear()
+    t0 = time.perf_counter()
+    llm.eval(cfg["pp_tokens"])
+    res["pp_tps"].append(len(cfg["pp_tokens"]) / (time.perf_counter() - t0))
+    if rep == 0 and cfg["ours"]:
+        llm.moe_counters(reset=True)
+    res["tg_tps"]["2"].append(decode(2))
+    if rep == 0 and cfg["ours"]:
+        c = llm.moe_counters()
+        n = max(x.tokens for x in c)
+        res["decode_tokens"] = n
+        res["wq_bytes_per_token"] = sum(x.wq_bytes for x in c) / n
+        res["wr_bytes_per_token"] = sum(x.wr_bytes for x in c) / n
+        res["critical_fraction"] = sum(x.critical_slots for x in c) / max(1, sum(x.slots for x in c))
+    if cfg["one_thread"]:
+        res["tg_tps"]["1"].append(decode(1))
+lc.llama_set_n_threads(llm._ctx.ctx, 2, 2)
+logits = []
+for ch in cfg["chunks"]:
+    llm.reset(); llm._ctx.kv_cache_clear()
+    llm.eval(ch)
+    logits.append(np.array(llm.scores[:len(ch)], dtype=np.float32))
+np.save(cfg["logits_out"], np.concatenate(logits))
+llm.close()
+print("RESULT " + json.dumps(res))
+"""
+
+
+def run_variant(cfg: dict[str, Any], stock_bin: Path | None) -> tuple[dict[str, Any], np.ndarray]:
+    env = dict(os.environ)
+    cwd = None
+    if stock_bin is not None:  # stock: llama-cpp-python's Python layer from the pinned sdist over the stock build
+        env.update(LLAMA_CPP_LIB_PATH=str(stock_bin), PYTHONPATH=str(ROOT / "vendor" / "llama_cpp_py"))
+        cwd = ROOT / "vendor"
+    out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(cfg)], env=env, cwd=cwd,
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring {cfg['model']} failed:\n{out.stderr[-3000:]}")
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[7:]), np.load(cfg["logits_out"])
+
+
+def file_bytes_per_token(path: Path) -> tuple[float, float]:
+    """(non-expert bytes read per decoded token, routed-expert bytes per token at top-k) from a GGUF's tensors."""
+    from rapidmoe.ggufio import GGUFFile
+
+    f = GGUFFile(path)
+    arch = f.get("general.architecture")
+    k, n = int(f.get(f"{arch}.expert_used_count")), int(f.get(f"{arch}.expert_count"))
+    other = experts = 0.0
+    for t in f.tensors:
+        if "_exps." in t.name:
+            experts += t.n_bytes * k / n
+        elif t.name == "token_embd.weight":
+            other += t.n_bytes / int(t.shape[1])  # one row per token
+        else:
+            other += t.n_bytes
+    return other, experts
+
+
+# -- the stock frontier and the ratios -----------------------------------------------------------------------
+
+def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(kl, tok/s) points no other point beats in both (lower KL and higher speed), by increasing KL."""
+    pts = sorted(points)
+    front: list[tuple[float, float]] = []
+    for kl, tps in pts:
+        if not front or tps > front[-1][1]:
+            front.append((kl, tps))
+    return front
+
+
+def frontier_speed(front: list[tuple[float, float]], kl: float) -> tuple[float, str]:
+    """Stock decode tok/s on the frontier at this KL (linear in log KL between neighbours) and how it was found:
+    'interp', 'below' (our KL is lower than every stock point's: the lowest-KL stock point, a lower bound on what
+    stock would need), or 'above' (higher than every stock point's: the fastest stock point)."""
+    logk = math.log(max(kl, 1e-9))
+    if logk <= math.log(front[0][0]):
+        return front[0][1], "below"
+    if logk >= math.log(front[-1][0]):
+        return front[-1][1], "above"
+    for (k0, s0), (k1, s1) in zip(front, front[1:]):
+        l0, l1 = math.log(k0), math.log(k1)
+        if l0 <= logk <= l1:
+            w = (logk - l0) / (l1 - l0) if l1 > l0 else 0.0
+            return s0 + w * (s1 - s0), "interp"
+    return front[-1][1], "above"
+
+
+# -- setup ---------------------------------------------------------------------------------------------------
+
+def stock_file(model: Path, ftype: str, work: Path, quantize: Path) -> Path:
+    p = work / f"{model.stem}.{ftype}.gguf"
+    if not p.exists():
+        tmp = p.with_name(p.name + ".tmp")
+        subprocess.run([str(quantize), str(model), str(tmp), ftype, "2"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.replace(tmp, p)
+    return p
+
+
+def our_pair(model: Path, preset: str, work: Path) -> tuple[Path, Path]:
+    from rapidmoe.resplit import convert, get_preset
+
+    d = work / f"{model.stem}.{preset}"
+    wq, wr = d / f"{model.stem}.wq.gguf", d / f"{model.stem}.wr.gguf"
+    if not (wq.exists() and wr.exists()):
+        convert(model, d, get_preset(preset), progress=True, report_experts=1, force=True)
+    return wq, wr
+
+
+def umia_policies(wq: Path, wr: Path, calib: Path, work: Path, n: int) -> list[tuple[str, str]]:
+    """Calibrate UMIA on `calib` (latency model measured here, then the frontier search) and return up to n of its
+    UMIA frontier policies as (label, policy.json path), cached in work/."""
+    from rapidmoe.umia.calibrate import calibrate
+    from rapidmoe.umia.latency import load_latency_model
+    from rapidmoe.umia.measure import calibrate_latency
+    from rapidmoe.umia.policy import policy_from_dict
+
+    d = work / f"{wq.stem}.umia"
+    d.mkdir(exist_ok=True)
+    lat_path = d / "latency.json"
+    if lat_path.exists():
+        lat = load_latency_model(lat_path)
+    else:
+        lat = calibrate_latency(wq, wr, threads=2)
+        lat.save(lat_path)
+    front_path = d / "frontier.json"
+    if not front_path.exists():
+        res = calibrate(wq, wr, calib, lat, n_tokens=512, chunk=128, threads=2, progress=True)
+        res.save(d)
+    front = json.loads(front_path.read_text())
+    evals = front["evaluations"]
+    umia = [evals[i] for i in front["frontier"] if evals[i]["kind"] == "umia"]
+    picks = umia if len(umia) <= n else [umia[round(j * (len(umia) - 1) / (n - 1))] for j in range(n)] if n > 1 \
+        else umia[:1]
+    out = []
+    for j, e in enumerate(picks):
+        p = d / f"policy-{j}.json"
+        pol = policy_from_dict(e["policy"])
+        pol.save(p)
+        out.append((f"UMIA {pol.describe()}", str(p)))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="F16/F32 MoE GGUF (default: a synthetic one)")
+    ap.add_argument("--name", default=None, help="name in the output files (default: the model's stem)")
+    ap.add_argument("--arch", default="qwen3moe")
+    ap.add_argument("--size", default="bench")
+    ap.add_argument("--stock", default=",".join(STOCK_TYPES), help="stock llama-quantize types, comma-separated")
+    ap.add_argument("--presets", default="cpu,cpu-q8", help="our presets, comma-separated")
+    ap.add_argument("--r", default="0,1,2", help="fixed r values (comma-separated) for every preset")
+    ap.add_argument("--umia", type=int, default=2, help="UMIA policies per preset (calibrated on --calib; 0: none)")
+    ap.add_argument("--eval", type=Path, default=None, help="held-out text for KL (default: shared eval.txt)")
+    ap.add_argument("--calib", type=Path, default=None, help="UMIA calibration text (default: shared calib.txt)")
+    ap.add_argument("--n-ctx", type=int, default=256)
+    ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--tg", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--no-one-thread", action="store_true", help="skip the 1-thread decode measurement")
+    args = ap.parse_args()
+
+    from common import ensure_synthetic, kl_stats
+    from rapidmoe.ggufio import GGUFFile
+    from stock_llama import build_stock
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    work = OUT / "frontier-work"
+    work.mkdir(exist_ok=True)
+    t_setup = time.perf_counter()
+    if args.model is None:
+        args.model = ensure_synthetic(work / f"synthetic-{args.arch}-{args.size}.gguf", args.arch, args.size)
+    args.model = args.model.resolve()
+    name = args.name or args.model.stem
+    stock_bin = build_stock(["llama", "llama-quantize"])
+    stock_types = [s for s in args.stock.split(",") if s]
+    files = {ft: stock_file(args.model, ft, work, stock_bin / "llama-quantize") for ft in stock_types}
+    presets = [p for p in args.presets.split(",") if p]
+    pairs = {p: our_pair(args.model, p, work) for p in presets}
+    calib = args.calib or (SHARED / "calib.txt")
+    policies = {p: (umia_policies(*pairs[p], calib, work, args.umia) if args.umia > 0 else []) for p in presets}
+    setup_s = time.perf_counter() - t_setup
+
+    from rapidmoe import Llama
+
+    f = GGUFFile(args.model)
+    arch = f.get("general.architecture")
+    k = int(f.get(f"{arch}.expert_used_count"))
+    tok = Llama(args.model, n_ctx=args.n_ctx, vocab_only=True, verbose=False)
+    eval_path = args.eval or (SHARED / "eval.txt")
+    text = eval_path.read_text()
+    toks = tok.tokenize(text.encode(), add_bos=False, special=False)
+    tok.close()
+    chunks = [toks[i * args.n_ctx:(i + 1) * args.n_ctx] for i in range(args.chunks)]
+    pp_tokens = toks[-args.pp:]
+    base = {"n_ctx": args.n_ctx, "pp": args.pp, "tg": args.tg, "reps": 1, "chunks": chunks, "pp_tokens": pp_tokens,
+            "one_thread": not args.no_one_thread}
+
+    variants: list[dict[str, Any]] = [{"variant": "stock F16", "kind": "stock", "type": "F16", "model": args.model}]
+    variants += [{"variant": f"stock {ft}", "kind": "stock", "type": ft, "model": files[ft]} for ft in stock_types]
+    for p in presets:
+        wq, wr = pairs[p]
+        variants += [{"variant": f"ours {p} r={r}", "kind": "ours", "preset": p, "r": int(r), "model": wq,
+                      "residual": wr} for r in args.r.split(",") if r != "" and int(r) <= k]
+        variants += [{"variant": f"ours {p} {label}", "kind": "ours", "preset": p, "policy": path, "model": wq,
+                      "residual": wr} for label, path in policies[p]]
+
+    runs: dict[str, list[dict[str, Any]]] = {v["variant"]: [] for v in variants}
+    logits: dict[str, np.ndarray] = {}
+    for rep in range(args.reps):  # alternating order: rep 0 forward, rep 1 backward, ...
+        order = variants if rep % 2 == 0 else variants[::-1]
+        for v in order:
+            cfg = {**base, "ours": v["kind"] == "ours", "model": str(v["model"]),
+                   "logits_out": str(work / f"logits-{abs(hash(v['variant']))}.npy")}
+            if v["kind"] == "ours":
+                cfg.update(residual=str(v["residual"]), r=v.get("r", 0), policy=v.get("policy"))
+            res, lg = run_variant(cfg, stock_bin if v["kind"] == "stock" else None)
+            runs[v["variant"]].append(res)
+            logits.setdefault(v["variant"], lg)
+            print(f"rep {rep} {v['variant']}: pp {res['pp_tps'][0]:.1f} tg2 {res['tg_tps']['2'][0]:.2f}", flush=True)
+
+    ref = logits["stock F16"]
+    rows = []
+    for v in variants:
+        rr = runs[v["variant"]]
+        other, experts = file_bytes_per_token(Path(v["model"]))
+        if v["kind"] == "ours":
+            experts = rr[0]["wq_bytes_per_token"] + rr[0]["wr_bytes_per_token"]
+        size = Path(v["model"]).stat().st_size + (Path(v["residual"]).stat().st_size if "residual" in v else 0)
+        tg1 = [x for r in rr for x in r["tg_tps"]["1"]]
+        rows.append({"variant": v["variant"], "kind": v["kind"], "preset": v.get("preset"), "r": v.get("r"),
+                     "policy": v.get("policy"), "file_mb": size / 1e6,
+                     "pp_tps": float(np.median([x for r in rr for x in r["pp_tps"]])),
+                     "tg_tps": float(np.median([x for r in rr for x in r["tg_tps"]["2"]])),
+                     "tg1_tps": float(np.median(tg1)) if tg1 else None,
+                     "mb_per_token": (other + experts) / 1e6,
+                     "critical_fraction": rr[0].get("critical_fraction"), **kl_stats(ref, logits[v["variant"]])})
+    stock_pts = [(x["kl_mean"], x["tg_tps"]) for x in rows if x["kind"] == "stock" and x["variant"] != "stock F16"]
+    front = pareto(stock_pts)
+    q4 = next((x for x in rows if x["variant"] == "stock Q4_K_M"), None)
+    for x in rows:
+        spd, how = frontier_speed(front, x["kl_mean"])
+        x["frontier_tps"], x["frontier_how"] = spd, how
+        x["ratio_to_frontier"] = x["tg_tps"] / spd
+        x["decode_vs_q4_k_m"] = x["tg_tps"] / q4["tg_tps"] if q4 else None
+        x["prefill_vs_q4_k_m"] = x["pp_tps"] / q4["pp_tps"] if q4 else None
+    result = {"model": str(args.model), "name": name, "model_gb": args.model.stat().st_size / 1e9, "top_k": k,
+              "kl_tokens": sum(len(c) for c in chunks), "pp": args.pp, "tg": args.tg, "reps": args.reps,
+              "setup_s": setup_s, "stock_frontier": front, "rows": rows,
+              "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+    stem = OUT / f"frontier-{name}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(to_markdown(result))
+    plot(result, stem.with_suffix(".png"))
+    print(to_markdown(result))
+    return 0
+
+
+def to_markdown(r: dict[str, Any]) -> str:
+    lines = [f"Model `{Path(r['model']).name}` ({r['model_gb']:.2f} GB), top-{r['top_k']}; CPU, decode at 2 and 1 "
+             f"threads ({r['tg']} tokens), prefill pp{r['pp']} at 2 threads; medians of {r['reps']} alternating "
+             f"repetitions; KL over {r['kl_tokens']} held-out tokens vs the F16 model. Command: `python bench/"
+             f"{r['command']}`", "",
+             "| variant | files MB | MB read/token | prefill tok/s | decode tok/s (2 thr) | decode tok/s (1 thr) | "
+             "critical slots | KL vs F16 | top-1 same | stock frontier at this KL | speed / frontier | "
+             "decode / Q4_K_M | prefill / Q4_K_M |", "|" + "---|" * 13]
+    for x in r["rows"]:
+        crit = f"{100 * x['critical_fraction']:.0f}%" if x["critical_fraction"] is not None else "-"
+        tg1 = f"{x['tg1_tps']:.2f}" if x["tg1_tps"] is not None else "-"
+        mark = {"interp": "", "below": ">", "above": "<"}[x["frontier_how"]]
+        q4d = f"{x['decode_vs_q4_k_m']:.2f}x" if x["decode_vs_q4_k_m"] else "-"
+        q4p = f"{x['prefill_vs_q4_k_m']:.2f}x" if x["prefill_vs_q4_k_m"] else "-"
+        lines.append(f"| {x['variant']} | {x['file_mb']:.0f} | {x['mb_per_token']:.1f} | {x['pp_tps']:.1f} | "
+                     f"{x['tg_tps']:.2f} | {tg1} | {crit} | {x['kl_mean']:.5f} | {x['top1_same']:.3f} | "
+                     f"{x['frontier_tps']:.2f} | {mark}{x['ratio_to_frontier']:.2f}x | {q4d} | {q4p} |")
+    lines += ["", "Frontier ratio marks: `>` our KL is below every stock type's, so the ratio is to stock's "
+              "lowest-KL type (which is also worse in quality); `<` our KL is above every stock type's (ratio to "
+              "stock's fastest type)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install '.[bench]'): no plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    stock = sorted((x for x in r["rows"] if x["kind"] == "stock" and x["variant"] != "stock F16"),
+                   key=lambda x: x["kl_mean"])
+    fr = r["stock_frontier"]
+    ax.plot([s for _, s in fr], [k for k, _ in fr], "-", color="C1", label="stock llama.cpp frontier")
+    for x in stock:
+        ax.scatter(x["tg_tps"], x["kl_mean"], marker="s", color="C1")
+        ax.annotate(x["variant"].removeprefix("stock "), (x["tg_tps"], x["kl_mean"]), fontsize=8,
+                    xytext=(4, 4), textcoords="offset points")
+    presets = sorted({x["preset"] for x in r["rows"] if x["kind"] == "ours"})
+    for i, p in enumerate(presets):
+        ours = [x for x in r["rows"] if x["kind"] == "ours" and x["preset"] == p]
+        ax.scatter([x["tg_tps"] for x in ours], [max(x["kl_mean"], 1e-6) for x in ours], marker="o",
+                   color=f"C{i % 8 if i % 8 != 1 else 9}", label=f"RapidMoE preset {p}")
+        for x in ours:
+            lab = x["variant"].removeprefix(f"ours {p} ")
+            ax.annotate(lab if len(lab) < 14 else "UMIA", (x["tg_tps"], max(x["kl_mean"], 1e-6)), fontsize=7,
+                        xytext=(4, -8), textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_xlabel("decode tokens/s (CPU, 2 threads)")
+    ax.set_ylabel("KL divergence to F16 (mean, log scale)")
+    ax.set_title(f"{r['name']}: RapidMoE vs stock llama.cpp quantizations")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Where a decode step's time goes: perf's cpu-clock samples of the decode loop only, per function.
+
+Loads the model (ours with --residual, or stock llama.cpp with --stock), warms up, then attaches
+`perf record -e cpu-clock` to this process for --steps single-token decode steps and prints the functions
+that took the time (ggml kernels name their op and type: ggml_vec_dot_q2_K_q8_K is a plain Q2_K matmul row,
+ggml_gemv_q2_K_8x8_q8_K a repacked one, ggml_barrier / the thread pool's spin are synchronisation).
+Needs Debian's linux-perf; the samples are wall time of both threads (software clock, no hardware counters).
+
+Usage: python tools/profile_decode.py MODEL.gguf [--residual WR.gguf -r 1] [--stock] [-t 2] [--steps 64] [--top 25]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LOOP = r"""
+import json, os, sys, time, subprocess, signal, numpy as np
+cfg = json.loads(sys.argv[1])
+if cfg["stock"]:
+    import llama_cpp as lc
+    from llama_cpp import Llama
+    kw = {}
+else:
+    from rapidmoe import Llama
+    from rapidmoe._runtime import llama_cpp as lc
+    kw = dict(residual_path=cfg["residual"], n_critical=cfg["r"]) if cfg["residual"] else {}
+llm = Llama(model_path=cfg["model"], n_ctx=512, n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
+            verbose=False, **kw)
+if cfg.get("policy"):
+    llm.set_policy(cfg["policy"])
+toks = llm.tokenize(b"Once upon a time there was a model that", add_bos=False)
+def run(n):
+    llm.reset(); llm._ctx.kv_cache_clear()
+    llm.eval(toks)
+    tok = int(np.argmax(llm.scores[len(toks) - 1]))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    return (time.perf_counter() - t0) / n
+run(8)
+perf = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", "4000", "-o", cfg["data"], "-p", str(os.getpid())],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+time.sleep(0.5)
+step = run(cfg["steps"])
+perf.send_signal(signal.SIGINT)
+perf.wait()
+print("RESULT " + json.dumps({"ms_per_token": step * 1e3}))
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--residual", type=Path, default=None)
+    ap.add_argument("-r", type=int, default=1)
+    ap.add_argument("--policy", type=Path, default=None)
+    ap.add_argument("--stock", action="store_true", help="run on the stock build (tools/stock_llama.py)")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--json", type=Path, default=None, help="also write the table as JSON")
+    args = ap.parse_args()
+    if shutil.which("perf") is None:
+        print("perf not found (apt-get install linux-perf)", file=sys.stderr)
+        return 1
+    env = dict(os.environ)
+    cwd = None
+    if args.stock:
+        sys.path.insert(0, str(ROOT / "tools"))
+        from stock_llama import build_stock
+
+        env.update(LLAMA_CPP_LIB_PATH=str(build_stock(["llama"])), PYTHONPATH=str(ROOT / "vendor" / "llama_cpp_py"))
+        cwd = ROOT / "vendor"
+    with tempfile.TemporaryDirectory() as tmp:
+        data = str(Path(tmp) / "perf.data")
+        cfg = {"model": str(args.model.resolve()), "residual": str(args.residual.resolve()) if args.residual else None,
+               "r": args.r, "policy": str(args.policy) if args.policy else None, "stock": args.stock,
+               "threads": args.threads, "steps": args.steps, "data": data}
+        out = subprocess.run([sys.executable, "-c", LOOP, json.dumps(cfg)], env=env, cwd=cwd, capture_output=True,
+                             text=True)
+        if out.returncode != 0:
+            print(out.stderr[-3000:], file=sys.stderr)
+            return 1
+        res = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:])
+        rep = subprocess.run(["perf", "report", "-i", data, "--stdio", "--sort", "sym", "--percent-limit", "0.3"],
+                             capture_output=True, text=True).stdout
+    rows = []
+    for line in rep.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[0].endswith("%") and parts[1].startswith("["):
+            rows.append((float(parts[0][:-1]), " ".join(parts[2:])))
+    print(f"{args.model.name} {'stock' if args.stock else 'ours'} r={args.r if args.residual else '-'} "
+          f"threads={args.threads}: {res['ms_per_token']:.2f} ms/token over {args.steps} steps")
+    print("| share of samples | ms/token | function |\n|---|---|---|")
+    for pct, sym in rows[:args.top]:
+        print(f"| {pct:.1f}% | {pct / 100 * res['ms_per_token']:.2f} | `{sym}` |")
+    if args.json:
+        args.json.write_text(json.dumps({"ms_per_token": res["ms_per_token"], "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -210,3 +210,29 @@ def test_interrupted_conversion_leaves_nothing(micro: Path, tmp_path: Path, monk
     with pytest.raises(KeyboardInterrupt):
         convert(micro, tmp_path, get_preset("cpu"), progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_mixture_preset_matches_llama_quantize(micro: Path, tmp_path: Path) -> None:
+    """The cpu preset's non-expert tensors take llama-quantize's Q4_K_M mixture (patch 0003): the same type and the
+    same bytes as llama.cpp's own Q4_K_M of the same file, tensor by tensor; only the routed experts differ."""
+    import ctypes
+
+    from rapidmoe import llama_cpp
+
+    res = convert(micro, tmp_path / "split", get_preset("cpu"), progress=False)
+    out = tmp_path / "q4km.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, 2
+    assert llama_cpp.llama_model_quantize(str(micro).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    stock = {t.name: t for t in GGUFFile(out).tensors}
+    ours = {t.name: t for t in GGUFFile(res.wq_path).tensors}
+    assert ours.keys() == stock.keys()
+    others = [n for n in ours if "_exps." not in n]
+    assert len(others) > 5
+    for n in others:
+        assert ours[n].tensor_type == stock[n].tensor_type, n
+        assert bytes(np.asarray(ours[n].data).reshape(-1).view(np.uint8)) == \
+            bytes(np.asarray(stock[n].data).reshape(-1).view(np.uint8)), n
+    assert {ours[n].tensor_type.name for n in ours if "_exps." in n} == {"Q2_K"}
+    with pytest.raises(ValueError, match="not supported"):
+        get_preset("cpu", other="Q9_K_M")

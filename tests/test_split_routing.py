@@ -254,6 +254,36 @@ def test_masked_mul_mat_id_matches_numpy(type_name: str) -> None:
     np.testing.assert_array_equal(got[keep], full[keep])  # same kernels, same numbers for kept slots
 
 
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K"])
+def test_masked_mul_mat_id_on_repacked_weights_matches_numpy(type_name: str) -> None:
+    """The op on the CPU's repacked layout (CPU_REPACK claims it): skipped slots are zero rows, kept ones equal the
+    repacked plain MUL_MAT_ID bit for bit and numpy to quantization error. Before patch 0002 made the masked matmul
+    its own op, this kernel asserted on the negative ids."""
+    rng = np.random.default_rng(2)
+    n_as, n_out, n_in, T, k = 6, 32, 256, 7, 4
+    w = rng.standard_normal((n_as, n_out, n_in)).astype(np.float32)
+    qt = GGMLQuantizationType[type_name]
+    raw = _core.quantize(w.reshape(-1, n_in), int(qt)).reshape(n_as, n_out, -1)
+    deq = _core.dequantize(raw.reshape(-1, raw.shape[-1]), int(qt), n_in).reshape(w.shape)
+    b = rng.standard_normal((T, 1, n_in)).astype(np.float32)
+    # distinct experts per token, as routing gives (the repacked kernel sizes its row map for at most T rows each)
+    ids = np.stack([rng.permutation(n_as)[:k] for _ in range(T)]).astype(np.int32)
+    masked_ids = ids.copy()
+    masked_ids[rng.random((T, k)) < 0.5] = -1
+    masked_ids[0, :] = -1
+    full = _core.mul_mat_id(raw, int(qt), n_in, b, ids, repacked=True)
+    got = _core.mul_mat_id(raw, int(qt), n_in, b, masked_ids, masked=True, repacked=True)
+    plain = _core.mul_mat_id(raw, int(qt), n_in, b, ids)
+    ref = np.einsum("tkoi,ti->tko", deq[ids], b[:, 0].astype(np.float64))
+    assert _rel(full, ref) < 2e-2 and _rel(full, plain) < 1e-5
+    keep = masked_ids >= 0
+    np.testing.assert_array_equal(got[~keep], 0.0)
+    np.testing.assert_array_equal(got[keep], full[keep])
+    with pytest.raises(ValueError, match="no repacked layout"):  # F32 has none: refused, not silently plain
+        _core.mul_mat_id(w.view(np.uint8).reshape(n_as, n_out, -1), int(GGMLQuantizationType.F32), n_in, b, ids,
+                         repacked=True)
+
+
 def _decode_batch(llm: Llama, seqs: list[list[int]]) -> list[np.ndarray]:
     """One llama_decode of several sequences (ids 0..n-1); the logits of each sequence's last token."""
     from rapidmoe import llama_cpp as lc

@@ -26,8 +26,21 @@ using I32_2 = nb::ndarray<const int32_t, nb::numpy, nb::ndim<2>, nb::c_contig, n
 using U8_3  = nb::ndarray<const uint8_t, nb::numpy, nb::ndim<3>, nb::c_contig, nb::device::cpu>;
 
 // dst[t, j, :] = as[ids[t, j]] @ b[t, j % n_b, :] (numpy order); masked: ids < 0 give zero rows
+// the CPU backend's CPU_REPACK buffer type (llama.cpp's interleaved layouts), or nullptr
+ggml_backend_buffer_type_t cpu_repack_buft() {
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    auto get_extra = cpu == nullptr ? nullptr : (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(
+        ggml_backend_dev_backend_reg(cpu), "ggml_backend_dev_get_extra_bufts");
+    for (ggml_backend_buffer_type_t * b = get_extra ? get_extra(cpu) : nullptr; b != nullptr && *b != nullptr; ++b) {
+        if (std::strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) {
+            return *b;
+        }
+    }
+    return nullptr;
+}
+
 nb::ndarray<nb::numpy, float, nb::ndim<3>> mul_mat_id(U8_3 as, int type_id, int64_t n_in, F32_3 b, I32_2 ids,
-                                                      bool masked, int n_threads) {
+                                                      bool masked, int n_threads, bool repacked) {
     const auto type = (ggml_type) type_id;
     const int64_t n_as = as.shape(0), n_out = as.shape(1);
     const int64_t T = b.shape(0), n_b = b.shape(1), k = ids.shape(1);
@@ -42,6 +55,33 @@ nb::ndarray<nb::numpy, float, nb::ndim<3>> mul_mat_id(U8_3 as, int type_id, int6
     ggml_tensor * tb = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, n_in, n_b, T);
     ggml_tensor * ti = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, T);
     std::memcpy(ta->data, as.data(), as.nbytes());
+    // repacked: the weights in a CPU_REPACK buffer (its kernels run the node: the extra buffer claims the op)
+    ggml_context * ctx_w = nullptr;
+    ggml_backend_buffer_t buf_w = nullptr;
+    if (repacked) {
+        ggml_backend_buffer_type_t buft = cpu_repack_buft();
+        ggml_init_params wp = { 8 * ggml_tensor_overhead(), nullptr, true };
+        ctx_w = ggml_init(wp);
+        ggml_tensor * rw = ggml_new_tensor_3d(ctx_w, type, n_in, n_out, n_as);
+        buf_w = buft != nullptr ? ggml_backend_alloc_ctx_tensors_from_buft(ctx_w, buft) : nullptr;
+        bool ok = buf_w != nullptr;
+        if (ok) { // the extra buffer claims the node only for types and shapes it has a layout for
+            ggml_tensor * db = ggml_new_tensor_3d(ctx_w, GGML_TYPE_F32, n_in, n_b, T);
+            ggml_tensor * di = ggml_new_tensor_2d(ctx_w, GGML_TYPE_I32, k, T);
+            ggml_tensor * op = masked ? ggml_mul_mat_id_masked(ctx_w, rw, db, di) : ggml_mul_mat_id(ctx_w, rw, db, di);
+            ok = ggml_backend_dev_supports_op(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU), op);
+        }
+        if (!ok) {
+            if (buf_w != nullptr) {
+                ggml_backend_buffer_free(buf_w);
+            }
+            ggml_free(ctx_w);
+            ggml_free(ctx);
+            throw std::invalid_argument("mul_mat_id: the CPU has no repacked layout for this type and shape");
+        }
+        ggml_backend_tensor_set(rw, as.data(), 0, as.nbytes());
+        ta = rw;
+    }
     std::memcpy(tb->data, b.data(), b.nbytes());
     std::memcpy(ti->data, ids.data(), ids.nbytes());
     ggml_tensor * out = masked ? ggml_mul_mat_id_masked(ctx, ta, tb, ti) : ggml_mul_mat_id(ctx, ta, tb, ti);
@@ -58,6 +98,10 @@ nb::ndarray<nb::numpy, float, nb::ndim<3>> mul_mat_id(U8_3 as, int type_id, int6
     auto * res = new float[(size_t) (T * k * n_out)];
     std::memcpy(res, out->data, ggml_nbytes(out));
     ggml_free(ctx);
+    if (buf_w != nullptr) {
+        ggml_backend_buffer_free(buf_w);
+        ggml_free(ctx_w);
+    }
     nb::capsule owner(res, [](void * p) noexcept { delete[] (float *) p; });
     return nb::ndarray<nb::numpy, float, nb::ndim<3>>(res, {(size_t) T, (size_t) k, (size_t) n_out}, owner);
 }
@@ -134,9 +178,10 @@ bool capture_callback(ggml_tensor * t, bool ask, void * user_data) {
 
 void bind_testing(nb::module_ & m) {
     m.def("mul_mat_id", &mul_mat_id, "as_"_a, "type"_a, "n_in"_a, "b"_a, "ids"_a, "masked"_a = false,
-          "n_threads"_a = 2,
+          "n_threads"_a = 2, "repacked"_a = false,
           "Run ggml_mul_mat_id (or ggml_mul_mat_id_masked) on the CPU backend: as_ uint8 [n_as, n_out, row_bytes]\n"
-          "of ggml type `type`, b float32 [T, n_b, n_in], ids int32 [T, k]; returns float32 [T, k, n_out].");
+          "of ggml type `type`, b float32 [T, n_b, n_in], ids int32 [T, k]; returns float32 [T, k, n_out].\n"
+          "repacked: the weights in the CPU_REPACK buffer (its kernels); ValueError where it has no layout.");
     nb::class_<TensorCapture>(m, "TensorCapture",
         "Copies the named F32 or I32 graph tensors (I32 as exact floats; views with contiguous rows too) each time\n"
         "a llama_context computes them (eval callback).")

@@ -50,9 +50,14 @@ def browser() -> Iterator[Any]:
 
 
 def _wait(cond: Any, timeout: float = 30.0) -> Any:
+    from selenium.common.exceptions import StaleElementReferenceException
+
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        v = cond()
+        try:
+            v = cond()
+        except StaleElementReferenceException:  # the page re-rendered the element between find and read: retry
+            v = None
         if v:
             return v
         time.sleep(0.05)

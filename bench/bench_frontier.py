@@ -103,38 +103,6 @@ print("RESULT " + json.dumps(res))
 """
 
 
-def run_variant(cfg: dict[str, Any], stock_bin: Path | None) -> tuple[dict[str, Any], np.ndarray]:
-    env = dict(os.environ)
-    cwd = None
-    if stock_bin is not None:  # stock: llama-cpp-python's Python layer from the pinned sdist over the stock build
-        env.update(LLAMA_CPP_LIB_PATH=str(stock_bin), PYTHONPATH=str(ROOT / "vendor" / "llama_cpp_py"))
-        cwd = ROOT / "vendor"
-    out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(cfg)], env=env, cwd=cwd,
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"measuring {cfg['model']} failed:\n{out.stderr[-3000:]}")
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[7:]), np.load(cfg["logits_out"])
-
-
-def file_bytes_per_token(path: Path) -> tuple[float, float]:
-    """(non-expert bytes read per decoded token, routed-expert bytes per token at top-k) from a GGUF's tensors."""
-    from rapidmoe.ggufio import GGUFFile
-
-    f = GGUFFile(path)
-    arch = f.get("general.architecture")
-    k, n = int(f.get(f"{arch}.expert_used_count")), int(f.get(f"{arch}.expert_count"))
-    other = experts = 0.0
-    for t in f.tensors:
-        if "_exps." in t.name:
-            experts += t.n_bytes * k / n
-        elif t.name == "token_embd.weight":
-            other += t.n_bytes / int(t.shape[1])  # one row per token
-        else:
-            other += t.n_bytes
-    return other, experts
-
-
 # -- the stock frontier and the ratios -----------------------------------------------------------------------
 
 def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -240,6 +208,7 @@ def main() -> int:
     ap.add_argument("--no-one-thread", action="store_true", help="skip the 1-thread decode measurement")
     args = ap.parse_args()
 
+    from bench_split import file_bytes_per_token, run_variant
     from common import ensure_synthetic, kl_stats
     from rapidmoe.ggufio import GGUFFile
     from stock_llama import build_stock
@@ -294,7 +263,7 @@ def main() -> int:
                    "logits_out": str(work / f"logits-{abs(hash(v['variant']))}.npy")}
             if v["kind"] == "ours":
                 cfg.update(residual=str(v["residual"]), r=v.get("r", 0), policy=v.get("policy"))
-            res, lg = run_variant(cfg, stock_bin if v["kind"] == "stock" else None)
+            res, lg = run_variant(cfg, stock_bin if v["kind"] == "stock" else None, MEASURE)
             runs[v["variant"]].append(res)
             logits.setdefault(v["variant"], lg)
             print(f"rep {rep} {v['variant']}: pp {res['pp_tps'][0]:.1f} tg2 {res['tg_tps']['2'][0]:.2f}", flush=True)

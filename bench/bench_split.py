@@ -114,13 +114,15 @@ def file_bytes_per_token(path: Path) -> tuple[float, float]:
     return other, experts
 
 
-def run_variant(cfg: dict, stock_bin: Path | None) -> tuple[dict, np.ndarray]:  # type: ignore[type-arg]
+def run_variant(cfg: dict, stock_bin: Path | None, script: str = MEASURE) -> tuple[dict, np.ndarray]:  # type: ignore[type-arg]
+    """Run `script` (a MEASURE program) for one variant in a fresh process: stock variants over the stock build
+    with llama-cpp-python's layer from the pinned sdist, ours over our build."""
     env = dict(os.environ)
     cwd = None
     if stock_bin is not None:
         env.update(LLAMA_CPP_LIB_PATH=str(stock_bin), PYTHONPATH=str(ROOT / "vendor" / "llama_cpp_py"))
         cwd = ROOT / "vendor"
-    out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(cfg)], env=env, cwd=cwd,
+    out = subprocess.run([sys.executable, "-c", script, json.dumps(cfg)], env=env, cwd=cwd,
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"measuring {cfg['model']} failed:\n{out.stderr[-3000:]}")

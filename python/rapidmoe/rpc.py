@@ -50,6 +50,23 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def parse_servers(value: str | Sequence[str] | None) -> list[str]:
+    """llama.cpp's `--rpc SERVERS`: "host:port,host:port,..." (or a list of them) -> the endpoints, in order, each
+    checked by parse_endpoint; duplicates are refused (one server registers its devices once)."""
+    if value is None:
+        return []
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out = [e.strip() for e in items if e.strip()]
+    if not out:
+        raise RapidMoEError(f"no RPC server in {value!r}: expected host:port[,host:port...]")
+    for e in out:
+        parse_endpoint(e)
+    dup = sorted({e for e in out if out.count(e) > 1})
+    if dup:
+        raise RapidMoEError(f"RPC server {dup[0]} given twice")
+    return out
+
+
 def check_reachable(endpoint: str, timeout: float = 2.0) -> None:
     """Raise RapidMoEError unless something accepts TCP connections at endpoint."""
     host, port = parse_endpoint(endpoint)
@@ -98,6 +115,32 @@ def model_devices(rpc: Sequence[RPCDevice]) -> ctypes.Array[ctypes.c_void_p] | N
     return arr
 
 
+def server_command(host: str = "127.0.0.1", port: int = 50052, threads: int | None = None,
+                   devices: str | Sequence[str] | None = None, cache: bool = False,
+                   binary: str | os.PathLike[str] | None = None) -> list[str]:
+    """The command line of the package's rpc-server (llama.cpp's flags) serving these devices on host:port."""
+    exe = Path(binary) if binary is not None else RPC_SERVER
+    if not exe.is_file():
+        raise RapidMoEError(f"rpc-server not found at {exe}: this build has no RPC backend (RAPIDMOE_RPC=OFF?)")
+    parse_endpoint(f"{host}:{port}")
+    cmd = [str(exe), "-H", host, "-p", str(port)]
+    if threads is not None:
+        if threads < 1:
+            raise RapidMoEError(f"rpc-server threads must be >= 1, got {threads}")
+        cmd += ["-t", str(threads)]
+    if devices:
+        names = devices.split(",") if isinstance(devices, str) else list(devices)
+        known = {name for name, *_ in _core.devices()}
+        bad = [d for d in names if d.strip() not in known]
+        if bad:
+            raise RapidMoEError(f"unknown ggml device {bad[0]!r} for rpc-server (this machine has: "
+                                f"{', '.join(sorted(known))})")
+        cmd += ["-d", ",".join(d.strip() for d in names)]
+    if cache:
+        cmd.append("-c")
+    return cmd
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -120,8 +163,7 @@ class RPCServer:
         self.endpoint = f"{host}:{self.port}"
         self._log = tempfile.TemporaryFile()  # its output (a pipe nobody reads could fill and block it)
         self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-            [str(exe), "-H", host, "-p", str(self.port), "-t", str(threads)],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            server_command(host, self.port, threads, binary=exe), stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + startup_timeout
         while True:
             if self.proc.poll() is not None:

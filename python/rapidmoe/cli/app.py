@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import typer
 
 from ..errors import RapidMoEError
-from . import calibrate, convert, inspect, make_model, plan, run, serve
+from . import calibrate, convert, inspect, make_model, plan, rpc_server, run, serve
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -49,6 +49,7 @@ app.command("calibrate-latency")(one_line_errors(calibrate.calibrate_latency))
 app.command("calibrate")(one_line_errors(calibrate.calibrate))
 app.command("serve")(one_line_errors(serve.serve))
 app.command("plan")(one_line_errors(plan.plan))
+app.command("rpc-server")(one_line_errors(rpc_server.rpc_server))
 
 
 @app.callback()

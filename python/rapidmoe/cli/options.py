@@ -22,6 +22,30 @@ OverrideTensor = Annotated[Optional[list[str]], typer.Option(
     "--override-tensor", "-ot", help="<tensor name pattern>=<buffer type>,... (repeatable), as in llama.cpp. "
     "Not with --gpu-mem.")]
 
+Rpc = Annotated[Optional[str], typer.Option(
+    "--rpc", metavar="SERVERS", envvar="LLAMA_ARG_RPC",
+    help="Comma-separated list of RPC servers (host:port), as llama.cpp's --rpc: each server's devices (started "
+    "with `rapidmoe-cli rpc-server` on that host) join this process's device list ahead of local GPUs; -ngl splits "
+    "layers across them, and -ot names them by buffer type RPC<n>[host:port]. docs/execution.md.")]
+
+TensorSplit = Annotated[Optional[str], typer.Option(
+    "--tensor-split", "-ts", metavar="N0,N1,...",
+    help="Fraction of the offloaded layers per device, in device order (RPC servers first, as given to --rpc), "
+    "e.g. 3,1; as llama.cpp's -ts (default: by each device's free memory).")]
+
+
+def tensor_split(value: str | None) -> list[float] | None:
+    """-ts "3,1" -> [3.0, 1.0]; a usage error for anything but non-negative numbers with a positive sum."""
+    if value is None:
+        return None
+    try:
+        out = [float(v) for v in value.replace("/", ",").split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not a comma-separated list of numbers", param_hint="-ts") from None
+    if any(v < 0 for v in out) or sum(out) <= 0:
+        raise typer.BadParameter(f"{value!r}: proportions must be >= 0 with a positive sum", param_hint="-ts")
+    return out
+
 
 class OverlapMode(str, Enum):
     auto = "auto"

@@ -26,6 +26,8 @@ def run(
     n_gpu_layers: options.GpuLayers = 0,
     n_cpu_moe: options.NCpuMoe = 0,
     override_tensor: options.OverrideTensor = None,
+    rpc: options.Rpc = None,
+    tensor_split: options.TensorSplit = None,
     gpu_mem: options.GpuMem = None,
     reserve: options.Reserve = None,
     freq: options.Freq = None,
@@ -44,7 +46,9 @@ def run(
     from ..default_model import ensure_default_model  # noqa: PLC0415 - keep --help fast
     from ..llama import Llama  # noqa: PLC0415
     from ..modelfile import require_moe  # noqa: PLC0415
+    from ..rpc import parse_servers  # noqa: PLC0415
 
+    rpc_servers = parse_servers(rpc)
     path = model if model is not None else ensure_default_model()
     info = require_moe(path)
     if n_predict + 8 > ctx_size:
@@ -52,7 +56,8 @@ def run(
     place = placement(ctx, model=path, residual=residual, ctx_size=ctx_size, gpu_mem=gpu_mem, reserve=reserve,
                       freq=freq, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=override_tensor)
     try:
-        llm = Llama(path, n_threads=threads, n_threads_batch=threads, seed=seed, **place,
+        llm = Llama(path, n_threads=threads, n_threads_batch=threads, seed=seed, rpc_servers=rpc_servers,
+                    tensor_split=options.tensor_split(tensor_split), **place,
                     residual_path=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, trace=trace,
                     expert_cache_policy=check_cache_policy(cache_policy.value, place), verbose=verbose)
     except RapidMoEError:

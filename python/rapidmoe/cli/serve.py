@@ -29,6 +29,8 @@ def serve(
     n_gpu_layers: options.GpuLayers = 0,
     n_cpu_moe: options.NCpuMoe = 0,
     override_tensor: options.OverrideTensor = None,
+    rpc: options.Rpc = None,
+    tensor_split: options.TensorSplit = None,
     gpu_mem: options.GpuMem = None,
     reserve: options.Reserve = None,
     freq: options.Freq = None,
@@ -61,6 +63,7 @@ def serve(
     BUDGET to let the planner choose them for the whole context (-c), logged before the model loads.
     """
     from ..default_model import ensure_default_model  # noqa: PLC0415 - keep --help fast
+    from ..rpc import parse_servers  # noqa: PLC0415
     from ..server import ServerConfig, run_server  # noqa: PLC0415
 
     if chat_template_file is not None:
@@ -68,6 +71,7 @@ def serve(
             chat_template = chat_template_file.read_text(encoding="utf-8")
         except OSError as e:
             raise RapidMoEError(f"cannot read --chat-template-file {chat_template_file}: {e.strerror}") from None
+    rpc_servers = tuple(parse_servers(rpc))
     keys = tuple(k.strip() for k in (api_key or "").split(",") if k.strip())
     path = model if model is not None else ensure_default_model()
     place = placement(ctx, model=path, residual=residual, ctx_size=ctx_size, gpu_mem=gpu_mem, reserve=reserve,
@@ -78,7 +82,8 @@ def serve(
         tags=tuple(a.strip() for a in (tags or "").split(",") if a.strip()), any_model=any_model,
         parallel=parallel, queue_size=queue_size, ctx_size=ctx_size, n_batch=n_batch, n_predict=n_predict,
         threads=threads, n_gpu_layers=place["n_gpu_layers"], n_cpu_moe=place["n_cpu_moe"],
-        override_tensor=tuple(place["override_tensor"] or ()),
+        override_tensor=tuple(place["override_tensor"] or ()), rpc_servers=rpc_servers,
+        tensor_split=tuple(options.tensor_split(tensor_split) or ()),
         expert_cache=place.get("expert_cache"), expert_cache_device=place.get("expert_cache_device"),
         expert_cache_policy=check_cache_policy(cache_policy.value, place),
         residual=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, trace=trace, api_keys=keys, timeout=timeout,

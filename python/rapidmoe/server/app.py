@@ -365,6 +365,7 @@ def _load(config: ServerConfig, st: routes.AppState) -> Any:
         llm = Llama(config.model, n_ctx=config.ctx_size, n_batch=config.n_batch, n_ubatch=config.n_batch,
                     n_threads=threads, n_threads_batch=threads, n_gpu_layers=config.n_gpu_layers,
                     n_cpu_moe=config.n_cpu_moe, override_tensor=list(config.override_tensor) or None,
+                    rpc_servers=list(config.rpc_servers) or None, tensor_split=list(config.tensor_split) or None,
                     expert_cache=config.expert_cache, expert_cache_device=config.expert_cache_device,
                     expert_cache_policy=config.expert_cache_policy,
                     residual_path=config.residual, n_critical=config.n_critical, overlap=config.overlap,

@@ -25,6 +25,8 @@ class ServerConfig:
     expert_cache_device: str | None = None
     expert_cache_policy: str = "static"  # "rapidmoe": the cache refreshed after every step (rapidmoe.Llama)
     override_tensor: tuple[str, ...] = ()
+    rpc_servers: tuple[str, ...] = ()  # llama.cpp's --rpc: host:port of rpc-servers whose devices the model may use
+    tensor_split: tuple[float, ...] = ()  # llama.cpp's -ts: offloaded layers per device (empty: by free memory)
     residual: Path | None = None
     n_critical: int = 2
     policy: Path | None = None

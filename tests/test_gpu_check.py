@@ -30,6 +30,14 @@ def test_cpu_dry_run(tmp_path: Path) -> None:
     assert "stock Q4_K_M, -ngl 99 -ot exps=CPU" in md and "ours UMIA" in md
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert all(c["rel_gpu_vs_cpu"] == 0.0 for c in res["checks"])  # -ngl 0: the same computation
+    assert res["tolerance"] == 0.0 and all(c["ok"] for c in res["checks"])
+    assert sum(bool(c.get("yardstick")) for c in res["checks"]) == 1  # stock's GPU-vs-CPU difference sets the tolerance
+    status = {s["name"]: s["status"] for s in res["sections"]}
+    assert [status[n] for n in ("exactness", "stock", "ours", "cache")] == ["done"] * 4, status
+    # the hook sections say what they wait for until their feature lands (then they run: "done")
+    hooks = ("concurrent", "streaming", "umia-gpu")
+    assert all(status[n] == "done" or status[n].startswith("pending: ") for n in hooks), status
+    assert res["meta"]["gpu"].startswith("none") and res["meta"]["sizes"] == res["sizes"] and res["meta"]["total_s"] > 0
     assert all(r["decode_tps"] > 0 and r["prefill_tps"] > 0 for r in res["runs"])
     # ours twice per r: overlap off (no begin/join pairs) and forced on (-ngl 0 would not overlap on "auto")
     ours = [r for r in res["runs"] if "overlap" in r]
@@ -45,3 +53,21 @@ def test_cpu_dry_run(tmp_path: Path) -> None:
     assert set(pol) == {"rapidmoe", "lru"} and all(0 < r["cache_hit_rate"] <= 1 for r in pol.values())
     assert pol["lru"]["cache_copies_per_token"] > 0 and pol["rapidmoe"]["cache_copies_per_token"] >= 0
     assert sum("policy)" in c["variant"] for c in res["checks"]) == 2
+
+
+@pytest.mark.native
+@pytest.mark.slow
+def test_sections_and_time_budget(tmp_path: Path) -> None:
+    """--sections picks sections (an unknown one is a usage error); sections that would start after --budget-s are
+    recorded as skipped, not run; a failed exactness check (here: none ran) would exit 1."""
+    run = ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--cpu"]
+    env = dict(os.environ, OUT=str(tmp_path))
+    p = subprocess.run([*run, "--sections", "exactness,nope"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "unknown section 'nope'" in p.stderr
+    p = subprocess.run([*run, "--sections", "stock,umia-gpu", "--budget-s", "0"], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    status = {s["name"]: s["status"] for s in res["sections"]}
+    assert status["stock"] == status["umia-gpu"] == "skipped (time budget)" and status["ours"] == "not selected"
+    assert res["runs"] == [] and res["checks"] == []

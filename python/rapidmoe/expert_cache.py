@@ -97,7 +97,7 @@ class ExpertCacheStats:
         return cls([ExpertCacheLayer(i, int(c), int(h), int(s)) for i, (c, h, s) in enumerate(raw) if c >= 0])
 
 
-CACHE_POLICIES = ("static", "rapidmoe", "lru")  # what the runtime realizes (moepic is simulated only)
+CACHE_POLICIES = ("static", "rapidmoe", "lru", "moepic")  # what the runtime realizes
 
 
 @dataclass
@@ -165,4 +165,44 @@ def wq_expert_bytes(model_path: str | os.PathLike[str], layers: Sequence[int]) -
     for il in layers:
         ts = [tensors[f"blk.{il}.ffn_{r}_exps.weight"] for r in ("gate", "up", "down")]
         out[il] = sum(int(t.n_bytes) // int(t.shape[2]) for t in ts)
+    return out
+
+
+@dataclass(frozen=True)
+class MoEpicLayer:
+    """One MoE layer under the moepic policy at run time."""
+
+    layer: int
+    n_ff: int  # the intermediate dimension
+    n_top: int  # its leading rows in the top segment
+    capacity: int  # top segments resident
+    work_slots: int  # experts the device computes per ubatch (the work area)
+    expert_bytes: int  # one expert's gate + up + down
+    top_bytes: int  # its top segment
+
+    @property
+    def split(self) -> float:
+        """The top's share of the intermediate dimension (= of the expert's bytes)."""
+        return self.n_top / self.n_ff if self.n_ff else 0.0
+
+
+def moepic_layers(model_path: str | os.PathLike[str], layers: Sequence[int], splits: Sequence[float],
+                  capacities: Sequence[int], work_slots: int) -> list[MoEpicLayer]:
+    """Each layer's split rounded to whole rows of the intermediate dimension and to the down projection's
+    quantization block (down's top is the leading columns of its rows), with the bytes that decides."""
+    from gguf import GGML_QUANT_SIZES  # noqa: PLC0415
+
+    from .placement.cache_policies import top_rows  # noqa: PLC0415
+
+    tensors = {t.name: t for t in GGUFFile(model_path).tensors}
+    out = []
+    for il, split, cap in zip(layers, splits, capacities, strict=True):
+        up, gate, down = (tensors[f"blk.{il}.ffn_{r}_exps.weight"] for r in ("up", "gate", "down"))
+        n_embd, n_ff = int(up.shape[0]), int(up.shape[1])
+        block, tsize = GGML_QUANT_SIZES[down.tensor_type]
+        n_top = top_rows(split, n_ff, block)
+        per_expert = [int(t.n_bytes) // int(t.shape[2]) for t in (up, gate, down)]
+        row_up, row_gate = per_expert[0] // n_ff, per_expert[1] // n_ff
+        top = n_top * (row_up + row_gate) + n_top // block * tsize * n_embd
+        out.append(MoEpicLayer(il, n_ff, n_top, int(cap), work_slots, sum(per_expert), top))
     return out

@@ -17,16 +17,18 @@ from .expert_cache import (
     CACHE_POLICIES,
     CacheRefresher,
     ExpertCacheStats,
+    MoEpicLayer,
     RefreshStats,
     check_device,
     check_expert_cache,
     moe_layers_of,
+    moepic_layers,
     wq_expert_bytes,
 )
 from .modelfile import read_model_info
 from .overlap import OverlapStats, overlap_mode
 from .overrides import BufferOverrides, build_overrides
-from .placement.cache_policies import RefreshSettings
+from .placement.cache_policies import MoEpicSettings, RefreshSettings
 from .residual import MoELayerCounters, ResidualInfo, load_residual_info
 from .rpc import RPCDevice, model_devices, register_rpc_servers
 from .trace import NextLayerPredictor, TraceRecorder
@@ -85,7 +87,11 @@ class Llama(llama_cpp.Llama):
         set is refreshed from decayed per-expert routing counts, a bounded number of experts swapped
         (`expert_cache_refresh`, a rapidmoe.placement.cache_policies.RefreshSettings; `expert_cache_refresh_stats`);
         "lru": GPU-centric on-demand loading, each ubatch's missing experts copied into the least recently used
-        slots before the layer computes (`expert_cache_copies`). The simulator's moepic is not realized.
+        slots before the layer computes (`expert_cache_copies`); "moepic": MoEpic's split experts
+        (`expert_cache_moepic`, a MoEpicSettings; no expert_cache: each MoE layer gets a work area), tops of up to
+        `capacity` experts resident, the rest fetched per ubatch, the next layer's predicted experts ahead
+        (`expert_cache_bytes`). expert_cache_async (default True): copies run on the device's transfer queue
+        while compute goes on, each layer waiting for its own right before its device work.
     trace: record every computed token's expert choices and router weights per MoE layer into this file
         (rapidmoe.trace: format, reader); written after each `eval`, or by `flush_trace()` for callers of
         llama_decode, and completed (renamed into place) by `close()`. Uses the eval callback, so not with
@@ -115,6 +121,8 @@ class Llama(llama_cpp.Llama):
         trace: str | os.PathLike[str] | None = None,
         expert_cache_policy: str = "static",
         expert_cache_refresh: RefreshSettings | None = None,
+        expert_cache_moepic: MoEpicSettings | None = None,
+        expert_cache_async: bool = True,
         **kwargs: Any,
     ) -> None:
         info = read_model_info(model_path)  # a clear error for missing, truncated and non-GGUF files
@@ -140,8 +148,22 @@ class Llama(llama_cpp.Llama):
         self._expert_cache: dict[int, list[int]] | None = None
         self._refresher: CacheRefresher | None = None
         if expert_cache_policy not in CACHE_POLICIES:
-            raise RapidMoEError(f"expert_cache_policy must be one of {', '.join(CACHE_POLICIES)} (moepic is simulated "
-                                f"only), got {expert_cache_policy!r}")
+            raise RapidMoEError(f"expert_cache_policy must be one of {', '.join(CACHE_POLICIES)}, "
+                                f"got {expert_cache_policy!r}")
+        self._moepic: list[MoEpicLayer] | None = None
+        self._cache_async = bool(expert_cache_async)
+        if expert_cache_policy == "moepic" or expert_cache_moepic is not None:
+            if expert_cache_policy != "moepic" or expert_cache_moepic is None:
+                raise RapidMoEError('expert_cache_policy="moepic" and expert_cache_moepic=MoEpicSettings(...) go '
+                                    "together")
+            if expert_cache is not None:
+                raise RapidMoEError("the moepic policy gives every MoE layer its own work area: pass "
+                                    "expert_cache_moepic, not expert_cache")
+            moe = moe_layers_of(model_path)
+            splits, caps = expert_cache_moepic.per_layer(len(moe))
+            work = min(expert_cache_moepic.work_slots or info.n_expert_used, info.n_expert)
+            self._moepic = moepic_layers(model_path, moe, splits, caps, work)
+            expert_cache = {il: list(range(work)) for il in moe}
         if (expert_cache_policy != "static" or expert_cache_refresh is not None) and expert_cache is None:
             raise RapidMoEError("expert_cache_policy and expert_cache_refresh need expert_cache={layer: [expert ids]}")
         self._cache_policy = expert_cache_policy
@@ -255,6 +277,13 @@ class Llama(llama_cpp.Llama):
                 self._refresher = CacheRefresher(model.model, self._expert_cache, self._n_expert,
                                                  wq_expert_bytes(self.model_path, sorted(self._expert_cache)),
                                                  self._refresh_settings)
+            for ml in self._moepic or []:
+                try:
+                    _core.expert_cache_set_moepic(model.model, ml.layer, ml.n_top, ml.capacity)
+                except ValueError as e:
+                    _core.expert_cache_clear(model.model)
+                    raise RapidMoEError(f"moepic: {e}") from e
+            _core.expert_cache_set_async(model.model, self._cache_async)
 
     def _known_devices(self) -> list[str]:
         names = [n for d in self.rpc_devices for n in (d.name, d.buffer_type)]
@@ -367,6 +396,21 @@ class Llama(llama_cpp.Llama):
         if self._refresher is None:
             raise RapidMoEError('no refreshing expert cache (pass expert_cache_policy="rapidmoe")')
         return self._refresher.stats
+
+    def expert_cache_bytes(self, reset: bool = False) -> dict[int, tuple[int, int]]:
+        """Per MoE layer: (bytes copied host -> device before the layer could compute, bytes copied ahead by
+        moepic's prefetch) since the last reset (lru and moepic; 0 for the others)."""
+        if self._expert_cache is None:
+            raise RapidMoEError("no expert cache (pass expert_cache=... and expert_cache_device=...)")
+        raw = _core.expert_cache_bytes(self._model.model, reset)
+        return {il: (int(raw[il][0]), int(raw[il][1])) for il in sorted(self._expert_cache)}
+
+    @property
+    def expert_cache_moepic(self) -> list[MoEpicLayer]:
+        """The moepic policy's layers (rows in the top segment, resident tops, work area, bytes)."""
+        if self._moepic is None:
+            raise RapidMoEError('no moepic cache (pass expert_cache_policy="moepic")')
+        return list(self._moepic)
 
     def expert_cache_copies(self, reset: bool = False) -> dict[int, int]:
         """Per MoE layer: experts the lru policy copied host -> device since the last reset (0 for other policies)."""

@@ -147,21 +147,50 @@ class LRUCache(Policy):
 
 class MoEpicCache(Policy):
     """Top segments of up to capacity[m] experts resident (LRU); bottoms and uncached experts copied, predicted
-    ones ahead of time."""
+    ones ahead of time.
+
+    work_slots: the runtime's rule (Llama(expert_cache_policy="moepic")): a layer computes on the device only the
+    experts its work area holds, work_slots[m] of them: the predicted ones (the first work_slots in id order) are
+    assembled there ahead, the step's other experts on demand in id order while slots last, and the rest run on the
+    CPU (no copy, no top admitted). Tops are admitted for the experts the device computed. None: every expert is
+    computed on the device (a GPU-centric system stages them all)."""
 
     name, kind = "moepic", "gpu"
 
-    def __init__(self, capacity: Sequence[int], split: Sequence[float], expert_bytes: float) -> None:
+    def __init__(self, capacity: Sequence[int], split: Sequence[float], expert_bytes: float, *,
+                 work_slots: Sequence[int] | None = None) -> None:
         if len(capacity) != len(split) or any(not 0.0 <= s <= 1.0 for s in split):
             raise CachePolicyError("moepic needs one capacity and one split ratio in [0, 1] per layer")
+        if work_slots is not None and (len(work_slots) != len(capacity) or any(w < 1 for w in work_slots)):
+            raise CachePolicyError("moepic needs one work area size >= 1 per layer")
         self.capacity, self.split, self.eb = list(capacity), list(split), expert_bytes
+        self.work_slots = list(work_slots) if work_slots is not None else None
         self.tops: list[OrderedDict[int, None]] = [OrderedDict() for _ in capacity]
+
+    def _admit(self, m: int, experts: Sequence[int]) -> None:
+        tops = self.tops[m]
+        for e in experts:
+            tops[int(e)] = None
+            tops.move_to_end(int(e))
+            while len(tops) > self.capacity[m]:
+                tops.popitem(last=False)
 
     def access(self, m: int, experts: np.ndarray, uses: np.ndarray, predicted: set[int] | None) -> Access:
         tops, s = self.tops[m], self.split[m]
         hit = np.fromiter((int(e) in tops for e in experts), bool, len(experts))
         a = Access(len(experts), int(uses.sum()), int(hit.sum()), int(uses[hit].sum()))
         need = np.where(hit, (1.0 - s) * self.eb, self.eb)
+        if self.work_slots is not None:
+            w = self.work_slots[m]
+            ahead = sorted(predicted or ())[:w]  # assembled in the work area during the previous layer
+            a.prefetch_bytes = sum((1.0 - s) * self.eb if e in tops else self.eb for e in ahead)
+            there = set(ahead)
+            on_device = [int(e) for e in experts if int(e) in there]
+            rest = [i for i, e in enumerate(experts) if int(e) not in there][: max(0, w - len(on_device))]
+            a.demand_bytes = float(sum(need[i] for i in rest))
+            if s > 0:
+                self._admit(m, sorted(on_device + [int(experts[i]) for i in rest]))
+            return a
         if predicted is None:
             a.demand_bytes = float(need.sum())
         else:
@@ -171,11 +200,7 @@ class MoEpicCache(Policy):
                          if e not in {int(x) for x in experts})
             a.prefetch_bytes = float(need[pred].sum()) + wasted
         if s > 0:
-            for e in experts:
-                tops[int(e)] = None
-                tops.move_to_end(int(e))
-                while len(tops) > self.capacity[m]:
-                    tops.popitem(last=False)
+            self._admit(m, [int(e) for e in experts])
         return a
 
     def resident(self, m: int) -> set[int]:
@@ -484,6 +509,58 @@ def moepic_config(curves: Sequence[HitCurve], budget: float, *, n_expert: int, k
     return MoEpicConfig([g * q for g in given], [s.split for s in sols],
                         [int(min(n_expert, math.floor(s.n_cached + 1e-9))) for s in sols],
                         sum(s.stall_s for s in sols), all(s.converged for s in sols))
+
+
+def plan_moepic(counts: np.ndarray, budget: float, *, expert_bytes: float, k: int, cost: CostModel,
+                accuracy: Sequence[float] | None = None) -> MoEpicConfig:
+    """MoEpic's configuration for a model: per-layer hit-rate curves from routing counts [n_moe, n_expert] (a
+    calibration trace), windows and link from the cost model (`cost.window_s(k, k)`: the previous layer's compute
+    for one token; `cost.machine.pcie_bw`), the next-layer predictor's measured accuracy per layer (0 where not
+    measured: nothing counted as prefetched). What the simulator and the runtime (Llama(expert_cache_policy=
+    "moepic")) use."""
+    counts = np.asarray(counts, dtype=np.float64)
+    if counts.ndim != 2 or counts.shape[0] == 0:
+        raise CachePolicyError(f"routing counts must be [MoE layers, experts], got shape {counts.shape}")
+    n_moe, n_expert = counts.shape
+    acc = [0.0] * n_moe if accuracy is None else [float(a) if np.isfinite(a) else 0.0 for a in accuracy]
+    return moepic_config([hit_curve(c) for c in counts], float(budget), n_expert=n_expert, k=k,
+                         expert_bytes=expert_bytes, pcie_bw=cost.machine.pcie_bw,
+                         windows_s=[cost.window_s(k, k)] * n_moe, accuracy=acc)
+
+
+@dataclass(frozen=True)
+class MoEpicSettings:
+    """The moepic policy at run time (Llama(expert_cache_policy="moepic", expert_cache_moepic=...)): per MoE layer
+    (in layer order) the top segment's share of the intermediate dimension (rounded down to whole rows and to the
+    down projection's quantization block) and how many tops stay resident; work_slots experts per layer computed on
+    the device per ubatch (0: the model's top-k). One value applies to every layer."""
+
+    split: float | Sequence[float]
+    capacity: int | Sequence[int]
+    work_slots: int = 0
+
+    def __post_init__(self) -> None:
+        splits = [self.split] if isinstance(self.split, (int, float)) else list(self.split)
+        caps = [self.capacity] if isinstance(self.capacity, int) else list(self.capacity)
+        if any(not 0.0 <= float(x) <= 1.0 for x in splits) or any(int(c) < 0 for c in caps) or self.work_slots < 0:
+            raise CachePolicyError("moepic settings need splits in [0, 1], capacities >= 0 and work_slots >= 0")
+
+    @classmethod
+    def from_config(cls, cfg: MoEpicConfig, work_slots: int = 0) -> MoEpicSettings:
+        return cls(list(cfg.splits), list(cfg.capacity), work_slots)
+
+    def per_layer(self, n_moe: int) -> tuple[list[float], list[int]]:
+        splits = [float(self.split)] * n_moe if isinstance(self.split, (int, float)) else [float(x) for x in self.split]
+        caps = [int(self.capacity)] * n_moe if isinstance(self.capacity, int) else [int(c) for c in self.capacity]
+        if len(splits) != n_moe or len(caps) != n_moe:
+            raise CachePolicyError(f"moepic settings give {len(splits)} splits and {len(caps)} capacities for "
+                                   f"{n_moe} MoE layers")
+        return splits, caps
+
+
+def top_rows(split: float, n_ff: int, block: int) -> int:
+    """Rows of the intermediate dimension in the top segment: split x n_ff rounded down to a multiple of block."""
+    return math.floor(split * n_ff / block + 1e-9) * block
 
 
 # --- routing for shapes we cannot run -----------------------------------------------------------------------------

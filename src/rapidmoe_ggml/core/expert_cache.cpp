@@ -55,6 +55,31 @@ void bind_expert_cache(nb::module_ & m) {
           }, "model"_a, "il"_a, "lru"_a,
           "Layer il's cache loads the experts each ubatch needs into its least recently used slots (lru) or stays "
           "as set (static).");
+    m.def("expert_cache_set_moepic", [](uintptr_t model, int32_t il, int64_t n_top, int32_t capacity) {
+              char err[512] = {0};
+              if (rapidmoe_llama_expert_cache_set_moepic(as_model(model), il, n_top, capacity, err, sizeof(err)) != 0) {
+                  throw std::invalid_argument(err);
+              }
+          }, "model"_a, "il"_a, "n_top"_a, "capacity"_a,
+          "Layer il's cache becomes MoEpic's: top segments of n_top intermediate rows, up to `capacity` resident, "
+          "its slots a work area assembled per ubatch, the next layer's predicted experts assembled ahead.");
+    m.def("expert_cache_set_async", [](uintptr_t model, bool async) {
+              if (rapidmoe_llama_expert_cache_set_async(as_model(model), async) != 0) {
+                  throw std::invalid_argument("the model has no expert cache");
+              }
+          }, "model"_a, "async"_a,
+          "Cache copies overlap compute (each layer waits for its own right before its device work) or not.");
+    m.def("expert_cache_bytes", [](uintptr_t model, bool reset) {
+              const llama_model * mdl = as_model(model);
+              const int32_t n_layer = rapidmoe_llama_expert_cache_bytes(mdl, nullptr, 0, false);
+              std::vector<int64_t> buf((size_t) n_layer * 2);
+              const int32_t n = rapidmoe_llama_expert_cache_bytes(mdl, buf.data(), n_layer, reset);
+              buf.resize((size_t) n * 2);
+              auto [data, owner] = owned(std::move(buf));
+              return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(data, {(size_t) n, 2}, owner);
+          }, "model"_a, "reset"_a = false,
+          "Per layer, host -> device bytes copied on demand and ahead (prefetch) since the last reset "
+          "(int64 [n_layer, 2]).");
     m.def("expert_cache_copies", [](uintptr_t model, bool reset) {
               const llama_model * mdl = as_model(model);
               const int32_t n_layer = rapidmoe_llama_expert_cache_copies(mdl, nullptr, 0, false);

@@ -106,6 +106,20 @@ LLAMA_API int32_t rapidmoe_llama_expert_cache_replace(const struct llama_model *
 // order); those finding no slot run on the CPU. Hits are counted before the copies. 0, or -1 with the reason.
 LLAMA_API int32_t rapidmoe_llama_expert_cache_set_lru(const struct llama_model * model, int32_t il, bool lru,
                                                       char * err, size_t err_size);
+// The moepic policy for cached layer il (its slots become a work area): the leading n_top rows of the intermediate
+// dimension are an expert's top segment (a multiple of the down type's block), up to `capacity` tops stay resident
+// (LRU); before the layer computes, the ubatch's experts are assembled in the work area (resident tops copied
+// device -> device, the rest host -> device), and the next MoE layer's predicted experts are assembled ahead. Set
+// before a context is created. 0, or -1 with the reason in err.
+LLAMA_API int32_t rapidmoe_llama_expert_cache_set_moepic(const struct llama_model * model, int32_t il, int64_t n_top,
+                                                         int32_t capacity, char * err, size_t err_size);
+// Copies on the cache device's transfer queue overlap compute (async, the default: each layer waits for its own
+// copies right before its device work) or are waited for as soon as they are queued. 0, or -1 without a cache.
+LLAMA_API int32_t rapidmoe_llama_expert_cache_set_async(const struct llama_model * model, bool async);
+// Per layer i: out[2i] = host -> device bytes copied before the layer could compute (lru, moepic), out[2i+1] =
+// bytes copied ahead by moepic's prefetch, since the last reset. Returns the layer count (out = NULL: just that).
+LLAMA_API int32_t rapidmoe_llama_expert_cache_bytes(const struct llama_model * model, int64_t * out,
+                                                    int32_t n_layer_max, bool reset);
 // Per layer i: out[i] = experts the lru policy copied host -> device since the last reset. Returns the layer count.
 LLAMA_API int32_t rapidmoe_llama_expert_cache_copies(const struct llama_model * model, int64_t * out,
                                                      int32_t n_layer_max, bool reset);

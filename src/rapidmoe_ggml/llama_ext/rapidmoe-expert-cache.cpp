@@ -8,11 +8,25 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+
+// The transfer queue of a cache device: a second backend instance on it (its own stream where the backend has
+// streams), shared by the model's cached layers on that device.
+struct rapidmoe_xfer_queue {
+    ggml_backend_t backend = nullptr;
+    bool async = true;
+    ~rapidmoe_xfer_queue() {
+        if (backend != nullptr) {
+            ggml_backend_synchronize(backend);
+            ggml_backend_free(backend);
+        }
+    }
+};
 
 namespace {
 
@@ -136,13 +150,248 @@ int32_t slot_of(const rapidmoe_expert_cache_layer * c, int32_t e) {
     return e >= 0 && e < (int32_t) c->slot_of.size() ? c->slot_of[e] : -1;
 }
 
+// host -> device on the layer's transfer queue (the source is the model's host weights: it outlives the copy)
+void xfer_set(rapidmoe_expert_cache_layer * c, ggml_tensor * t, const void * src, size_t off, size_t size) {
+    if (size == 0) {
+        return;
+    }
+    if (c->xfer != nullptr) {
+        ggml_backend_tensor_set_async(c->xfer->backend, t, src, off, size);
+    } else {
+        ggml_backend_tensor_set(t, src, off, size);
+    }
+}
+
+void xfer_set_2d(rapidmoe_expert_cache_layer * c, ggml_tensor * t, const void * src, size_t off, size_t size,
+                 size_t n, size_t stride_t, size_t stride_src) {
+    if (size == 0 || n == 0) {
+        return;
+    }
+    if (c->xfer != nullptr) {
+        ggml_backend_tensor_set_2d_async(c->xfer->backend, t, src, off, size, n, stride_t, stride_src);
+    } else {
+        ggml_backend_tensor_set_2d(t, src, off, size, n, stride_t, stride_src);
+    }
+}
+
+// After a batch of copies for layer c: fence them (the layer's device-side route ops wait), or wait now.
+void xfer_fence(rapidmoe_expert_cache_layer * c) {
+    if (c->xfer == nullptr) {
+        return;
+    }
+    if (c->xfer->async && c->event != nullptr) {
+        ggml_backend_event_record(c->event, c->xfer->backend);
+        c->xfer_pending = true;
+    } else if (c->xfer->async) {
+        c->xfer_pending = true;  // no events: the wait synchronizes the queue
+    } else {
+        ggml_backend_synchronize(c->xfer->backend);
+    }
+}
+
+void xfer_wait(rapidmoe_expert_cache_layer * c) {
+    if (!c->xfer_pending) {
+        return;
+    }
+    if (c->event != nullptr) {
+        ggml_backend_event_synchronize(c->event);
+    } else {
+        ggml_backend_synchronize(c->xfer->backend);
+    }
+    c->xfer_pending = false;
+}
+
 void copy_expert(rapidmoe_expert_cache_layer * c, int32_t e, int32_t slot) {
     const std::pair<const ggml_tensor *, ggml_tensor *> roles[3] = { { c->base_up, c->up }, { c->base_gate, c->gate },
                                                                      { c->base_down, c->down } };
     for (const auto & [base, cache] : roles) {
         const char * src = (const char *) base->data + (size_t) e * base->nb[2];
-        ggml_backend_tensor_set(cache, src, (size_t) slot * cache->nb[2], base->nb[2]);
+        xfer_set(c, cache, src, (size_t) slot * cache->nb[2], base->nb[2]);
     }
+}
+
+// --- moepic ------------------------------------------------------------------------------------------------------
+// Layouts: gate/up [n_embd, n_ff, slot]: the top is the slot's first n_top rows (contiguous); down [n_ff, n_embd,
+// slot]: the top is the first n_top columns of each of its n_embd rows (row_size(n_top) bytes at a stride of
+// row_size(n_ff)); the top store keeps down's top compact, [n_top, n_embd, slot].
+
+size_t down_top_row(const rapidmoe_expert_cache_layer * c) {
+    return ggml_row_size(c->base_down->type, c->n_top);
+}
+
+// Host -> device: expert e's bottom (from_top = n_top) or all of it (from_top = 0) into work slot `slot`; returns
+// the bytes moved.
+size_t fetch_part(rapidmoe_expert_cache_layer * c, int32_t e, int32_t slot, int64_t from_top) {
+    size_t moved = 0;
+    for (auto [base, work] : { std::pair{ c->base_up, c->up }, std::pair{ c->base_gate, c->gate } }) {
+        const size_t off = (size_t) from_top * base->nb[1];
+        const size_t size = base->nb[2] - off;
+        xfer_set(c, work, (const char *) base->data + (size_t) e * base->nb[2] + off, (size_t) slot * work->nb[2] + off,
+                 size);
+        moved += size;
+    }
+    const ggml_tensor * bd = c->base_down;
+    const size_t col = from_top > 0 ? down_top_row(c) : 0;
+    const size_t size = bd->nb[1] - col;
+    xfer_set_2d(c, c->down, (const char *) bd->data + (size_t) e * bd->nb[2] + col,
+                (size_t) slot * c->down->nb[2] + col, size, (size_t) bd->ne[1], c->down->nb[1], bd->nb[1]);
+    return moved + size * (size_t) bd->ne[1];
+}
+
+// Device -> device copies (top store <-> work area) as one small graph of CPY nodes on the transfer queue.
+struct d2d_batch {
+    ggml_context * ctx = nullptr;
+    ggml_cgraph * gf = nullptr;
+    int n = 0;
+};
+
+ggml_tensor * view_of(ggml_context * ctx, ggml_tensor * t, int64_t ne0, int64_t ne1, size_t nb1, size_t off) {
+    ggml_tensor * v = ggml_view_2d(ctx, t, ne0, ne1, nb1, off);
+    ggml_backend_view_init(v);
+    return v;
+}
+
+void d2d_add(d2d_batch & b, ggml_tensor * src, ggml_tensor * dst) {
+    ggml_tensor * cpy = ggml_cpy(b.ctx, src, dst);
+    ggml_backend_view_init(cpy);
+    ggml_build_forward_expand(b.gf, cpy);
+    b.n++;
+}
+
+// the top of expert slot `ws` in the work area <-> top slot `ts`: to_work copies the top store into the work area
+void d2d_top(rapidmoe_expert_cache_layer * c, d2d_batch & b, int32_t ws, int32_t ts, bool to_work) {
+    for (auto [top, work] : { std::pair{ c->top_up, c->up }, std::pair{ c->top_gate, c->gate } }) {
+        ggml_tensor * t = view_of(b.ctx, top, top->ne[0], c->n_top, top->nb[1], (size_t) ts * top->nb[2]);
+        ggml_tensor * w = view_of(b.ctx, work, work->ne[0], c->n_top, work->nb[1], (size_t) ws * work->nb[2]);
+        d2d_add(b, to_work ? t : w, to_work ? w : t);
+    }
+    ggml_tensor * t = view_of(b.ctx, c->top_down, c->n_top, c->top_down->ne[1], c->top_down->nb[1],
+                              (size_t) ts * c->top_down->nb[2]);
+    ggml_tensor * w = view_of(b.ctx, c->down, c->n_top, c->down->ne[1], c->down->nb[1], (size_t) ws * c->down->nb[2]);
+    d2d_add(b, to_work ? t : w, to_work ? w : t);
+}
+
+d2d_batch d2d_begin(int max_experts) {
+    d2d_batch b;
+    const size_t n_nodes = (size_t) max_experts * 3 * 2 + 16;
+    ggml_init_params ip = { n_nodes * 4 * ggml_tensor_overhead() + ggml_graph_overhead_custom(n_nodes, false), nullptr,
+                            /*no_alloc =*/ true };
+    b.ctx = ggml_init(ip);
+    b.gf = ggml_new_graph_custom(b.ctx, n_nodes, false);
+    return b;
+}
+
+void d2d_run(rapidmoe_expert_cache_layer * c, d2d_batch & b) {
+    if (b.n > 0) {
+        ggml_backend_t be = c->xfer->backend;
+        if (ggml_backend_graph_compute_async(be, b.gf) != GGML_STATUS_SUCCESS) {
+            GGML_ABORT("rapidmoe: the expert cache's device copies failed");
+        }
+        // the nodes only describe the copies: the CPU and RPC backends have read them when compute returns; a
+        // stream backend has enqueued its kernels
+    }
+    ggml_free(b.ctx);
+    b.ctx = nullptr;
+}
+
+// Assemble expert e in work slot `slot` of layer c: its top from the top store when resident, the rest from host
+// memory. Returns the host -> device bytes.
+size_t assemble(rapidmoe_expert_cache_layer * c, d2d_batch & b, int32_t e, int32_t slot) {
+    const int32_t ts = c->top_slot_of.empty() ? -1 : c->top_slot_of[e];
+    if (ts >= 0) {
+        d2d_top(c, b, slot, ts, true);
+        return fetch_part(c, e, slot, c->n_top);
+    }
+    return fetch_part(c, e, slot, 0);
+}
+
+// Layer c's slots routed through this ubatch (sorted distinct expert ids), hits counted (top resident), the
+// experts assembled in the work area (prefetched ones where they are), tops admitted (LRU).
+void moepic_admit(rapidmoe_expert_cache_layer * c, const ggml_tensor * dst) {
+    if (c->route_calls++ % 3 != 0) {
+        return;
+    }
+    const int32_t n_expert = (int32_t) c->slot_of.size();
+    std::vector<int32_t> need;
+    int64_t hits = 0, slots = 0;
+    for_each_slot(dst, [&](int64_t, int64_t, int32_t e) {
+        if (e >= 0 && e < n_expert) {
+            hits += c->top_slot_of.empty() ? 0 : c->top_slot_of[e] >= 0;
+            need.push_back(e);
+        }
+        ++slots;
+    });
+    c->hits += hits;
+    c->slots += slots;
+    std::sort(need.begin(), need.end());
+    need.erase(std::unique(need.begin(), need.end()), need.end());
+    const int32_t n_work = (int32_t) c->expert_of.size();
+    std::fill(c->slot_of.begin(), c->slot_of.end(), -1);
+    std::vector<bool> taken((size_t) n_work, false);
+    std::vector<bool> needed((size_t) n_expert, false);
+    for (int32_t e : need) {
+        needed[e] = true;
+    }
+    for (int32_t s = 0; s < n_work; ++s) {  // prefetched and needed: already there
+        const int32_t e = c->prefetched[s];
+        if (e >= 0 && needed[e]) {
+            c->slot_of[e] = s;
+            taken[s] = true;
+        }
+        c->expert_of[s] = -1;
+    }
+    d2d_batch b = d2d_begin(n_work * 2);
+    size_t demand = 0;
+    int32_t next_free = 0;
+    for (int32_t e : need) {  // the rest on demand, in id order, while work slots last (then: the CPU)
+        if (c->slot_of[e] >= 0) {
+            continue;
+        }
+        while (next_free < n_work && taken[next_free]) {
+            ++next_free;
+        }
+        if (next_free >= n_work) {
+            break;
+        }
+        demand += assemble(c, b, e, next_free);
+        c->slot_of[e] = next_free;
+        taken[next_free] = true;
+    }
+    for (int32_t e : need) {
+        if (c->slot_of[e] >= 0) {
+            c->expert_of[c->slot_of[e]] = e;
+        }
+    }
+    std::fill(c->prefetched.begin(), c->prefetched.end(), -1);
+    // tops: every expert computed on the device this ubatch is touched, in id order; a new one takes the least
+    // recently used top slot (its top copied from the work area, device -> device)
+    if (c->top_capacity > 0 && c->n_top > 0) {
+        for (int32_t e : need) {
+            const int32_t ws = c->slot_of[e];
+            if (ws < 0) {
+                continue;
+            }
+            int32_t ts = c->top_slot_of[e];
+            if (ts < 0) {
+                ts = 0;
+                for (int32_t t = 1; t < c->top_capacity; ++t) {
+                    if (c->top_last_use[t] < c->top_last_use[ts]) {
+                        ts = t;
+                    }
+                }
+                if (c->top_expert_of[ts] >= 0) {
+                    c->top_slot_of[c->top_expert_of[ts]] = -1;
+                }
+                c->top_expert_of[ts] = e;
+                c->top_slot_of[e] = ts;
+                d2d_top(c, b, ws, ts, false);
+            }
+            c->top_last_use[ts] = ++c->top_clock;
+        }
+    }
+    d2d_run(c, b);
+    c->bytes_demand += (int64_t) demand;
+    xfer_fence(c);
 }
 
 // The lru policy's admission (see the header), by the first of the layer's three route ops in a ubatch; counts the
@@ -184,9 +433,11 @@ void lru_admit(rapidmoe_expert_cache_layer * c, const ggml_tensor * dst) {
             c->slot_of[e] = slot;
             c->expert_of[slot] = e;
             c->copies += 1;
+            c->bytes_demand += (int64_t) c->expert_bytes;
         }
         c->last_use[slot] = ++c->clock;
     }
+    xfer_fence(c);
 }
 
 void slot_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -197,7 +448,10 @@ void slot_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     auto * c = (rapidmoe_expert_cache_layer *) userdata;
     if (c->lru) {
         lru_admit(c, dst);
+    } else if (c->moepic) {
+        moepic_admit(c, dst);
     }
+    xfer_wait(c);  // feeds the device's matmul: the layer's copies must be there
     for_each_slot(dst, [&](int64_t j, int64_t t, int32_t e) {
         *(int32_t *) ((char *) dst->data + j * dst->nb[0] + t * dst->nb[1]) = std::max(slot_of(c, e), 0);
     });
@@ -211,7 +465,10 @@ void hit_mask_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     auto * c = (rapidmoe_expert_cache_layer *) userdata;
     if (c->lru) {
         lru_admit(c, dst);
+    } else if (c->moepic) {
+        moepic_admit(c, dst);
     }
+    xfer_wait(c);
     for_each_slot(dst, [&](int64_t j, int64_t t, int32_t e) {
         *(float *) ((char *) dst->data + j * dst->nb[1] + t * dst->nb[2]) = slot_of(c, e) >= 0 ? 1.0f : 0.0f;
     });
@@ -226,6 +483,8 @@ void miss_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     auto * c = (rapidmoe_expert_cache_layer *) userdata;
     if (c->lru) {
         lru_admit(c, dst);
+    } else if (c->moepic) {
+        moepic_admit(c, dst);
     }
     int64_t hits = 0, slots = 0;
     for_each_slot(dst, [&](int64_t j, int64_t t, int32_t e) {
@@ -237,10 +496,56 @@ void miss_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
             c->uses[e] += 1;
         }
     });
-    if (!c->lru) {  // the lru policy counted before its copies
+    if (!c->lru && !c->moepic) {  // these policies counted before their copies
         c->hits += hits;
         c->slots += slots;
     }
+}
+
+// moepic's prediction and prefetch (rapidmoe_expert_cache_prefetch_op): userdata = the next layer's cache
+void prefetch_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    auto * c = (rapidmoe_expert_cache_layer *) userdata;
+    const ggml_tensor * logits = dst->src[0];
+    const ggml_tensor * bias = dst->src[2];  // nullptr without a selection bias
+    const int64_t n_expert = logits->ne[0];
+    const int k = c->n_expert_used;
+    std::vector<bool> pred((size_t) n_expert, false);
+    std::vector<std::pair<float, int32_t>> score((size_t) n_expert);
+    for (int64_t r = 0; r < logits->ne[1]; ++r) {
+        const auto * l = (const float *) ((const char *) logits->data + r * logits->nb[1]);
+        for (int64_t e = 0; e < n_expert; ++e) {
+            float v = l[e];
+            if (c->next_sigmoid) {
+                v = 1.0f / (1.0f + std::exp(-v));
+                if (bias != nullptr) {
+                    v += ((const float *) bias->data)[e];
+                }
+            }
+            score[e] = { -v, (int32_t) e };  // ascending: highest score first, lower id on ties (stable order)
+        }
+        std::partial_sort(score.begin(), score.begin() + std::min<int64_t>(k, n_expert), score.end());
+        for (int j = 0; j < k && j < n_expert; ++j) {
+            pred[score[j].second] = true;
+        }
+    }
+    const int32_t n_work = (int32_t) c->expert_of.size();
+    std::fill(c->prefetched.begin(), c->prefetched.end(), -1);
+    d2d_batch b = d2d_begin(n_work);
+    size_t moved = 0;
+    int32_t slot = 0;
+    for (int64_t e = 0; e < n_expert && slot < n_work; ++e) {  // in id order while the work area lasts
+        if (pred[e]) {
+            moved += assemble(c, b, (int32_t) e, slot);
+            c->prefetched[slot++] = (int32_t) e;
+        }
+    }
+    d2d_run(c, b);
+    c->bytes_prefetch += (int64_t) moved;
+    xfer_fence(c);
 }
 
 const layers_t * state_of(const llama_model * model) {
@@ -251,6 +556,18 @@ const layers_t * state_of(const llama_model * model) {
 }  // namespace
 
 rapidmoe_expert_cache_layer::~rapidmoe_expert_cache_layer() {
+    if (xfer != nullptr) {
+        ggml_backend_synchronize(xfer->backend);  // no copy may still write into the buffers freed below
+    }
+    if (event != nullptr) {
+        ggml_backend_event_free(event);
+    }
+    if (top_buf != nullptr) {
+        ggml_backend_buffer_free(top_buf);
+    }
+    if (top_ctx != nullptr) {
+        ggml_free(top_ctx);
+    }
     if (buf != nullptr) {
         ggml_backend_buffer_free(buf);
     }
@@ -311,6 +628,32 @@ std::string rapidmoe_expert_cache_set(const llama_model * model, int il, const i
     for (int slot = 0; slot < n; ++slot) {
         c->slot_of[ids[slot]] = slot;
     }
+    for (const ggml_tensor * t : { L.ffn_up_exps, L.ffn_gate_exps, L.ffn_down_exps }) {
+        c->expert_bytes += t->nb[2];
+    }
+    c->n_expert_used = (int32_t) model->hparams.n_expert_used((uint32_t) il);
+    c->dev = ggml_backend_buft_get_device(buft);
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);  // one transfer queue per model and device
+        if (const layers_t * st = state_of(model)) {
+            for (const auto & o : *st) {
+                if (o != nullptr && o->dev == c->dev && o->xfer != nullptr) {
+                    c->xfer = o->xfer;
+                    break;
+                }
+            }
+        }
+    }
+    if (c->xfer == nullptr && c->dev != nullptr) {
+        ggml_backend_t be = ggml_backend_dev_init(c->dev, nullptr);
+        if (be != nullptr) {
+            c->xfer = std::make_shared<rapidmoe_xfer_queue>();
+            c->xfer->backend = be;
+        }
+    }
+    if (c->dev != nullptr) {
+        c->event = ggml_backend_event_new(c->dev);  // nullptr where the device has none
+    }
     if (n > 0) {
         err = fill(*c, buft);
         if (!err.empty()) {
@@ -349,10 +692,96 @@ std::string rapidmoe_expert_cache_replace(const llama_model * model, int il, int
     if (c->slot_of[in_expert] >= 0) {
         return "expert " + std::to_string(in_expert) + " of layer " + std::to_string(il) + " is already cached";
     }
+    if (c->moepic) {
+        return "layer " + std::to_string(il) + " uses the moepic policy (its slots are a work area)";
+    }
     copy_expert(c, in_expert, slot);
+    xfer_fence(c);  // the layer's next compute waits for it
     c->slot_of[out_expert] = -1;
     c->slot_of[in_expert] = slot;
     c->expert_of[slot] = in_expert;
+    return "";
+}
+
+std::string rapidmoe_expert_cache_set_moepic(const llama_model * model, int il, int64_t n_top, int capacity) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const layers_t * st = state_of(model);
+    rapidmoe_expert_cache_layer * c = st != nullptr && il >= 0 && il < (int) st->size() ? (*st)[il].get() : nullptr;
+    if (c == nullptr || c->expert_of.empty()) {
+        return "layer " + std::to_string(il) + " has no expert cache slots (the moepic policy needs a work area)";
+    }
+    if (c->lru || c->moepic) {
+        return "layer " + std::to_string(il) + " already has a dynamic cache policy";
+    }
+    if (c->xfer == nullptr) {
+        return "the cache device of layer " + std::to_string(il) + " has no backend for device copies";
+    }
+    const int64_t n_ff = c->base_up->ne[1];
+    const int64_t blck = ggml_blck_size(c->base_down->type);
+    if (n_top < 0 || n_top > n_ff || capacity < 0 || (n_top % blck) != 0 || c->base_gate->ne[1] != n_ff ||
+        c->base_down->ne[0] != n_ff) {
+        return "moepic: the top segment must be 0.." + std::to_string(n_ff) + " rows of the intermediate dimension, " +
+               "a multiple of " + std::to_string(blck) + " (the down projection's block), and the capacity >= 0";
+    }
+    capacity = (int) std::min<int64_t>(capacity, (int64_t) c->slot_of.size());
+    c->n_top = n_top;
+    c->top_capacity = n_top > 0 ? capacity : 0;
+    if (c->top_capacity > 0) {
+        ggml_init_params ip = { 4 * ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
+        c->top_ctx = ggml_init(ip);
+        const std::string p = "blk." + std::to_string(il) + ".ffn_";
+        c->top_up = ggml_new_tensor_3d(c->top_ctx, c->base_up->type, c->base_up->ne[0], n_top, c->top_capacity);
+        ggml_set_name(c->top_up, (p + "up_exps.top").c_str());
+        c->top_gate = ggml_new_tensor_3d(c->top_ctx, c->base_gate->type, c->base_gate->ne[0], n_top, c->top_capacity);
+        ggml_set_name(c->top_gate, (p + "gate_exps.top").c_str());
+        c->top_down = ggml_new_tensor_3d(c->top_ctx, c->base_down->type, n_top, c->base_down->ne[1], c->top_capacity);
+        ggml_set_name(c->top_down, (p + "down_exps.top").c_str());
+        c->top_buf = ggml_backend_alloc_ctx_tensors_from_buft(c->top_ctx, ggml_backend_buffer_get_type(c->buf));
+        if (c->top_buf == nullptr) {
+            return "out of memory allocating the top segments of layer " + std::to_string(il);
+        }
+        ggml_backend_buffer_set_usage(c->top_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    }
+    c->top_bytes = (size_t) n_top * (c->base_up->nb[1] + c->base_gate->nb[1]) +
+                   ggml_row_size(c->base_down->type, n_top) * (size_t) c->base_down->ne[1];
+    c->top_slot_of.assign(c->slot_of.size(), -1);
+    c->top_expert_of.assign((size_t) c->top_capacity, -1);
+    c->top_last_use.assign((size_t) c->top_capacity, 0);
+    c->top_clock = 0;
+    c->prefetched.assign(c->expert_of.size(), -1);
+    std::fill(c->slot_of.begin(), c->slot_of.end(), -1);  // the work area holds nothing until a ubatch needs it
+    std::fill(c->expert_of.begin(), c->expert_of.end(), -1);
+    c->route_calls = 0;
+    // the prediction target: the next MoE layer
+    c->next_il = -1;
+    for (int j = il + 1; j < (int) model->layers.size(); ++j) {
+        const auto & L = model->layers[j];
+        if (L.ffn_up_exps != nullptr && L.ffn_gate_inp != nullptr) {
+            c->next_il = j;
+            c->next_up_exps = L.ffn_up_exps;
+            c->next_router = L.ffn_gate_inp;
+            c->next_bias = L.ffn_exp_probs_b;
+            c->next_is_last = j == (int) model->layers.size() - 1;
+            break;
+        }
+    }
+    c->next_sigmoid = model->hparams.expert_gating_func == LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID;
+    c->moepic = true;
+    rapidmoe_attach_generation_bump();  // graphs gain the prediction ops
+    return "";
+}
+
+std::string rapidmoe_expert_cache_set_async(const llama_model * model, bool async) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const layers_t * st = state_of(model);
+    if (st == nullptr) {
+        return "the model has no expert cache";
+    }
+    for (const auto & c : *st) {
+        if (c != nullptr && c->xfer != nullptr) {
+            c->xfer->async = async;
+        }
+    }
     return "";
 }
 
@@ -417,6 +846,13 @@ rapidmoe_expert_cache_route rapidmoe_expert_cache_route_ops(ggml_context * ctx, 
         r.hit_mask = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, k, T, 1, &selected, 1, hit_mask_op, 1, ud);
     }
     return r;
+}
+
+ggml_tensor * rapidmoe_expert_cache_prefetch_op(ggml_context * ctx, const rapidmoe_expert_cache_layer * next,
+                                                ggml_tensor * logits, ggml_tensor * miss_ids, ggml_tensor * bias) {
+    ggml_tensor * srcs[3] = { logits, miss_ids, bias };
+    return ggml_custom_4d(ctx, GGML_TYPE_I32, 1, 1, 1, 1, srcs, bias != nullptr ? 3 : 2, prefetch_op, 1,
+                          const_cast<rapidmoe_expert_cache_layer *>(next));
 }
 
 // C API (rapidmoe-llama.h)
@@ -499,6 +935,41 @@ int32_t rapidmoe_llama_expert_cache_copies(const llama_model * model, int64_t * 
     for (int32_t i = 0; i < n; ++i) {
         rapidmoe_expert_cache_layer * c = (*st)[i].get();
         out[i] = c == nullptr ? 0 : reset ? c->copies.exchange(0) : c->copies.load();
+    }
+    return n;
+}
+
+int32_t rapidmoe_llama_expert_cache_set_moepic(const llama_model * model, int32_t il, int64_t n_top, int32_t capacity,
+                                               char * err, size_t err_size) {
+    const std::string msg = model == nullptr ? std::string("bad arguments")
+                                             : rapidmoe_expert_cache_set_moepic(model, il, n_top, capacity);
+    if (msg.empty()) {
+        return 0;
+    }
+    if (err != nullptr && err_size > 0) {
+        std::snprintf(err, err_size, "%s", msg.c_str());
+    }
+    return -1;
+}
+
+int32_t rapidmoe_llama_expert_cache_set_async(const llama_model * model, bool async) {
+    return model != nullptr && rapidmoe_expert_cache_set_async(model, async).empty() ? 0 : -1;
+}
+
+int32_t rapidmoe_llama_expert_cache_bytes(const llama_model * model, int64_t * out, int32_t n_layer_max, bool reset) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const layers_t * st = state_of(model);
+    if (st == nullptr) {
+        return 0;
+    }
+    if (out == nullptr) {
+        return (int32_t) st->size();
+    }
+    const int32_t n = std::min<int32_t>(n_layer_max, (int32_t) st->size());
+    for (int32_t i = 0; i < n; ++i) {
+        rapidmoe_expert_cache_layer * c = (*st)[i].get();
+        out[2 * i + 0] = c == nullptr ? 0 : reset ? c->bytes_demand.exchange(0) : c->bytes_demand.load();
+        out[2 * i + 1] = c == nullptr ? 0 : reset ? c->bytes_prefetch.exchange(0) : c->bytes_prefetch.load();
     }
     return n;
 }

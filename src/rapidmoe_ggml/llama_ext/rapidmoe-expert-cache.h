@@ -43,6 +43,48 @@ struct rapidmoe_expert_cache_layer {
     int64_t clock = 0;
     int64_t route_calls = 0;
     std::atomic<int64_t> copies{0};          // experts copied host -> device by the lru policy
+    std::atomic<int64_t> bytes_demand{0};    // host -> device bytes copied before the layer could compute
+    std::atomic<int64_t> bytes_prefetch{0};  // host -> device bytes copied ahead (moepic's next-layer prefetch)
+
+    // Transfers (every policy): copies go through a second backend instance of the cache's device (its own
+    // stream on CUDA; on RPC the client's queue), so they run while the calling thread and the device compute;
+    // each layer's copies are fenced by its event, and the layer's device-side route ops (slot ids, hit mask)
+    // wait for it. With async off every batch of copies is waited for at once.
+    ggml_backend_dev_t dev = nullptr;
+    std::shared_ptr<struct rapidmoe_xfer_queue> xfer;
+    ggml_backend_event_t event = nullptr;    // nullptr where the device has no events: the queue is synchronized
+    bool xfer_pending = false;
+
+    // moepic policy (MoEpic's vertical split): each expert's leading n_top rows of the intermediate dimension
+    // (gate/up rows, down's leading n_top columns) are its top segment. The tops of up to top_capacity experts
+    // stay resident (LRU); the slots above (up/gate/down) are then a work area rebuilt each ubatch: a needed
+    // expert's top is copied device -> device from the top store when resident, its bottom (or all of it) host
+    // -> device; the next MoE layer's experts, predicted from this layer's input by its router, are assembled in
+    // its work area ahead (while this layer computes). Experts that find no work slot run on the CPU.
+    bool moepic = false;
+    int64_t n_top = 0;
+    int32_t top_capacity = 0;
+    ggml_tensor * top_up = nullptr;          // [n_embd, n_top, top_capacity]
+    ggml_tensor * top_gate = nullptr;
+    ggml_tensor * top_down = nullptr;        // [n_top, n_embd, top_capacity]
+    ggml_context * top_ctx = nullptr;
+    ggml_backend_buffer_t top_buf = nullptr;
+    std::vector<int32_t> top_slot_of;        // expert id -> top slot, -1
+    std::vector<int32_t> top_expert_of;      // top slot -> expert id, -1 when empty
+    std::vector<int64_t> top_last_use;
+    int64_t top_clock = 0;
+    std::vector<int32_t> prefetched;         // work slot -> expert assembled ahead for the coming ubatch, -1
+    size_t expert_bytes = 0;                 // one expert's gate + up + down slices
+    size_t top_bytes = 0;                    // its top segment
+    // the prediction target: the next MoE layer (its router and selection bias, gating, whether it is the
+    // model's last layer, which computes only the output rows)
+    int next_il = -1;
+    const ggml_tensor * next_up_exps = nullptr;
+    ggml_tensor * next_router = nullptr;
+    ggml_tensor * next_bias = nullptr;
+    bool next_sigmoid = false;
+    bool next_is_last = false;
+    int32_t n_expert_used = 0;
     ~rapidmoe_expert_cache_layer();
 };
 
@@ -61,6 +103,11 @@ std::string rapidmoe_expert_cache_set(const llama_model * model, int il, const i
 bool rapidmoe_expert_cache_clear(const llama_model * model);
 // Switch layer il's cache to the lru policy (on-demand loading into least recently used slots) or back to static.
 std::string rapidmoe_expert_cache_set_lru(const llama_model * model, int il, bool lru);
+// Switch layer il's cache to the moepic policy: top segments of n_top rows of the intermediate dimension, up to
+// capacity of them resident; the layer's slots become its work area. Set before a context is created.
+std::string rapidmoe_expert_cache_set_moepic(const llama_model * model, int il, int64_t n_top, int capacity);
+// async: copies overlap (waited for by the consuming layer) or are waited for at once; every cached layer
+std::string rapidmoe_expert_cache_set_async(const llama_model * model, bool async);
 // Put in_expert into out_expert's slot (between decodes only); empty string or the reason it was refused.
 std::string rapidmoe_expert_cache_replace(const llama_model * model, int il, int32_t out_expert, int32_t in_expert);
 // the buffer name of a cache tensor ("blk.N.ffn_up_exps.cache"), nullptr when there is none
@@ -74,3 +121,8 @@ struct rapidmoe_expert_cache_route {
 };
 rapidmoe_expert_cache_route rapidmoe_expert_cache_route_ops(ggml_context * ctx, const rapidmoe_expert_cache_layer * layer,
                                                             ggml_tensor * selected);
+// moepic's prediction op for `next` (userdata): src[0] = the next router's logits [n_expert, rows], src[1] = this
+// layer's miss ids (so it runs after this layer's own copies), src[2] = the selection bias when there is one.
+// Assembles the union of the rows' top-k experts in next's work area. CPU only.
+ggml_tensor * rapidmoe_expert_cache_prefetch_op(ggml_context * ctx, const rapidmoe_expert_cache_layer * next,
+                                                ggml_tensor * logits, ggml_tensor * miss_ids, ggml_tensor * bias);

@@ -106,10 +106,41 @@ void begin_split(rapidmoe_moe_split & s, const llm_graph_context & g, const rapi
     s.overlap = mode == RAPIDMOE_OVERLAP_ON || (mode == RAPIDMOE_OVERLAP_AUTO && wq_on_device);
 }
 
+// moepic: the next MoE layer's router on this layer's input (the rows that layer will compute: the model's last
+// layer computes only the output rows), and the op that assembles its predicted experts ahead. It runs after this
+// layer's own copies were queued (its input) and before this layer's slot ids (their extra input), so the
+// transfers overlap this layer's compute.
+void moepic_prefetch(rapidmoe_moe_split & s, const llm_graph_context & g, const rapidmoe_expert_cache_layer & cache,
+                     ggml_tensor * x) {
+    const rapidmoe_expert_cache_layer * next =
+        cache.next_up_exps != nullptr ? rapidmoe_expert_cache_find(cache.next_up_exps) : nullptr;
+    if (next == nullptr || !next->moepic || next->il != cache.next_il || s.route.slot_ids == nullptr) {
+        return;
+    }
+    ggml_context * ctx = g.ctx0;
+    const int64_t n_embd = x->ne[0], T = ggml_nelements(x) / n_embd;
+    ggml_tensor * x2 = ggml_reshape_2d(ctx, ggml_is_contiguous(x) ? x : ggml_cont(ctx, x), n_embd, T);
+    const int64_t rows = cache.next_is_last && g.n_outputs > 0 && g.n_outputs < T ? g.n_outputs : T;
+    if (rows < T) {
+        x2 = ggml_view_2d(ctx, x2, n_embd, rows, x2->nb[1], (size_t) (T - rows) * x2->nb[1]);
+    }
+    ggml_tensor * logits = ggml_mul_mat(ctx, cache.next_router, x2);  // [n_expert, rows], where the router is
+    g.cb(logits, "rapidmoe_cache_next_logits", s.il);
+    ggml_tensor * bias = cache.next_sigmoid && cache.next_bias != nullptr && cache.next_bias->type == GGML_TYPE_F32
+                             ? cache.next_bias : nullptr;
+    ggml_tensor * pf = rapidmoe_expert_cache_prefetch_op(ctx, next, logits, s.route.miss_ids, bias);
+    g.cb(pf, "rapidmoe_cache_prefetch", s.il);
+    on_cpu(g, pf);
+    s.route.slot_ids->src[1] = pf;
+}
+
 void begin_cache(rapidmoe_moe_split & s, const llm_graph_context & g, const rapidmoe_expert_cache_layer & cache,
                  ggml_tensor * selected) {
     s.cache = &cache;
     s.route = rapidmoe_expert_cache_route_ops(g.ctx0, &cache, selected);
+    if (cache.moepic) {
+        moepic_prefetch(s, g, cache, s.x);
+    }
     // custom ops: CPU only, like UMIA's (the miss ids also feed the CPU's masked matmuls)
     for (auto [t, name] : { std::pair{ s.route.miss_ids, "rapidmoe_cache_miss_ids" },
                             std::pair{ s.route.slot_ids, "rapidmoe_cache_slot_ids" },

@@ -178,37 +178,57 @@ def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: f
     through the same policy with the run's own steps; hits, slots, swaps and bytes copied are compared."""
     from rapidmoe import Llama
     from rapidmoe.expert_cache import moe_layers_of, wq_expert_bytes
-    from rapidmoe.placement.cache_policies import LRUCache, RapidMoECache, RefreshSettings, StaticCache, replay
+    from rapidmoe.placement.cache_policies import (
+        LRUCache, MoEpicCache, MoEpicSettings, RapidMoECache, RefreshSettings, StaticCache, plan_moepic, replay,
+        routing_stats)
+    from rapidmoe.placement.cost import CostModel, ModelCosts
+    from rapidmoe.placement.machine import MACHINES
+    from rapidmoe.placement.tensors import read_gguf_shapes
     from rapidmoe.rpc import RPCServer
     from rapidmoe.trace import read_trace
 
     layers = moe_layers_of(model)
     tc = read_trace(cal)
-    n_expert = tc.header.n_expert
+    n_expert, k = tc.header.n_expert, tc.header.k
     counts = tc.counts()
     cap = max(1, round(fraction * n_expert))
     initial = {il: sorted(np.argsort(-counts[m], kind="stable")[:cap].tolist()) for m, il in enumerate(layers)}
     eb = wq_expert_bytes(model, layers)
     settings = RefreshSettings()
-    out = {"model": str(model), "tokens": n_tokens, "cached_per_layer": cap, "n_expert": n_expert, "policies": []}
+    # moepic with the same device memory as the others' caches: its fixed point (the 24gb profile's link and
+    # windows, the calibration trace's hit-rate curves and prediction accuracy) picks each layer's split and tops;
+    # "moepic-half" fixes split 0.5 and spends the budget on twice the tops (what the split buys on a faster link)
+    ids_cal, pred_cal = tc.token_matrix()
+    acc = routing_stats(ids_cal, n_expert, pred_cal).accuracy
+    cost = CostModel(MACHINES["24gb"], ModelCosts.of(read_gguf_shapes(model)))
+    cfg = plan_moepic(counts, float(cap * len(layers) * eb[layers[0]]), expert_bytes=float(eb[layers[0]]), k=k,
+                      cost=cost, accuracy=acc)
+    moepic = {"moepic": MoEpicSettings.from_config(cfg), "moepic-half": MoEpicSettings(0.5, 2 * cap)}
+    out = {"model": str(model), "tokens": n_tokens, "cached_per_layer": cap, "n_expert": n_expert, "policies": [],
+           "moepic_fixed_point": {"splits": cfg.splits, "capacity": cfg.capacity, "budgets": cfg.budgets}}
     with RPCServer(threads=1) as srv:
-        for policy in ("static", "rapidmoe", "lru"):
+        for policy in ("static", "rapidmoe", "lru", *moepic):
             tpath = OUT / "traces" / f"runtime-{policy}.trace"
             t0 = time.time()
+            kw: dict[str, Any] = (dict(expert_cache_policy="moepic", expert_cache_moepic=moepic[policy])
+                                  if policy in moepic else
+                                  dict(expert_cache=initial, expert_cache_policy=policy,
+                                       expert_cache_refresh=settings if policy == "rapidmoe" else None))
             llm = Llama(model, n_ctx=n_tokens + 8, verbose=False, n_threads=1, rpc_servers=[srv.endpoint],
-                        n_gpu_layers=-1, override_tensor="exps=CPU", expert_cache=initial,
-                        expert_cache_device=srv.device.buffer_type, expert_cache_policy=policy,
-                        expert_cache_refresh=settings if policy == "rapidmoe" else None, trace=tpath)
+                        n_gpu_layers=-1, override_tensor="exps=CPU", expert_cache_device=srv.device.buffer_type,
+                        trace=tpath, **kw)
             toks = llm.tokenize(text.read_text(encoding="utf-8", errors="replace").encode())[:n_tokens]
             for t in toks:
                 llm.eval([t])
             st = llm.expert_cache_stats()
             ref = llm.expert_cache_refresh_stats() if policy == "rapidmoe" else None
             copies = sum(llm.expert_cache_copies().values())
+            moved = llm.expert_cache_bytes()
+            ml = llm.expert_cache_moepic if policy in moepic else None
             llm.close()
             wall = time.time() - t0
             tr = read_trace(tpath)
-            ids, _ = tr.token_matrix()
+            ids, pred = tr.token_matrix()
             sets = [set(initial[il]) for il in layers]
             sim: Any = StaticCache(sets)
             if policy == "rapidmoe":
@@ -217,14 +237,25 @@ def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: f
             elif policy == "lru":
                 sim = LRUCache([cap] * len(layers), float(eb[layers[0]]), initial=[initial[il] for il in layers],
                                overflow_on_cpu=True)
-            r = replay(ids, sim, steps=[s.n_tokens for s in tr.steps])
+            elif ml is not None:
+                sim = MoEpicCache([m.capacity for m in ml], [m.split for m in ml], float(eb[layers[0]]),
+                                  work_slots=[m.work_slots for m in ml])
+            r = replay(ids, sim, pred=pred if ml is not None else None, steps=[s.n_tokens for s in tr.steps])
+            runtime_bytes = (ref.bytes_moved if ref else
+                             sum(d + p for d, p in moved.values()) if ml is not None else copies * eb[layers[0]])
             out["policies"].append({
                 "policy": policy, "runtime_hits": st.hits, "runtime_slots": st.slots, "runtime_hit_rate": st.hit_rate,
                 "replay_hits": r.hits, "replay_slots": r.slots, "replay_hit_rate": r.hit_rate,
                 "runtime_swaps": ref.swaps if ref else copies,
                 "replay_swaps": getattr(sim, "swaps", round(r.bytes_moved / eb[layers[0]])),
-                "runtime_bytes": ref.bytes_moved if ref else copies * eb[layers[0]], "replay_bytes": r.bytes_moved,
+                "runtime_bytes": runtime_bytes, "replay_bytes": r.bytes_moved,
+                "runtime_bytes_ahead": sum(p for _, p in moved.values()),
                 "runtime_layer_hits": [x.hits for x in st.layers], "replay_layer_hits": r.layer_hits,
+                "device_bytes": (cap * len(layers) * eb[layers[0]] if ml is None else
+                                 sum(m.capacity * m.top_bytes for m in ml)),
+                "work_area_bytes": 0 if ml is None else sum(m.work_slots * m.expert_bytes for m in ml),
+                **({"moepic_split": [m.split for m in ml], "moepic_capacity": [m.capacity for m in ml]}
+                   if ml is not None else {}),
                 "wall_s": wall})
     return out
 
@@ -235,11 +266,22 @@ def fmt_runtime(d: dict) -> str:  # type: ignore[type-arg]
              "the calibration trace's hottest), stacked experts in CPU memory. Counters of the run against the "
              "simulator's replay of the trace the same run recorded (same steps):", "",
              "| policy | hits runtime / replay | slots runtime / replay | hit rate | experts copied runtime / replay | "
-             "bytes copied runtime / replay |", "|---|---|---|---|---|---|"]
+             "bytes copied runtime / replay | of which ahead | MB/token | cache MB (+ work area) | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for p in d["policies"]:
+        swaps = "-" if p["policy"].startswith("moepic") else f"{p['runtime_swaps']} / {p['replay_swaps']}"
         lines.append(f"| {p['policy']} | {p['runtime_hits']} / {p['replay_hits']} | {p['runtime_slots']} / "
-                     f"{p['replay_slots']} | {p['runtime_hit_rate']:.1%} | {p['runtime_swaps']} / {p['replay_swaps']} | "
-                     f"{p['runtime_bytes']} / {p['replay_bytes']:.0f} |")
+                     f"{p['replay_slots']} | {p['runtime_hit_rate']:.1%} | {swaps} | "
+                     f"{p['runtime_bytes']} / {p['replay_bytes']:.0f} | {p.get('runtime_bytes_ahead', 0)} | "
+                     f"{p['runtime_bytes'] / d['tokens'] / 1e6:.2f} | {p.get('device_bytes', 0) / 1e6:.1f}"
+                     + (f" (+ {p['work_area_bytes'] / 1e6:.1f})" if p.get("work_area_bytes") else "")
+                     + f" | {p['wall_s']:.1f} |")
+    fp = d.get("moepic_fixed_point")
+    if fp:
+        lines += ["", "moepic's fixed point for this budget (24gb profile: PCIe 25 GB/s against a window of one "
+                  f"layer's compute): split per layer {', '.join(f'{x:.2f}' for x in fp['splits'])}, tops per layer "
+                  f"{', '.join(str(c) for c in fp['capacity'])}. moepic-half: split 0.5, twice the tops, same memory. "
+                  "moepic's work area (top-k experts per layer, rebuilt each step) is device memory beside the cache."]
     return "\n".join(lines)
 
 
@@ -286,12 +328,25 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=1024, help="mapped tokens replayed for prefill projections")
     ap.add_argument("--runtime-tokens", type=int, default=256, help="tokens decoded for the RPC runtime check")
     ap.add_argument("--name", default="cache")
+    ap.add_argument("--runtime-only", action="store_true",
+                    help="only the runtime-vs-simulator check on tiny-moe-a (writes <name>-runtime.{md,json})")
     a = ap.parse_args()
     from common import ensure_synthetic
 
     t0 = time.time()
     tdir = OUT / "traces"
     tdir.mkdir(parents=True, exist_ok=True)
+    if a.runtime_only:
+        cal = record(a.model, a.calib_text, tdir / f"tiny-moe-a-calib-{a.tokens}.trace", a.tokens)
+        rt = runtime_check(a.model, cal, a.eval_text, a.runtime_tokens)
+        cmd = ("python bench/bench_cache.py " + " ".join(sys.argv[1:])).strip()
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / f"{a.name}-runtime.json").write_text(json.dumps({"command": cmd, **rt}, indent=1) + "\n")
+        (OUT / f"{a.name}-runtime.md").write_text(
+            f"# Expert-cache policies at run time vs the simulator (RPC stand-in, measured)\n\n`{cmd}` "
+            f"({time.time() - t0:.0f} s on this machine)\n\n" + fmt_runtime(rt) + "\n")
+        print(f"wrote {OUT / (a.name + '-runtime.md')} ({time.time() - t0:.0f} s)")
+        return
     syn = ensure_synthetic(OUT / f"synthetic-qwen3moe-{a.synthetic_size}.gguf", "qwen3moe", a.synthetic_size)
     pairs = {}
     for name, model in (("tiny-moe-a", a.model), (f"synthetic qwen3moe {a.synthetic_size}", syn)):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from rapidmoe.placement.cache_policies import (
-    CachePolicyError, LRUCache, MoEpicCache, RapidMoECache, StaticCache, hit_curve, moepic_config, replay,
-    routing_stats, scale_routing, split_fixed_point)
+    CachePolicyError, LRUCache, MoEpicCache, MoEpicSettings, RapidMoECache, StaticCache, hit_curve, moepic_config,
+    plan_moepic, replay, routing_stats, scale_routing, split_fixed_point, top_rows)
 from rapidmoe.placement.cost import CostModel, ModelCosts
 from rapidmoe.placement.machine import MACHINES, MachineError, MachineProfile, load_machine
 
@@ -66,6 +66,39 @@ def test_moepic_moves_only_bottoms_of_cached_tops() -> None:
     assert a.demand_bytes == 0.0 and a.prefetch_bytes == 200.0
     a = c.access(1, np.array([2]), np.array([1]), predicted=set())
     assert a.demand_bytes == 50.0 and a.prefetch_bytes == 0.0 and a.hit_uses == 1
+
+
+def test_moepic_work_area_mirrors_the_runtime() -> None:
+    """work_slots (the runtime's rule): predicted experts first (lowest ids while slots last), then the step's others
+    in id order while slots last, the rest on the CPU without copies or tops; tops admitted for the device's experts."""
+    c = MoEpicCache([2], [0.5], expert_bytes=100.0, work_slots=[2])
+    c.tops[0].update({5: None})
+    a = c.access(0, np.array([1, 4, 5, 7]), np.array([1, 1, 1, 1]), predicted={7, 9, 2})
+    # ahead: 2 and 7 (the two lowest predicted ids; 9 does not fit), 100 each; on demand: none (both slots hold
+    # 2 and 7, 7 needed, 2 not: one slot free) -> 1 (100); 4 and 5 run on the CPU: 5's resident top is still a hit
+    assert a.prefetch_bytes == 200.0 and a.demand_bytes == 100.0 and a.hit_uses == 1
+    assert list(c.tops[0]) == [1, 7]  # 5 was least recently used when 1 and 7 came in
+    with pytest.raises(CachePolicyError, match="work area"):
+        MoEpicCache([1], [0.5], 1.0, work_slots=[0])
+
+
+def test_moepic_settings_and_rows() -> None:
+    assert top_rows(0.5, 768, 1) == 384 and top_rows(0.5, 768, 256) == 256 and top_rows(0.3, 768, 256) == 0
+    assert top_rows(1.0, 768, 256) == 768
+    s = MoEpicSettings(0.5, 3)
+    assert s.per_layer(2) == ([0.5, 0.5], [3, 3])
+    with pytest.raises(CachePolicyError, match="MoE layers"):
+        MoEpicSettings([0.5], [1, 2]).per_layer(2)
+    with pytest.raises(CachePolicyError):
+        MoEpicSettings(0.5, -1)
+    # plan_moepic is moepic_config over the counts' hit curves and the cost model's link and windows
+    counts = np.array([[8, 4, 2, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+    cost = CostModel(_M, _C)
+    cfg = plan_moepic(counts, 300.0, expert_bytes=100.0, k=2, cost=cost, accuracy=[0.8, 0.8])
+    want = moepic_config([hit_curve(c) for c in counts], 300.0, n_expert=8, k=2, expert_bytes=100.0, pcie_bw=5.0,
+                         windows_s=[cost.window_s(2, 2)] * 2, accuracy=[0.8, 0.8])
+    assert cfg == want and sum(cfg.budgets) <= 300.0 + 1e-9
+    assert MoEpicSettings.from_config(cfg).per_layer(2) == (list(cfg.splits), list(cfg.capacity))
 
 
 def test_rapidmoe_refresh_swaps_in_the_hot_expert_once() -> None:

@@ -17,6 +17,10 @@ import pytest
 
 from rapidmoe import Llama, RapidMoEError
 from rapidmoe.ggufio import GGUFFile
+from rapidmoe.placement import plan, read_gguf_shapes
+from rapidmoe.placement.footprint import footprint
+from rapidmoe.placement.multidevice import gpu_layer_bytes, plan_across
+from rapidmoe.placement.typeplan import native_types
 from rapidmoe.rpc import RPCServer, _free_port, parse_servers, server_command
 
 pytestmark = pytest.mark.native
@@ -104,6 +108,33 @@ def test_two_hosts_layers_and_experts(make_split, servers: tuple[RPCServer, RPCS
         assert _rel(dev, cpu) < TOL, (r, _rel(dev, cpu))
         by_r[r] = dev
     assert _rel(by_r[2], by_r[0]) > 100 * TOL
+
+
+@pytest.mark.slow
+def test_plan_across_two_hosts_as_llama_cpp_loads_it(make_split, servers: tuple[RPCServer, RPCServer]) -> None:  # type: ignore[no-untyped-def]
+    """`plan --gpu-mem A,B`'s layer runs and -ts: llama.cpp puts each layer on the host the plan gives it."""
+    a, b = servers
+    _, wq, _ = make_split("qwen3moe", EXACT_PRESET)
+    m = read_gguf_shapes(wq)
+    fp = footprint(m, native_types(m))
+    reserve = 1 << 20
+
+    def mk(total: int):  # type: ignore[no-untyped-def]
+        return plan(m, "resplit", gpu_mem=total, n_ctx=128, reserve=reserve, as_stored=True)
+
+    lb, _ = gpu_layer_bytes(m, mk(1 << 40), fp)
+    multi = plan_across(m, [reserve + lb[0] + 1, 1 << 40], mk, fp, reserve)  # room for exactly the first layer on A
+    assert [s.layers for s in multi.shares] == [(0,), tuple(range(1, m.n_layer))] and multi.fits, multi.table()
+    bufts = [a.device.buffer_type, b.device.buffer_type]
+    llm = Llama(wq, n_ctx=128, verbose=False, rpc_servers=[a.endpoint, b.endpoint], n_gpu_layers=999,
+                tensor_split=list(multi.tensor_split))
+    try:
+        for s in multi.shares:
+            for il in s.layers:
+                assert llm.tensor_buffer(f"blk.{il}.attn_norm.weight") == bufts[s.index]
+        assert llm.tensor_buffer("output_norm.weight") == bufts[-1]
+    finally:
+        llm.close()
 
 
 @pytest.mark.slow

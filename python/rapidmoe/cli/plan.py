@@ -17,7 +17,9 @@ def plan(
                                                   "deepseek-v3, deepseek-r1, qwen3-235b-a22b, qwen3-30b-a3b.")] = None,
     preset: Annotated[str, typer.Option("--preset", help="RESplit preset: paper, paper-residual, iq2, cpu, dense.")] = "paper",
     gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", help="GPU memory budget, e.g. 24GiB, 80GB, 0 "
-                                                   "(default: unbounded, i.e. show what is needed).")] = None,
+                                                   "(default: unbounded, i.e. show what is needed); several "
+                                                   "devices: one budget each, 24GiB,16GiB (in -ts order: --rpc "
+                                                   "servers, then local GPUs).")] = None,
     cpu_mem: Annotated[Optional[str], typer.Option("--cpu-mem", help="CPU memory (DRAM) budget, e.g. 256GiB.")] = None,
     ctx_size: Annotated[int, typer.Option("--ctx-size", "--ctx", "-c", help="Context size (KV cache).", min=1)] = 4096,
     reserve: Annotated[str, typer.Option("--reserve", help="GPU memory kept free for compute buffers.")] = "1GiB",
@@ -52,6 +54,11 @@ def plan(
     if cache_policy is not None and machine is None:
         raise typer.BadParameter("--cache-policy chooses among the schemes --machine compares; give --machine too",
                                  param_hint="--cache-policy")
+    device_mems = [parse_size(v) for v in gpu_mem.split(",")] if gpu_mem is not None and "," in gpu_mem else None
+    if device_mems is not None and machine is not None:
+        raise typer.BadParameter("--machine compares schemes for one GPU; give one --gpu-mem", param_hint="--gpu-mem")
+    if device_mems is not None:
+        gpu_mem = None
     budgets = {k: None if v is None else parse_size(v) for k, v in (("gpu_mem", gpu_mem), ("cpu_mem", cpu_mem))}
     profile = None
     if machine is not None:
@@ -64,9 +71,24 @@ def plan(
             profile = profile.with_gpu_mem(budgets["gpu_mem"])
     m = read_gguf_shapes(model) if model is not None else get_shape_set(shapes or "").model_shapes()
     frequency = load_frequency(freq, m.moe_layers, m.n_layer, m.n_expert)
+    extra: dict[str, object] = {}
+    multi = None
+    if device_mems is not None:
+        from ..placement.footprint import footprint  # noqa: PLC0415
+        from ..placement.multidevice import plan_across  # noqa: PLC0415
+        from ..placement.planner import plan as plan_one  # noqa: PLC0415
+        from ..placement.typeplan import resplit_types  # noqa: PLC0415
+
+        multi = plan_across(m, device_mems, lambda total: plan_one(
+            m, "resplit", preset=p, gpu_mem=total, cpu_mem=budgets["cpu_mem"], n_ctx=ctx_size,
+            reserve=parse_size(reserve), frequency=frequency), footprint(m, resplit_types(p), p), parse_size(reserve))
+        budgets["gpu_mem"] = multi.plan.gpu_mem  # the tables below: the plans for the budget that was split
+        extra["devices"] = {"budgets": device_mems, "tensor_split": list(multi.tensor_split), "fits": multi.fits,
+                            "args": list(multi.args), "shares": [s.__dict__ for s in multi.shares]}
     plans = plan_all(m, p, n_ctx=ctx_size, reserve=parse_size(reserve), frequency=frequency, **budgets)
     typer.echo(format_plans(m, plans))
-    extra: dict[str, object] = {}
+    if multi is not None:
+        typer.echo("RESplit " + multi.table())
     if profile is not None:
         from ..placement.schemes import compare_schemes  # noqa: PLC0415
 

@@ -181,3 +181,25 @@ def test_cli_rpc_server_serves(tiny_qwen: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_serve_with_two_rpc_servers(servers: tuple[RPCServer, RPCServer], tiny_qwen: Path, tmp_path: Path) -> None:
+    """`serve --rpc A,B -ngl 99 -ts 1,3` answers /completion with the same greedy text as an all-CPU serve."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from server_proc import ServerProc  # noqa: PLC0415 - the tests folder's helper
+
+    a, b = servers
+    body = {"prompt": "Once upon a time", "n_predict": 12, "temperature": 0}
+    texts = []
+    accepted = [srv.output().count("Accepted client connection") for srv in servers]
+    for i, extra in enumerate([(), ("--rpc", f"{a.endpoint},{b.endpoint}", "-ngl", "99", "-ts", "1,3")]):
+        srv = ServerProc(tiny_qwen, "-np", "1", "-c", "256", "-t", "1", *extra, log_path=tmp_path / f"serve{i}.log")
+        try:
+            status, out = srv.request("POST", "/completion", body)
+            assert status == 200, out
+            texts.append(out["content"])
+        finally:
+            srv.stop()
+    assert texts[0] == texts[1] and texts[0]
+    assert all(srv.output().count("Accepted client connection") > n for srv, n in zip(servers, accepted, strict=True))

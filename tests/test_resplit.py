@@ -212,17 +212,27 @@ def test_interrupted_conversion_leaves_nothing(micro: Path, tmp_path: Path, monk
     assert list(tmp_path.iterdir()) == []
 
 
-def test_mixture_preset_matches_llama_quantize(micro: Path, tmp_path: Path) -> None:
-    """The cpu preset's non-expert tensors take llama-quantize's Q4_K_M mixture (patch 0003): the same type and the
-    same bytes as llama.cpp's own Q4_K_M of the same file, tensor by tensor; only the routed experts differ."""
+@pytest.mark.parametrize("preset", ["cpu", "cpu-fast"])
+def test_mixture_preset_matches_llama_quantize(micro: Path, tmp_path: Path, preset: str) -> None:
+    """The cpu presets' non-expert tensors take llama-quantize's Q4_K_M mixture (patch 0003) with the preset's
+    token-embedding and output types given as llama-quantize's own --token-embedding-type / --output-tensor-type:
+    the same type and the same bytes as llama.cpp's quantization of the same file, tensor by tensor; only the
+    routed experts differ."""
     import ctypes
 
     from rapidmoe import llama_cpp
 
-    res = convert(micro, tmp_path / "split", get_preset("cpu"), progress=False)
+    p = get_preset(preset)
+    res = convert(micro, tmp_path / "split", p, progress=False)
     out = tmp_path / "q4km.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, 2
+    fixed = p.tensor_types({t.name for t in GGUFFile(micro).tensors})
+    assert fixed, "the micro model should exercise the preset's per-tensor types"
+    if "token_embd.weight" in fixed:
+        params.token_embedding_type = GGMLQuantizationType[fixed["token_embd.weight"]].value
+    if "output.weight" in fixed:
+        params.output_tensor_type = GGMLQuantizationType[fixed["output.weight"]].value
     assert llama_cpp.llama_model_quantize(str(micro).encode(), str(out).encode(), ctypes.byref(params)) == 0
     stock = {t.name: t for t in GGUFFile(out).tensors}
     ours = {t.name: t for t in GGUFFile(res.wq_path).tensors}
@@ -234,5 +244,8 @@ def test_mixture_preset_matches_llama_quantize(micro: Path, tmp_path: Path) -> N
         assert bytes(np.asarray(ours[n].data).reshape(-1).view(np.uint8)) == \
             bytes(np.asarray(stock[n].data).reshape(-1).view(np.uint8)), n
     assert {ours[n].tensor_type.name for n in ours if "_exps." in n} == {"Q2_K"}
+    assert all(ours[n].tensor_type.name == ty for n, ty in fixed.items())
     with pytest.raises(ValueError, match="not supported"):
         get_preset("cpu", other="Q9_K_M")
+    with pytest.raises(ValueError, match="output type Q3_K not supported"):
+        get_preset("cpu", output="Q3_K")

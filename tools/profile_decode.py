@@ -5,7 +5,8 @@ Loads the model (ours with --residual, or stock llama.cpp with --stock), warms u
 `perf record -e cpu-clock` to this process for --steps single-token decode steps and prints the functions
 that took the time (ggml kernels name their op and type: ggml_vec_dot_q2_K_q8_K is a plain Q2_K matmul row,
 ggml_gemv_q2_K_8x8_q8_K a repacked one, ggml_barrier / the thread pool's spin are synchronisation).
-Needs Debian's linux-perf; the samples are wall time of both threads (software clock, no hardware counters).
+Needs Debian's linux-perf; cpu-clock samples count on-CPU time of both threads (software clock, no hardware
+counters), so the CPU ms per function hold up when other processes load the machine; the wall time does not.
 
 Usage: python tools/profile_decode.py MODEL.gguf [--residual WR.gguf -r 1] [--stock] [-t 2] [--steps 64] [--top 25]
 """
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+FREQ = 4000  # perf samples per second of CPU time
 
 LOOP = r"""
 import json, os, sys, time, subprocess, signal, numpy as np
@@ -40,20 +42,22 @@ llm = Llama(model_path=cfg["model"], n_ctx=512, n_threads=cfg["threads"], n_thre
 if cfg.get("policy"):
     llm.set_policy(cfg["policy"])
 toks = llm.tokenize(b"Once upon a time there was a model that", add_bos=False)
-def run(n):
+def prompt():
     llm.reset(); llm._ctx.kv_cache_clear()
     llm.eval(toks)
-    tok = int(np.argmax(llm.scores[len(toks) - 1]))
+    return int(np.argmax(llm.scores[len(toks) - 1]))
+def decode(tok, n):
     t0 = time.perf_counter()
     for _ in range(n):
         llm.eval([tok])
         tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
     return (time.perf_counter() - t0) / n
-run(8)
-perf = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", "4000", "-o", cfg["data"], "-p", str(os.getpid())],
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+decode(prompt(), 8)
+tok = prompt()
+perf = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", str(cfg["freq"]), "-o", cfg["data"],
+                         "-p", str(os.getpid())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 time.sleep(0.5)
-step = run(cfg["steps"])
+step = decode(tok, cfg["steps"])
 perf.send_signal(signal.SIGINT)
 perf.wait()
 print("RESULT " + json.dumps({"ms_per_token": step * 1e3}))
@@ -87,25 +91,27 @@ def main() -> int:
         data = str(Path(tmp) / "perf.data")
         cfg = {"model": str(args.model.resolve()), "residual": str(args.residual.resolve()) if args.residual else None,
                "r": args.r, "policy": str(args.policy) if args.policy else None, "stock": args.stock,
-               "threads": args.threads, "steps": args.steps, "data": data}
+               "threads": args.threads, "steps": args.steps, "data": data, "freq": FREQ}
         out = subprocess.run([sys.executable, "-c", LOOP, json.dumps(cfg)], env=env, cwd=cwd, capture_output=True,
                              text=True)
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
             return 1
         res = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:])
-        rep = subprocess.run(["perf", "report", "-i", data, "--stdio", "--sort", "sym", "--percent-limit", "0.3"],
+        rep = subprocess.run(["perf", "report", "-i", data, "--stdio", "-n", "--sort", "sym", "--percent-limit", "0.3"],
                              capture_output=True, text=True).stdout
-    rows = []
+    rows = []  # (share %, CPU ms per token, symbol); CPU time counts both threads and is robust to other load
     for line in rep.splitlines():
         parts = line.split()
-        if len(parts) >= 3 and parts[0].endswith("%") and parts[1].startswith("["):
-            rows.append((float(parts[0][:-1]), " ".join(parts[2:])))
+        if len(parts) >= 4 and parts[0].endswith("%") and parts[2].startswith("["):
+            rows.append((float(parts[0][:-1]), int(parts[1]) / FREQ * 1e3 / args.steps, " ".join(parts[3:])))
+    cpu_ms = sum(r[1] for r in rows)
     print(f"{args.model.name} {'stock' if args.stock else 'ours'} r={args.r if args.residual else '-'} "
-          f"threads={args.threads}: {res['ms_per_token']:.2f} ms/token over {args.steps} steps")
-    print("| share of samples | ms/token | function |\n|---|---|---|")
-    for pct, sym in rows[:args.top]:
-        print(f"| {pct:.1f}% | {pct / 100 * res['ms_per_token']:.2f} | `{sym}` |")
+          f"threads={args.threads}: {res['ms_per_token']:.2f} ms/token wall over {args.steps} steps, "
+          f"{cpu_ms:.2f} CPU ms/token in the functions listed")
+    print("| share of samples | CPU ms/token | function |\n|---|---|---|")
+    for pct, ms, sym in rows[:args.top]:
+        print(f"| {pct:.1f}% | {ms:.2f} | `{sym}` |")
     if args.json:
         args.json.write_text(json.dumps({"ms_per_token": res["ms_per_token"], "rows": rows}, indent=1))
     return 0

@@ -33,10 +33,14 @@ def resplit_types(preset: Preset) -> TypeRule:
     preset (other = Q4_K_M, ...) is approximated: its main type for the matrices, Q6_K for the output head
     (conversion asks llama.cpp for the exact per-tensor types; a converted file is planned with its own)."""
     mixture = _MIXTURE_TYPES.get(preset.other.upper())
+    fixed = {"token_embd.weight": preset.token_embd, "output.weight": preset.output}
 
     def rule(t: TensorShape) -> str:
         if t.role is not None:
             return preset.wq
+        ty_fixed = fixed.get(t.name)
+        if ty_fixed is not None and fits_rows(ty_fixed, t.shape[0]):
+            return ty_fixed.upper()
         if len(t.shape) == 1 or KEEP_F32_RE.search(t.name):
             return "F32"
         if mixture is not None:

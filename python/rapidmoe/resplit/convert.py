@@ -58,10 +58,14 @@ def _mixture_types(src: Path, ftype: int) -> dict[str, GGMLQuantizationType]:
         raise ModelFileError(f"{src}: llama.cpp cannot plan this quantization mixture ({e})") from None
 
 
-def _target_type(t: Tensor, preset: Preset, mixture: dict[str, GGMLQuantizationType] | None = None
-                 ) -> GGMLQuantizationType:
-    """Type of a non-expert tensor in the WQ file: with a mixture preset, llama-quantize's type for it;
+def _target_type(t: Tensor, preset: Preset, mixture: dict[str, GGMLQuantizationType] | None = None,
+                 overrides: dict[str, str] | None = None) -> GGMLQuantizationType:
+    """Type of a non-expert tensor in the WQ file: the preset's own type for it (`overrides`, from
+    Preset.tensor_types) where its rows fit; else with a mixture preset, llama-quantize's type for it;
     else F32 for vectors/norms/router, and preset.other where its rows fit (F16 where not)."""
+    fixed = (overrides or {}).get(t.name)
+    if fixed is not None and int(t.shape[0]) % block_size(fixed) == 0:
+        return qtype(fixed)
     if mixture is not None:
         if t.name not in mixture:
             raise ModelFileError(f"llama.cpp's quantization plan has no tensor {t.name}")
@@ -209,6 +213,7 @@ class _Converter:
                              n_expert=int(self.reader.get(f"{self.arch}.expert_count", 0)))
         plan: list[tuple[Tensor, GGMLQuantizationType | None]] = []
         mixture = _mixture_types(self.src, p.other_mixture) if p.other_mixture is not None else None
+        overrides = p.tensor_types({t.name for t in self.reader.tensors})
         for t in self.reader.tensors:
             m = EXPERT_RE.match(t.name)
             if m:
@@ -217,7 +222,7 @@ class _Converter:
                 _add_quant_info(wr, sidecar.sidecar_name(t.name, m.group(2), p.down_mode), _byte_shape(t, hi), hi)
                 plan.append((t, None))
             else:
-                qt = _target_type(t, p, mixture)
+                qt = _target_type(t, p, mixture, overrides)
                 if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                     dt = np.dtype(np.float32 if qt == GGMLQuantizationType.F32 else np.float16)
                     shape = tuple(int(x) for x in reversed(t.shape))

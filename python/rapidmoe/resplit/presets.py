@@ -13,6 +13,7 @@ WQ_TYPES = ("IQ1_M", "IQ2_XXS", "IQ2_XS", "Q2_K", "Q3_K")
 WR_TYPES = ("Q2_K", "Q3_K", "Q4_K")
 DOWN_COPY_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
 OTHER_TYPES = ("Q8_0", "F16", "F32")
+TENSOR_OVERRIDE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16")
 # llama-quantize's per-tensor mixtures (llama_ftype ids) for the non-expert tensors: each gets exactly the type a
 # stock quantization of the same file to that mixture gives it (llama.cpp decides, through patch 0003), so the
 # WQ file differs from a stock Q4_K_M (say) only in its routed experts
@@ -48,6 +49,8 @@ class Preset:
     down_mode: str = "copy"
     down_type: str = "Q4_K"  # the copy's type ('copy' mode only)
     other: str = "Q8_0"  # attention, shared experts, dense FFN, embeddings, output: one type or a mixture
+    token_embd: str | None = None  # the token embedding's type over `other` (it is read one row per token)
+    output: str | None = None  # the output head's type over `other`
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -58,10 +61,25 @@ class Preset:
         if self.down_mode not in ("copy", "residual"):
             raise ValueError(f"down_mode must be 'copy' or 'residual', not {self.down_mode!r}")
         if self.down_mode == "copy" and self.down_type.upper() not in DOWN_COPY_TYPES:
-            raise ValueError(f"down copy type {self.down_type} not supported; choose one of {', '.join(DOWN_COPY_TYPES)}")
+            raise ValueError(f"down copy type {self.down_type} not supported; "
+                             f"choose one of {', '.join(DOWN_COPY_TYPES)}")
         if self.other.upper() not in OTHER_TYPES and self.other.upper() not in OTHER_MIXTURES:
             raise ValueError(f"type for other tensors {self.other} not supported; choose one of "
                              f"{', '.join(OTHER_TYPES + tuple(OTHER_MIXTURES))}")
+        for role, ty in (("token_embd", self.token_embd), ("output", self.output)):
+            if ty is not None and ty.upper() not in TENSOR_OVERRIDE_TYPES:
+                raise ValueError(f"{role} type {ty} not supported; choose one of {', '.join(TENSOR_OVERRIDE_TYPES)}")
+
+    def tensor_types(self, names: set[str] | frozenset[str]) -> dict[str, str]:
+        """Per-tensor types that override `other` in a file with these tensor names. The token embedding's
+        override applies only where the file has its own output head: a tied embedding is also the output
+        matmul, whose cost per token is the whole matrix, not one row."""
+        out: dict[str, str] = {}
+        if self.token_embd is not None and "output.weight" in names:
+            out["token_embd.weight"] = self.token_embd.upper()
+        if self.output is not None:
+            out["output.weight" if "output.weight" in names else "token_embd.weight"] = self.output.upper()
+        return out
 
     @property
     def other_mixture(self) -> int | None:
@@ -95,9 +113,12 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            description="IQ1_M + Q2_K residual for gate, up and down (smallest sidecar)"),
     Preset("iq2", "IQ2_XXS", "Q2_K", "copy", "Q4_K",
            description="IQ2_XXS + Q2_K residual, Q4_K down copy (better non-critical experts)"),
-    Preset("cpu", "Q2_K", "Q2_K", "copy", "Q4_K", "Q4_K_M",
-           description="Q2_K + Q2_K residual, Q4_K down copy, other tensors as llama.cpp's Q4_K_M: K-quants are "
-                       "faster than IQ on CPUs"),
+    Preset("cpu", "Q2_K", "Q2_K", "copy", "Q4_K", "Q4_K_M", token_embd="Q8_0",
+           description="Q2_K + Q2_K residual, Q4_K down copy, other tensors as llama.cpp's Q4_K_M but the token "
+                       "embedding in Q8_0 (free: one row read per token): K-quants are faster than IQ on CPUs"),
+    Preset("cpu-fast", "Q2_K", "Q2_K", "copy", "Q4_K", "Q4_K_M", token_embd="Q8_0", output="Q4_K",
+           description="the cpu preset with the output head in Q4_K, which x86 CPUs run repacked (Q6_K is not): "
+                       "faster decode, some quality lost"),
     Preset("cpu-q8", "Q2_K", "Q2_K", "copy", "Q4_K", "Q8_0",
            description="the cpu preset with every non-expert matrix in Q8_0 (more accurate attention, more bytes)"),
     Preset("dense", "Q3_K", "Q4_K", "residual",

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rapidmoe import Llama, RapidMoEError
+from rapidmoe import Llama, RapidMoEError, llama_cpp
 from rapidmoe.expert_cache import moe_layers_of, wq_expert_bytes
 from rapidmoe.placement.cache_policies import (
     LRUCache,
@@ -33,13 +33,21 @@ def rpc() -> Iterator[RPCServer]:
         yield srv
 
 
+def _last_logits(llm: Llama) -> np.ndarray:
+    """The last position's logits as the context computed them (Llama.scores holds them only with logits_all)."""
+    p = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    out = np.ctypeslib.as_array(p, shape=(llm.n_vocab(),)).copy()
+    assert np.isfinite(out).all() and np.abs(out).max() > 0
+    return out
+
+
 def _steps(llm: Llama, prompt: list[int], rest: list[int]) -> list[np.ndarray]:
     out = []
     llm.eval(prompt)
-    out.append(np.array(llm.scores[llm.n_tokens - 1]))
+    out.append(_last_logits(llm))
     for t in rest:
         llm.eval([t])
-        out.append(np.array(llm.scores[llm.n_tokens - 1]))
+        out.append(_last_logits(llm))
     return out
 
 
@@ -66,7 +74,9 @@ def test_moepic_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, tm
     try:
         got = _steps(llm, prompt, rest)
         stats, moved, ml = llm.expert_cache_stats(), llm.expert_cache_bytes(), llm.expert_cache_moepic
-        assert llm.tensor_buffer(f"blk.{layers[0]}.ffn_up_exps.cache") == rpc.device.buffer_type
+        waited = llm.expert_cache_wait_us()
+        for name in ("ffn_up_exps.cache", "ffn_down_exps.top"):  # the work area and the resident tops
+            assert llm.tensor_buffer(f"blk.{layers[0]}.{name}") == rpc.device.buffer_type
     finally:
         llm.close()
     for i, (a, b) in enumerate(zip(got, want)):
@@ -90,6 +100,7 @@ def test_moepic_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, tm
     print(f"{arch} overlap={overlap}: runtime hits {stats.hits}/{stats.slots}, demand {demand} B, ahead {ahead} B; "
           f"replay hits {res.hits}/{res.slots}, {res.bytes_moved:.0f} B")
     assert 0 < stats.hits < stats.slots and ahead > 0 and demand > 0
+    assert overlap or sum(waited.values()) > 0  # waited for at once: the copies' time is the compute thread's
     assert [layer.hits for layer in stats.layers] == res.layer_hits
     assert [layer.slots for layer in stats.layers] == res.layer_slots
     assert [sum(moved[il]) for il in layers] == pytest.approx(res.layer_bytes, rel=1e-12)
@@ -132,3 +143,62 @@ def test_moepic_refusals(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-
     with pytest.raises(RapidMoEError, match="MoE layers"):
         Llama(path, verbose=False, expert_cache_policy="moepic", expert_cache_moepic=MoEpicSettings([0.5], 2),
               expert_cache_device=rpc.device.buffer_type, rpc_servers=[rpc.endpoint])
+
+
+TINY_MOE_A = Path(__file__).resolve().parents[2] / "shared" / "models" / "tiny-moe-a" / "model-f16.gguf"
+
+
+@pytest.mark.skipif(not TINY_MOE_A.exists(), reason="the trained tiny-moe-a is not on this machine")
+def test_tiny_moe_a_runtime_counters_equal_the_replay(rpc: RPCServer, tmp_path: Path) -> None:
+    """Real routing (the trained tiny-moe-a): lru, rapidmoe and moepic on the stand-in, each one's hits and bytes moved
+    per layer equal to the simulator's replay of the trace the same run recorded, logits equal to the CPU run."""
+    path = TINY_MOE_A
+    layers = moe_layers_of(path)
+    text = (TINY_MOE_A.parent / "eval.txt").read_bytes()[:4000]
+    cpu = Llama(path, n_ctx=128, verbose=False, n_threads=2)
+    toks = cpu.tokenize(text)[:40]
+    prompt, rest = toks[:8], toks[8:]
+    want = _steps(cpu, prompt, rest)
+    cpu.close()
+    eb = wq_expert_bytes(path, layers)
+    initial = {il: [0, 1, 2, 3] for il in layers}
+    refresh = RefreshSettings(8.0, 2, 0.25)
+    for policy in ("lru", "rapidmoe", "moepic"):
+        trace = tmp_path / f"{policy}.trace"
+        kw: dict = (dict(expert_cache_moepic=MoEpicSettings(0.5, 8)) if policy == "moepic" else  # type: ignore[type-arg]
+                    dict(expert_cache=initial, expert_cache_refresh=refresh if policy == "rapidmoe" else None))
+        llm = Llama(path, n_ctx=128, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
+                    override_tensor="exps=CPU", expert_cache_device=rpc.device.buffer_type,
+                    expert_cache_policy=policy, trace=trace, **kw)
+        try:
+            got = _steps(llm, prompt, rest)
+            stats, moved = llm.expert_cache_stats(), llm.expert_cache_bytes()
+            swapped = llm.expert_cache_refresh_stats().bytes_moved if policy == "rapidmoe" else 0
+            ml = llm.expert_cache_moepic if policy == "moepic" else None
+        finally:
+            llm.close()
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert np.array_equal(a, b), f"{policy} step {i}: max |dev - cpu| {np.abs(a - b).max()}"
+        tr = read_trace(trace)
+        ids, pred = tr.token_matrix()
+        e0 = float(eb[layers[0]])
+        if policy == "lru":
+            sim: object = LRUCache([4] * len(layers), e0, initial=[initial[il] for il in layers], overflow_on_cpu=True)
+        elif policy == "rapidmoe":
+            sim = RapidMoECache([set(initial[il]) for il in layers], tr.header.n_expert, e0,
+                                half_life_tokens=refresh.half_life_tokens, copies_per_step=refresh.copies_per_step,
+                                margin=refresh.margin)
+        else:
+            assert ml is not None
+            sim = MoEpicCache([m.capacity for m in ml], [m.split for m in ml], e0, work_slots=[m.work_slots for m in ml])
+        res = replay(ids, sim, pred=pred if policy == "moepic" else None,  # type: ignore[arg-type]
+                     steps=[s.n_tokens for s in tr.steps])
+        runtime_bytes = [sum(moved[il]) for il in layers]
+        print(f"tiny-moe-a {policy}: hits {stats.hits}/{stats.slots} (replay {res.hits}), "
+              f"{sum(runtime_bytes) + swapped} B (replay {res.bytes_moved:.0f})")
+        assert [layer.hits for layer in stats.layers] == res.layer_hits
+        assert [layer.slots for layer in stats.layers] == res.layer_slots
+        if policy == "rapidmoe":  # swaps are between steps: the replay adds them to the total, not to a layer
+            assert swapped > 0 and swapped == pytest.approx(res.bytes_moved, rel=1e-12)
+        else:
+            assert sum(runtime_bytes) > 0 and runtime_bytes == pytest.approx(res.layer_bytes, rel=1e-12)

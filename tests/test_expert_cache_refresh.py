@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rapidmoe import Llama, RapidMoEError
+from rapidmoe import Llama, RapidMoEError, llama_cpp
 from rapidmoe._runtime import _core
 from rapidmoe.expert_cache import moe_layers_of, wq_expert_bytes
 from rapidmoe.placement.cache_policies import LRUCache, RapidMoECache, RefreshSettings, replay
@@ -26,14 +26,22 @@ def rpc() -> Iterator[RPCServer]:
         yield srv
 
 
+def _last_logits(llm: Llama) -> np.ndarray:
+    """The last position's logits as the context computed them (Llama.scores holds them only with logits_all)."""
+    p = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    out = np.ctypeslib.as_array(p, shape=(llm.n_vocab(),)).copy()
+    assert np.isfinite(out).all() and np.abs(out).max() > 0
+    return out
+
+
 def _steps(llm: Llama, prompt: list[int], rest: list[int]) -> list[np.ndarray]:
     """The last position's logits after the prompt and after each further token (one decode step each)."""
     out = []
     llm.eval(prompt)
-    out.append(np.array(llm.scores[llm.n_tokens - 1]))
+    out.append(_last_logits(llm))
     for t in rest:
         llm.eval([t])
-        out.append(np.array(llm.scores[llm.n_tokens - 1]))
+        out.append(_last_logits(llm))
     return out
 
 

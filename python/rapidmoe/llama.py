@@ -405,6 +405,14 @@ class Llama(llama_cpp.Llama):
         raw = _core.expert_cache_bytes(self._model.model, reset)
         return {il: (int(raw[il][0]), int(raw[il][1])) for il in sorted(self._expert_cache)}
 
+    def expert_cache_wait_us(self, reset: bool = False) -> dict[int, int]:
+        """Per MoE layer: microseconds the computing thread waited for the layer's copies (the transfer queue's
+        cost that compute did not hide) since the last reset; a reset here also resets `expert_cache_bytes`."""
+        if self._expert_cache is None:
+            raise RapidMoEError("no expert cache (pass expert_cache=... and expert_cache_device=...)")
+        raw = _core.expert_cache_bytes(self._model.model, reset)
+        return {il: int(raw[il][2]) for il in sorted(self._expert_cache)}
+
     @property
     def expert_cache_moepic(self) -> list[MoEpicLayer]:
         """The moepic policy's layers (rows in the top segment, resident tops, work area, bytes)."""

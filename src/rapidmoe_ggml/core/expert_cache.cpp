@@ -72,14 +72,14 @@ void bind_expert_cache(nb::module_ & m) {
     m.def("expert_cache_bytes", [](uintptr_t model, bool reset) {
               const llama_model * mdl = as_model(model);
               const int32_t n_layer = rapidmoe_llama_expert_cache_bytes(mdl, nullptr, 0, false);
-              std::vector<int64_t> buf((size_t) n_layer * 2);
+              std::vector<int64_t> buf((size_t) n_layer * 3);
               const int32_t n = rapidmoe_llama_expert_cache_bytes(mdl, buf.data(), n_layer, reset);
-              buf.resize((size_t) n * 2);
+              buf.resize((size_t) n * 3);
               auto [data, owner] = owned(std::move(buf));
-              return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(data, {(size_t) n, 2}, owner);
+              return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(data, {(size_t) n, 3}, owner);
           }, "model"_a, "reset"_a = false,
-          "Per layer, host -> device bytes copied on demand and ahead (prefetch) since the last reset "
-          "(int64 [n_layer, 2]).");
+          "Per layer, host -> device bytes copied on demand and ahead (prefetch), and microseconds the computing "
+          "thread waited for the copies, since the last reset (int64 [n_layer, 3]).");
     m.def("expert_cache_copies", [](uintptr_t model, bool reset) {
               const llama_model * mdl = as_model(model);
               const int32_t n_layer = rapidmoe_llama_expert_cache_copies(mdl, nullptr, 0, false);

@@ -116,8 +116,9 @@ LLAMA_API int32_t rapidmoe_llama_expert_cache_set_moepic(const struct llama_mode
 // Copies on the cache device's transfer queue overlap compute (async, the default: each layer waits for its own
 // copies right before its device work) or are waited for as soon as they are queued. 0, or -1 without a cache.
 LLAMA_API int32_t rapidmoe_llama_expert_cache_set_async(const struct llama_model * model, bool async);
-// Per layer i: out[2i] = host -> device bytes copied before the layer could compute (lru, moepic), out[2i+1] =
-// bytes copied ahead by moepic's prefetch, since the last reset. Returns the layer count (out = NULL: just that).
+// Per layer i: out[3i] = host -> device bytes copied before the layer could compute (lru, moepic), out[3i+1] =
+// bytes copied ahead by moepic's prefetch, out[3i+2] = microseconds the computing thread waited for the layer's
+// copies, since the last reset. Returns the layer count (out = NULL: just that).
 LLAMA_API int32_t rapidmoe_llama_expert_cache_bytes(const struct llama_model * model, int64_t * out,
                                                     int32_t n_layer_max, bool reset);
 // Per layer i: out[i] = experts the lru policy copied host -> device since the last reset. Returns the layer count.

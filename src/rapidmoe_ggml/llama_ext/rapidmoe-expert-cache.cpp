@@ -185,7 +185,9 @@ void xfer_fence(rapidmoe_expert_cache_layer * c) {
     } else if (c->xfer->async) {
         c->xfer_pending = true;  // no events: the wait synchronizes the queue
     } else {
+        const int64_t t0 = ggml_time_us();
         ggml_backend_synchronize(c->xfer->backend);
+        c->wait_us += ggml_time_us() - t0;
     }
 }
 
@@ -193,11 +195,13 @@ void xfer_wait(rapidmoe_expert_cache_layer * c) {
     if (!c->xfer_pending) {
         return;
     }
+    const int64_t t0 = ggml_time_us();
     if (c->event != nullptr) {
         ggml_backend_event_synchronize(c->event);
     } else {
         ggml_backend_synchronize(c->xfer->backend);
     }
+    c->wait_us += ggml_time_us() - t0;
     c->xfer_pending = false;
 }
 
@@ -245,9 +249,16 @@ struct d2d_batch {
     int n = 0;
 };
 
-ggml_tensor * view_of(ggml_context * ctx, ggml_tensor * t, int64_t ne0, int64_t ne1, size_t nb1, size_t off) {
-    ggml_tensor * v = ggml_view_2d(ctx, t, ne0, ne1, nb1, off);
-    ggml_backend_view_init(v);
+// `rows` rows of `row_bytes` bytes, nb1 apart, at byte offset `off` of t, seen as F16 elements: every ggml type's
+// block is an even number of bytes, so one same-type CPY moves any weight type bit for bit, strided or not, on
+// every backend (CUDA copies non-contiguous F16, not non-contiguous quantized blocks)
+ggml_tensor * carrier(ggml_context * ctx, ggml_tensor * t, size_t row_bytes, int64_t rows, size_t nb1, size_t off) {
+    GGML_ASSERT(row_bytes % 2 == 0 && nb1 % 2 == 0 && off % 2 == 0);
+    ggml_tensor * v = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, (int64_t) (row_bytes / 2), rows);
+    v->nb[1] = nb1;
+    v->nb[2] = v->nb[3] = nb1 * (size_t) rows;
+    v->data = (char *) t->data + off;
+    v->buffer = t->buffer;
     return v;
 }
 
@@ -261,13 +272,15 @@ void d2d_add(d2d_batch & b, ggml_tensor * src, ggml_tensor * dst) {
 // the top of expert slot `ws` in the work area <-> top slot `ts`: to_work copies the top store into the work area
 void d2d_top(rapidmoe_expert_cache_layer * c, d2d_batch & b, int32_t ws, int32_t ts, bool to_work) {
     for (auto [top, work] : { std::pair{ c->top_up, c->up }, std::pair{ c->top_gate, c->gate } }) {
-        ggml_tensor * t = view_of(b.ctx, top, top->ne[0], c->n_top, top->nb[1], (size_t) ts * top->nb[2]);
-        ggml_tensor * w = view_of(b.ctx, work, work->ne[0], c->n_top, work->nb[1], (size_t) ws * work->nb[2]);
+        const size_t bytes = (size_t) c->n_top * top->nb[1];  // the slot's first n_top rows, contiguous
+        ggml_tensor * t = carrier(b.ctx, top, bytes, 1, bytes, (size_t) ts * top->nb[2]);
+        ggml_tensor * w = carrier(b.ctx, work, bytes, 1, bytes, (size_t) ws * work->nb[2]);
         d2d_add(b, to_work ? t : w, to_work ? w : t);
     }
-    ggml_tensor * t = view_of(b.ctx, c->top_down, c->n_top, c->top_down->ne[1], c->top_down->nb[1],
+    const size_t row = down_top_row(c);  // the leading n_top columns of each of down's n_embd rows
+    ggml_tensor * t = carrier(b.ctx, c->top_down, row, c->down->ne[1], c->top_down->nb[1],
                               (size_t) ts * c->top_down->nb[2]);
-    ggml_tensor * w = view_of(b.ctx, c->down, c->n_top, c->down->ne[1], c->down->nb[1], (size_t) ws * c->down->nb[2]);
+    ggml_tensor * w = carrier(b.ctx, c->down, row, c->down->ne[1], c->down->nb[1], (size_t) ws * c->down->nb[2]);
     d2d_add(b, to_work ? t : w, to_work ? w : t);
 }
 
@@ -826,8 +839,11 @@ const char * rapidmoe_expert_cache_buffer_name(const llama_model * model, const 
         return nullptr;
     }
     for (const auto & c : *st) {
-        if (c != nullptr && c->ctx != nullptr) {
-            if (const ggml_tensor * t = ggml_get_tensor(c->ctx, name)) {
+        for (ggml_context * ctx : { c != nullptr ? c->ctx : nullptr, c != nullptr ? c->top_ctx : nullptr }) {
+            if (ctx == nullptr) {
+                continue;
+            }
+            if (const ggml_tensor * t = ggml_get_tensor(ctx, name)) {
                 return t->buffer != nullptr ? ggml_backend_buffer_name(t->buffer) : nullptr;
             }
         }
@@ -968,8 +984,9 @@ int32_t rapidmoe_llama_expert_cache_bytes(const llama_model * model, int64_t * o
     const int32_t n = std::min<int32_t>(n_layer_max, (int32_t) st->size());
     for (int32_t i = 0; i < n; ++i) {
         rapidmoe_expert_cache_layer * c = (*st)[i].get();
-        out[2 * i + 0] = c == nullptr ? 0 : reset ? c->bytes_demand.exchange(0) : c->bytes_demand.load();
-        out[2 * i + 1] = c == nullptr ? 0 : reset ? c->bytes_prefetch.exchange(0) : c->bytes_prefetch.load();
+        out[3 * i + 0] = c == nullptr ? 0 : reset ? c->bytes_demand.exchange(0) : c->bytes_demand.load();
+        out[3 * i + 1] = c == nullptr ? 0 : reset ? c->bytes_prefetch.exchange(0) : c->bytes_prefetch.load();
+        out[3 * i + 2] = c == nullptr ? 0 : reset ? c->wait_us.exchange(0) : c->wait_us.load();
     }
     return n;
 }

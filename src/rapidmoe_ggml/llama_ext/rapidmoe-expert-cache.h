@@ -45,6 +45,7 @@ struct rapidmoe_expert_cache_layer {
     std::atomic<int64_t> copies{0};          // experts copied host -> device by the lru policy
     std::atomic<int64_t> bytes_demand{0};    // host -> device bytes copied before the layer could compute
     std::atomic<int64_t> bytes_prefetch{0};  // host -> device bytes copied ahead (moepic's next-layer prefetch)
+    std::atomic<int64_t> wait_us{0};         // time the computing thread waited for this layer's copies
 
     // Transfers (every policy): copies go through a second backend instance of the cache's device (its own
     // stream on CUDA; on RPC the client's queue), so they run while the calling thread and the device compute;

@@ -5,12 +5,14 @@
 // its policy tensor when the graph is computed (not built), so the policy changes between calls without
 // rebuilding anything. When the WQ experts are on another device the residual work overlaps with theirs
 // (rapidmoe-overlap.h). A layer with a per-expert cache (rapidmoe-expert-cache.h) first composes each WQ result
-// from the cache's device (cached experts) and the CPU (the others); the residual work then adds to that, serial
-// or overlapped alike. "auto" overlap still looks at where the stacked experts are: a cached layer's CPU is busy
-// with the misses' WQ, so it overlaps only when asked ("on", tested bit-equal).
+// from the cache's device (cached experts) and the CPU (the others); the residual work then adds to that. When such
+// a layer overlaps ("auto" where experts are cached on a device, or "on") the worker computes the misses' WQ and
+// the residuals while the device computes the hits: all three at once, summed as the serial graph does.
 #include "rapidmoe-graph.h"
 
 #include "rapidmoe-residual.h"
+
+#include <initializer_list>
 
 namespace {
 
@@ -54,6 +56,9 @@ void noncritical_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 bool in_cpu_memory(const ggml_tensor * w) {
     if (w->buffer == nullptr) {
         return false;
+    }
+    if (ggml_backend_buffer_is_host(w->buffer)) { // also llama.cpp's mmap'd weights (CPU_Mapped: no device)
+        return true;
     }
     ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(w->buffer));
     return dev != nullptr && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
@@ -243,9 +248,69 @@ ggml_tensor * down_copy_split(const rapidmoe_moe_split & s, ggml_tensor * expert
     return ggml_add(ctx, experts, hi);
 }
 
+// A cached split layer whose WQ matmuls are llama.cpp's plain ones, with experts cached on a device, overlaps ("on",
+// or "auto": the device has the hits to compute): the worker computes the misses and the residuals while the
+// device computes the hits (rapidmoe-overlap.h). A layer with nothing cached keeps all its work on the CPU.
+bool concurrent(const rapidmoe_moe_split & s, std::initializer_list<const ggml_tensor *> wq) {
+    if (s.cache == nullptr || s.layer == nullptr || s.skip_noncritical || s.cache->up == nullptr) {
+        return false;
+    }
+    const bool on_device = !in_cpu_memory(s.cache->up);
+    if (!s.overlap && !(s.layer->state->overlap_mode.load() == RAPIDMOE_OVERLAP_AUTO && on_device)) {
+        return false;
+    }
+    for (const ggml_tensor * t : wq) {
+        if (t->op != GGML_OP_MUL_MAT_ID) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// the device's matmul of one cached WQ role: every slot from the slot ids (a miss reads slot 0; the hit mask drops it)
+ggml_tensor * cache_matmul(const rapidmoe_moe_split & s, ggml_tensor * cache, ggml_tensor * in, const char * name) {
+    ggml_tensor * dev = ggml_mul_mat_id(s.g->ctx0, cache, in, s.route.slot_ids);
+    s.g->cb(dev, name, s.il);
+    return dev; // not pinned: the scheduler runs it where the cache's weights are
+}
+
+void concurrent_gate_up(const rapidmoe_moe_split & s, ggml_tensor *& gate, ggml_tensor *& up) {
+    ggml_context * ctx = s.g->ctx0;
+    rapidmoe_overlap_site * st = site(s, RAPIDMOE_OVERLAP_GATE_UP);
+    // begin comes first in the graph's order (join's first input): the worker starts before the device split
+    ggml_tensor * r = rapidmoe_overlap_begin_cached_gate_up(ctx, st, s.x, s.crit_ids, s.route.miss_ids, gate->src[0],
+                                                            up->src[0]);
+    s.g->cb(r, "rapidmoe_cached_gate_up_begin", s.il);
+    on_cpu(*s.g, r);
+    ggml_tensor * gd = cache_matmul(s, s.cache->gate, s.x, "rapidmoe_gate_cache");
+    ggml_tensor * ud = cache_matmul(s, s.cache->up, s.x, "rapidmoe_up_cache");
+    ggml_tensor * j = rapidmoe_overlap_join_cached_gate_up(ctx, st, r, gd, ud, s.route.hit_mask);
+    s.g->cb(j, "rapidmoe_cached_gate_up_join", s.il);
+    on_cpu(*s.g, j);
+    gate = ggml_view_3d(ctx, j, j->ne[0], j->ne[1], j->ne[2], j->nb[1], j->nb[2], 0);
+    up = ggml_view_3d(ctx, j, j->ne[0], j->ne[1], j->ne[2], j->nb[1], j->nb[2], j->nb[3]);
+}
+
+ggml_tensor * concurrent_down(const rapidmoe_moe_split & s, ggml_tensor * experts, ggml_tensor * act) {
+    ggml_context * ctx = s.g->ctx0;
+    rapidmoe_overlap_site * st = site(s, RAPIDMOE_OVERLAP_DOWN);
+    ggml_tensor * r = rapidmoe_overlap_begin_cached_down(ctx, st, act, s.crit_ids, s.route.miss_ids, experts->src[0]);
+    s.g->cb(r, "rapidmoe_cached_down_begin", s.il);
+    on_cpu(*s.g, r);
+    ggml_tensor * dd = cache_matmul(s, s.cache->down, act, "rapidmoe_down_cache");
+    ggml_tensor * j = rapidmoe_overlap_join_cached_down(ctx, st, r, dd, s.route.hit_mask, s.crit_ids);
+    s.g->cb(j, "rapidmoe_cached_down_join", s.il);
+    on_cpu(*s.g, j);
+    return j;
+}
+
 }  // namespace
 
 void rapidmoe_moe_gate_up(const rapidmoe_moe_split & s, ggml_tensor *& gate, ggml_tensor *& up) {
+    if (concurrent(s, { gate, up })) {
+        concurrent_gate_up(s, gate, up);
+        return;
+    }
     if (s.cache != nullptr) {
         gate = cached_wq(s, gate, s.cache->gate, "rapidmoe_gate_cache");
         up = cached_wq(s, up, s.cache->up, "rapidmoe_up_cache");
@@ -273,6 +338,9 @@ void rapidmoe_moe_gate_up(const rapidmoe_moe_split & s, ggml_tensor *& gate, ggm
 }
 
 ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * experts, ggml_tensor * act) {
+    if (concurrent(s, { experts })) {
+        return concurrent_down(s, experts, act);
+    }
     if (s.cache != nullptr) {
         experts = cached_wq(s, experts, s.cache->down, "rapidmoe_down_cache");
     }

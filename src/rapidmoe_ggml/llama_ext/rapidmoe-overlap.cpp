@@ -168,22 +168,28 @@ std::vector<char> copy_3d(const ggml_tensor * t) {
     return out;
 }
 
-// The masked residual matmuls of one stage, computed on the worker's CPU backend straight into `out`.
+// The masked matmuls of one stage, computed on the worker's CPU backend straight into parts of begin's output:
+// the critical slots' residuals, and in a cached layer also the misses' WQ from the stacked host tensors.
 struct residual_job {
-    const rapidmoe_layer_residual * layer;
-    int stage;
+    struct matmul {
+        ggml_tensor * w; // weights in CPU memory
+        bool miss;       // ids: the misses' (true) or the critical slots' (false)
+        char * out;      // a part of begin's output (allocated until join has read it)
+    };
     int64_t in_ne[3];
     int64_t k, T;
-    std::vector<char> in;  // the stage's input, contiguous F32
-    std::vector<char> ids; // critical ids [k, T], -1 elsewhere
-    char * out;            // begin's output (allocated until join has read it)
-    size_t out_part;       // bytes between the gate and up residuals (gate/up stage)
+    std::vector<char> in;   // the stage's input, contiguous F32
+    std::vector<char> ids;  // critical ids [k, T], -1 elsewhere
+    std::vector<char> miss; // miss ids [k, T], -1 on hits (cached layers only)
+    std::vector<matmul> mms;
 
     void operator()(ggml_backend_t cpu) {
         if (g_fail_next.exchange(false)) {
             throw std::runtime_error("injected failure (rapidmoe_llama_worker_fail_next)");
         }
-        ggml_init_params p = { 8 * ggml_tensor_overhead() + ggml_graph_overhead_custom(8, false), nullptr, true };
+        constexpr size_t n_max = 16;
+        ggml_init_params p = { n_max * ggml_tensor_overhead() + ggml_graph_overhead_custom(n_max, false), nullptr,
+                               true };
         ggml_context * ctx = ggml_init(p);
         if (ctx == nullptr) {
             throw std::runtime_error("residual worker: cannot allocate its graph context");
@@ -192,18 +198,16 @@ struct residual_job {
         x->data = in.data();
         ggml_tensor * id = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, T);
         id->data = ids.data();
-        ggml_cgraph * gf = ggml_new_graph_custom(ctx, 8, false);
-        if (stage == RAPIDMOE_OVERLAP_GATE_UP) {
-            ggml_tensor * gate = ggml_mul_mat_id_masked(ctx, layer->gate_wr, x, id);
-            ggml_tensor * up = ggml_mul_mat_id_masked(ctx, layer->up_wr, x, id);
-            gate->data = out;
-            up->data = out + out_part;
-            ggml_build_forward_expand(gf, gate);
-            ggml_build_forward_expand(gf, up);
-        } else {
-            ggml_tensor * down = ggml_mul_mat_id_masked(ctx, layer->down_hi, x, id);
-            down->data = out;
-            ggml_build_forward_expand(gf, down);
+        ggml_tensor * miss_id = nullptr;
+        if (!miss.empty()) {
+            miss_id = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, T);
+            miss_id->data = miss.data();
+        }
+        ggml_cgraph * gf = ggml_new_graph_custom(ctx, n_max, false);
+        for (const matmul & m : mms) {
+            ggml_tensor * t = ggml_mul_mat_id_masked(ctx, m.w, x, m.miss ? miss_id : id);
+            t->data = m.out;
+            ggml_build_forward_expand(gf, t);
         }
         const ggml_status status = ggml_backend_graph_compute(cpu, gf);
         ggml_free(ctx);
@@ -229,7 +233,21 @@ uint64_t task_id(const ggml_tensor * r) {
     return id;
 }
 
-// begin: dst->src = {input, critical ids}
+bool any_id(const ggml_tensor * ids) {
+    for (int64_t t = 0; t < ids->ne[1]; ++t) {
+        const auto * row = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
+        for (int64_t j = 0; j < ids->ne[0]; ++j) {
+            if (row[j] >= 0) {
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
+// begin: dst->src = {input, critical ids} or, in a cached layer, {input, critical ids, miss ids, stacked WQ...}
+// (gate and up, or down). Output parts (dst->nb[3] apart): the misses' WQ first (cached layers), then the
+// residuals. A part with no slot to compute (no critical slot: r = 0 or UMIA's depth cutoff; no miss) is zeros.
 void begin_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) nth;
     if (ith != 0) {
@@ -239,22 +257,41 @@ void begin_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     auto * site = (rapidmoe_overlap_site *) userdata;
     const ggml_tensor * in = dst->src[0];
     const ggml_tensor * ids = dst->src[1];
-    bool any = false; // no critical slot in the batch (r = 0, or UMIA's depth cutoff): zeros, no worker
-    for (int64_t t = 0; t < ids->ne[1] && !any; ++t) {
-        const auto * row = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
-        for (int64_t j = 0; j < ids->ne[0] && !any; ++j) {
-            any = row[j] >= 0;
+    const ggml_tensor * miss = dst->src[2]; // nullptr: not a cached layer
+    const size_t part = dst->nb[3];
+    std::vector<residual_job::matmul> mms;
+    char * out = (char *) dst->data;
+    if (miss != nullptr) {
+        const bool any_miss = any_id(miss);
+        for (int i = 3; i < GGML_MAX_SRC && dst->src[i] != nullptr; ++i, out += part) {
+            if (any_miss) {
+                mms.push_back({ dst->src[i], true, out });
+            } else {
+                std::memset(out, 0, part);
+            }
         }
     }
-    if (!any) {
-        std::memset(dst->data, 0, ggml_nbytes(dst));
+    const rapidmoe_layer_residual * layer = site->layer;
+    ggml_tensor * wr[2] = { site->stage == RAPIDMOE_OVERLAP_GATE_UP ? layer->gate_wr : layer->down_hi,
+                            site->stage == RAPIDMOE_OVERLAP_GATE_UP ? layer->up_wr : nullptr };
+    const bool any_crit = any_id(ids);
+    for (ggml_tensor * w : wr) {
+        if (w == nullptr) {
+            continue;
+        }
+        if (any_crit) {
+            mms.push_back({ w, false, out });
+        } else {
+            std::memset(out, 0, part);
+        }
+        out += part;
+    }
+    if (mms.empty()) { // nothing for the worker: zeros (written above), no thread woken
         set_task_id(dst, site->worker->complete(t0));
         return;
     }
     try { // on a compute thread: an exception (out of memory copying the inputs) must reach the join
         auto job = std::make_shared<residual_job>();
-        job->layer = site->layer;
-        job->stage = site->stage;
         job->in_ne[0] = in->ne[0];
         job->in_ne[1] = in->ne[1];
         job->in_ne[2] = in->ne[2];
@@ -262,8 +299,10 @@ void begin_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         job->T = ids->ne[1];
         job->in = copy_3d(in);
         job->ids = copy_3d(ids);
-        job->out = (char *) dst->data;
-        job->out_part = dst->nb[3];
+        if (miss != nullptr) {
+            job->miss = copy_3d(miss);
+        }
+        job->mms = std::move(mms);
         set_task_id(dst, site->worker->submit([job](ggml_backend_t cpu) { (*job)(cpu); }, t0));
     } catch (const std::exception & e) {
         set_task_id(dst, site->worker->complete(t0, std::string("residual begin: ") + e.what()));
@@ -347,6 +386,60 @@ void join_down_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
 }
 
+// the serial graph's dev * hit (ggml_mul by a 0/1 mask: dev or a zero of dev's sign) as a select, so nothing is
+// left for a compiler to fuse into a multiply-add
+inline float masked(float dev, float hit) {
+    return hit != 0.0f ? dev : std::copysign(0.0f, dev);
+}
+
+inline float hit_of(const ggml_tensor * hit_mask, int64_t i1, int64_t i2) {
+    return *(const float *) ((const char *) hit_mask->data + i1 * hit_mask->nb[1] + i2 * hit_mask->nb[2]);
+}
+
+// join (cached gate/up): dst->src = {R, gate dev, up dev, hit mask}; R parts: gate miss, up miss, gate WR, up WR
+void join_cached_gate_up_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const ggml_tensor * r = dst->src[0];
+    const ggml_tensor * hit = dst->src[3];
+    const bool ok = join_wait((const rapidmoe_overlap_site *) userdata, r, ith, nth);
+    const int64_t n = dst->ne[0], rows = dst->ne[1] * dst->ne[2];
+    for (int64_t row = ith; row < 2 * rows; row += nth) {
+        const int64_t part = row / rows, i1 = (row % rows) % dst->ne[1], i2 = (row % rows) / dst->ne[1];
+        const float h = hit_of(hit, i1, i2);
+        const float * dev = row_of(dst->src[1 + part], i1, i2);
+        const float * miss = row_of(r, i1, i2, part);
+        const float * res = row_of(r, i1, i2, 2 + part);
+        float * out = row_of(dst, i1, i2, part);
+        for (int64_t i = 0; i < n; ++i) {
+            const float wq = miss[i] + masked(dev[i], h);
+            out[i] = ok ? wq + res[i] : NAN;
+        }
+    }
+}
+
+// join (cached down): dst->src = {R, down dev, hit mask, critical ids}; R parts: down miss, the critical down
+void join_cached_down_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto * site = (const rapidmoe_overlap_site *) userdata;
+    const ggml_tensor * r = dst->src[0];
+    const ggml_tensor * hit = dst->src[2];
+    const ggml_tensor * ids = dst->src[3];
+    const bool ok = join_wait(site, r, ith, nth);
+    const bool copy = site->layer->down_is_copy;
+    const int64_t n = dst->ne[0], rows = dst->ne[1] * dst->ne[2];
+    for (int64_t row = ith; row < rows; row += nth) {
+        const int64_t i1 = row % dst->ne[1], i2 = row / dst->ne[1];
+        const bool critical = *(const int32_t *) ((const char *) ids->data + i1 * ids->nb[0] + i2 * ids->nb[1]) >= 0;
+        const float h = hit_of(hit, i1, i2);
+        const float * dev = row_of(dst->src[1], i1, i2);
+        const float * miss = row_of(r, i1, i2, 0);
+        const float * res = row_of(r, i1, i2, 1);
+        float * out = row_of(dst, i1, i2);
+        for (int64_t i = 0; i < n; ++i) {
+            const float wq = miss[i] + masked(dev[i], h);
+            out[i] = !ok ? NAN : critical ? (copy ? res[i] : wq + res[i]) : wq;
+        }
+    }
+}
+
 }  // namespace
 
 ggml_tensor * rapidmoe_overlap_begin_gate_up(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * x,
@@ -380,5 +473,45 @@ ggml_tensor * rapidmoe_overlap_join_down(ggml_context * ctx, rapidmoe_overlap_si
     GGML_ASSERT(experts->type == GGML_TYPE_F32 && ggml_are_same_shape(experts, r));
     ggml_tensor * args[3] = { r, experts, crit_ids };
     return ggml_custom_4d(ctx, GGML_TYPE_F32, r->ne[0], r->ne[1], r->ne[2], 1, args, 3, join_down_op,
+                          GGML_N_TASKS_MAX, site);
+}
+
+ggml_tensor * rapidmoe_overlap_begin_cached_gate_up(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * x,
+                                                    ggml_tensor * crit_ids, ggml_tensor * miss_ids,
+                                                    ggml_tensor * gate_exps, ggml_tensor * up_exps) {
+    GGML_ASSERT(ggml_are_same_shape(crit_ids, miss_ids) && gate_exps->ne[1] == site->layer->gate_wr->ne[1]);
+    ggml_tensor * args[5] = { x, crit_ids, miss_ids, gate_exps, up_exps };
+    const int64_t n_ff = site->layer->gate_wr->ne[1];
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, n_ff, crit_ids->ne[0], crit_ids->ne[1], 4, args, 5, begin_op, 1, site);
+}
+
+ggml_tensor * rapidmoe_overlap_join_cached_gate_up(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * r,
+                                                   ggml_tensor * gate_dev, ggml_tensor * up_dev,
+                                                   ggml_tensor * hit_mask) {
+    GGML_ASSERT(gate_dev->type == GGML_TYPE_F32 && up_dev->type == GGML_TYPE_F32 && hit_mask->type == GGML_TYPE_F32);
+    GGML_ASSERT(ggml_are_same_shape(gate_dev, up_dev) && gate_dev->ne[0] == r->ne[0] && gate_dev->ne[1] == r->ne[1] &&
+                gate_dev->ne[2] == r->ne[2] && hit_mask->ne[1] == r->ne[1] && hit_mask->ne[2] == r->ne[2]);
+    ggml_tensor * args[4] = { r, gate_dev, up_dev, hit_mask };
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, r->ne[0], r->ne[1], r->ne[2], 2, args, 4, join_cached_gate_up_op,
+                          GGML_N_TASKS_MAX, site);
+}
+
+ggml_tensor * rapidmoe_overlap_begin_cached_down(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * act,
+                                                 ggml_tensor * crit_ids, ggml_tensor * miss_ids,
+                                                 ggml_tensor * down_exps) {
+    GGML_ASSERT(act->type == GGML_TYPE_F32 && ggml_are_same_shape(crit_ids, miss_ids));
+    ggml_tensor * args[4] = { act, crit_ids, miss_ids, down_exps };
+    const int64_t n_embd = site->layer->down_hi->ne[1];
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, crit_ids->ne[0], crit_ids->ne[1], 2, args, 4, begin_op, 1,
+                          site);
+}
+
+ggml_tensor * rapidmoe_overlap_join_cached_down(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * r,
+                                                ggml_tensor * down_dev, ggml_tensor * hit_mask,
+                                                ggml_tensor * crit_ids) {
+    GGML_ASSERT(down_dev->type == GGML_TYPE_F32 && hit_mask->type == GGML_TYPE_F32);
+    GGML_ASSERT(down_dev->ne[0] == r->ne[0] && down_dev->ne[1] == r->ne[1] && down_dev->ne[2] == r->ne[2]);
+    ggml_tensor * args[4] = { r, down_dev, hit_mask, crit_ids };
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, r->ne[0], r->ne[1], r->ne[2], 1, args, 4, join_cached_down_op,
                           GGML_N_TASKS_MAX, site);
 }

@@ -135,3 +135,26 @@ ggml_tensor * rapidmoe_overlap_begin_down(ggml_context * ctx, rapidmoe_overlap_s
 // join: [n_embd, k, T] critical slots from the copy (or WQ + residual), the others from WQ
 ggml_tensor * rapidmoe_overlap_join_down(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * r,
                                          ggml_tensor * experts, ggml_tensor * crit_ids);
+
+// A layer with a per-expert WQ cache (rapidmoe-expert-cache.h): the worker also computes the misses' WQ from the
+// stacked host tensors, so the device's cached experts, the CPU's misses and the CPU's residuals run at once:
+//   begin(x, critical ids, miss ids, stacked gate, stacked up) -> R [n_ff, k, T, 4]: gate miss, up miss, gate WR,
+//                                                                up WR (masked: zeros where a slot has no work)
+//   ... the device: mul_mat_id(cache, x, slot ids) for gate and up (every slot; misses read slot 0) ...
+//   join(R, gate dev, up dev, hit mask) -> [n_ff, k, T, 2] = (miss + dev * hit) + WR
+// the same sums, in the same order, as the serial graph (cached WQ, then + residual): bit-equal results. The
+// product dev * hit is taken as a select (hit is 0 or 1), so no fused multiply-add can change a rounding.
+ggml_tensor * rapidmoe_overlap_begin_cached_gate_up(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * x,
+                                                    ggml_tensor * crit_ids, ggml_tensor * miss_ids,
+                                                    ggml_tensor * gate_exps, ggml_tensor * up_exps);
+ggml_tensor * rapidmoe_overlap_join_cached_gate_up(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * r,
+                                                   ggml_tensor * gate_dev, ggml_tensor * up_dev,
+                                                   ggml_tensor * hit_mask);
+// begin: [n_embd, k, T, 2] = down miss (stacked WQ), the critical slots' down (copy or residual)
+ggml_tensor * rapidmoe_overlap_begin_cached_down(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * act,
+                                                 ggml_tensor * crit_ids, ggml_tensor * miss_ids,
+                                                 ggml_tensor * down_exps);
+// join: [n_embd, k, T]: wq = miss + dev * hit; critical slots R (a copy) or wq + R (a residual), the others wq
+ggml_tensor * rapidmoe_overlap_join_cached_down(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * r,
+                                                ggml_tensor * down_dev, ggml_tensor * hit_mask,
+                                                ggml_tensor * crit_ids);

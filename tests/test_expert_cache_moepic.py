@@ -202,3 +202,35 @@ def test_tiny_moe_a_runtime_counters_equal_the_replay(rpc: RPCServer, tmp_path: 
             assert swapped > 0 and swapped == pytest.approx(res.bytes_moved, rel=1e-12)
         else:
             assert sum(runtime_bytes) > 0 and runtime_bytes == pytest.approx(res.layer_bytes, rel=1e-12)
+
+
+def test_moepic_on_quantized_wq_with_residuals_is_exact(rpc: RPCServer, tmp_path: Path, vocab_dir: Path) -> None:
+    """A RESplit pair (Q2_K WQ experts, 256-element blocks) with an intermediate dimension of 512: the top is 256 rows,
+    so down's top is the first quantized block of each of its rows (a strided copy), and split routing at r = 1 adds
+    the sidecar's residuals to the composed WQ: logits equal the all-CPU run's."""
+    import dataclasses
+
+    from rapidmoe.resplit import convert, get_preset
+    from rapidmoe.synthetic import spec_for, write_model
+
+    src = tmp_path / "tiny-ff512.gguf"
+    write_model(dataclasses.replace(spec_for("qwen3moe", "tiny", seed=0), n_ff_exp=512), src, vocab_dir)
+    res = convert(src, tmp_path / "split", get_preset("cpu-q8"), progress=False)
+    kw = dict(residual_path=res.wr_path, n_critical=1, n_ctx=128, n_threads=2, verbose=False)
+    cpu = Llama(res.wq_path, **kw)  # type: ignore[arg-type]
+    toks = cpu.tokenize(TEXT)[:20]
+    want = _steps(cpu, toks[:8], toks[8:])
+    cpu.close()
+    llm = Llama(res.wq_path, rpc_servers=[rpc.endpoint], n_gpu_layers=-1, override_tensor="exps=CPU",  # type: ignore[arg-type]
+                expert_cache_device=rpc.device.buffer_type, expert_cache_policy="moepic",
+                expert_cache_moepic=MoEpicSettings(0.5, 3), **kw)
+    try:
+        ml = llm.expert_cache_moepic
+        got = _steps(llm, toks[:8], toks[8:])
+        stats = llm.expert_cache_stats()
+    finally:
+        llm.close()
+    assert all(m.n_top == 256 and m.n_ff == 512 and 2 * m.top_bytes == m.expert_bytes for m in ml)
+    assert 0 < stats.hits < stats.slots
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert np.array_equal(a, b), f"step {i}: max |dev - cpu| {np.abs(a - b).max()}"

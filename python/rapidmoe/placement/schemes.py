@@ -43,7 +43,7 @@ class SchemeEstimate:
     moved_per_token: float  # host -> device bytes per decoded token
     decode_tok_s: float
     prefill_tok_s: float
-    realized: bool  # whether `run` can place it today
+    realized: bool  # whether `run --gpu-mem` can place it today
     fits: bool
     note: str = ""
 
@@ -61,11 +61,12 @@ class SchemeChoice:
             mark = " <- chosen" + (" (--cache-policy)" if self.forced else "") if e.scheme == self.chosen else ""
             rows.append(f"{e.scheme:<10}{e.form[:25]:<26}{e.hit_rate:>9.1%}{e.moved_per_token / 1e6:>14.1f}"
                         f"{e.decode_tok_s:>14.2f}{e.prefill_tok_s:>15.1f}  "
-                        + ("realized" if e.realized else "simulated only")
+                        + ("realized" if e.realized else "Llama API only" if e.scheme == "moepic" else "simulated only")
                         + ("" if e.fits else ", DOES NOT FIT") + mark)
         chosen = next(e for e in self.estimates if e.scheme == self.chosen)
         if not chosen.realized:
-            rows.append(f"note: the runtime does not realize {self.chosen} yet (only {', '.join(REALIZED)}); the "
+            rows.append(f"note: run/serve --gpu-mem do not realize {self.chosen} yet (only {', '.join(REALIZED)}; "
+                        "Llama(expert_cache_policy='moepic') runs it); the "
                         "run flags printed with the plans are the static RESplit plan's")
         rows += [f"note ({e.scheme}): {e.note}" for e in self.estimates if e.note]
         return "\n".join(rows)

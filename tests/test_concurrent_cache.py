@@ -85,3 +85,39 @@ def test_concurrent_cached_layers_equal_serial_and_cpu(make_split, rpc: RPCServe
         assert [(s.hits, s.slots) for s in c_stats.layers] == [(s.hits, s.slots) for s in s_stats.layers]
         results[r] = conc
     assert not np.array_equal(results[0], results[k])  # the residuals are in: r changes the result
+
+
+def test_prefill_streaming_equals_the_cpu_run(make_split, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
+    """prefill_stream=N: a ubatch of >= N tokens computes every cached layer's WQ on the device from the stacked
+    experts (copied there by the scheduler); the decode steps after it do not stream. The logits equal the CPU
+    run's, serial and overlapped, and the streamed prompt never reaches the cache's route ops (its slots are not
+    counted), while a threshold above the prompt leaves everything as without streaming."""
+    _, wq, wr = make_split("qwen3moe", PRESET)
+    vocab = Llama(wq, n_ctx=128, vocab_only=True, verbose=False)
+    toks = vocab.tokenize(TEXT, add_bos=False)[:24]
+    vocab.close()
+    n_expert, k = _shape(wq)
+    layers = moe_layers_of(wq)
+    cache = {il: list(range(n_expert // 2)) for il in layers}
+    dev = {"rpc_servers": [rpc.endpoint], "n_gpu_layers": -1, "override_tensor": "exps=CPU",
+           "expert_cache": cache, "expert_cache_device": rpc.device.buffer_type}
+    n_prompt = len(toks) - 3
+    for r in (0, 1, k):
+        cpu, _, _, _ = _run(wq, toks, residual_path=wr, n_critical=r, override_tensor="exps=CPU")
+        for overlap in ("off", "auto"):
+            got, stats, ov, _ = _run(wq, toks, residual_path=wr, n_critical=r, overlap=overlap, prefill_stream=8,
+                                     **dev)
+            print(f"r={r} overlap={overlap}: max |stream - cpu| {np.abs(got - cpu).max()}, slots {stats.slots}")
+            assert np.array_equal(got, cpu), (r, overlap)
+            assert stats.slots == 3 * k * len(layers)  # the 3 decode steps only: the prompt streamed
+            # the residuals overlap with the streamed WQ (and the decode steps run concurrently) unless "off"
+            assert (ov.pairs == 0) == (overlap == "off"), ov
+        _, stats, _, _ = _run(wq, toks, residual_path=wr, n_critical=r, prefill_stream=n_prompt + 1, **dev)
+        assert stats.slots == len(toks) * k * len(layers)
+
+
+def test_prefill_stream_refuses_bad_values(make_split) -> None:  # type: ignore[no-untyped-def]
+    _, wq, _ = make_split("qwen3moe", PRESET)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(Exception, match="prefill_stream must be 0"):
+            Llama(wq, n_ctx=64, verbose=False, prefill_stream=bad)

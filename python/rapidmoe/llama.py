@@ -31,6 +31,7 @@ from .overrides import BufferOverrides, build_overrides
 from .placement.cache_policies import MoEpicSettings, RefreshSettings
 from .residual import MoELayerCounters, ResidualInfo, load_residual_info
 from .rpc import RPCDevice, model_devices, register_rpc_servers
+from .stream import check_min_batch, set_stream_min_batch
 from .trace import NextLayerPredictor, TraceRecorder
 from .umia.policy import Policy, PolicyError, load_policy
 from .umia.stats import RHistogram
@@ -83,6 +84,10 @@ class Llama(llama_cpp.Llama):
         (override_tensor="exps=CPU"; CPU weight repacking is turned off); the chosen experts' WQ is copied to the
         device, which computes them, the CPU the rest, each slot exactly as that backend alone would
         (docs/execution.md). Hit counters: `expert_cache_stats`.
+    prefill_stream: with an expert cache on a device, ubatches of at least this many tokens compute the cached
+        layers' WQ on that device from the stacked experts the scheduler copies there (stock llama.cpp's op offload
+        for big batches) instead of the misses on the CPU; 0 (default) never. `rapidmoe-cli plan --machine` prints
+        the threshold the latency model picks (rapidmoe.stream, docs/execution.md).
     expert_cache_policy: "static" (default: the set stays as given); "rapidmoe": after every decode step the
         set is refreshed from decayed per-expert routing counts, a bounded number of experts swapped
         (`expert_cache_refresh`, a rapidmoe.placement.cache_policies.RefreshSettings; `expert_cache_refresh_stats`);
@@ -118,6 +123,7 @@ class Llama(llama_cpp.Llama):
         rpc_servers: Sequence[str] | None = None,
         expert_cache: Mapping[int, Sequence[int]] | None = None,
         expert_cache_device: str | None = None,
+        prefill_stream: int = 0,
         trace: str | os.PathLike[str] | None = None,
         expert_cache_policy: str = "static",
         expert_cache_refresh: RefreshSettings | None = None,
@@ -146,6 +152,7 @@ class Llama(llama_cpp.Llama):
             raise RapidMoEError(f"overlap_threads must be >= 1, got {overlap_threads}")
         self._overlap_threads = overlap_threads
         self._expert_cache: dict[int, list[int]] | None = None
+        self._prefill_stream = check_min_batch(prefill_stream)
         self._refresher: CacheRefresher | None = None
         if expert_cache_policy not in CACHE_POLICIES:
             raise RapidMoEError(f"expert_cache_policy must be one of {', '.join(CACHE_POLICIES)}, "
@@ -265,6 +272,8 @@ class Llama(llama_cpp.Llama):
                 _core.set_skip_noncritical(model.model, True)
             threads = self._overlap_threads or max(1, int(getattr(self, "n_threads", 1) or 1))
             _core.set_overlap(model.model, self._overlap_mode, threads)
+        # always written (read at graph builds): a model freed earlier at this address may have left its threshold
+        set_stream_min_batch(model.model, self._prefill_stream if getattr(self, "_expert_cache", None) else 0)
         if getattr(self, "_expert_cache", None) is not None:
             self._set_expert_cache(model.model)
             if self._cache_policy == "lru":

@@ -128,6 +128,11 @@ LLAMA_API int32_t rapidmoe_llama_expert_cache_copies(const struct llama_model * 
 // or not. Returns the layer's expert count (out = NULL: just that), 0 when the layer has no cache.
 LLAMA_API int32_t rapidmoe_llama_expert_cache_expert_counts(const struct llama_model * model, int32_t il,
                                                             int64_t * out, int32_t n_max, bool reset);
+// Prefill streaming (llama_ext/rapidmoe-stream.h): a ubatch of at least n_tokens tokens computes every WQ slot of each
+// layer with a per-expert cache on the cache's device, the stacked host experts copied there for the split, instead
+// of the misses on the CPU; n_tokens <= 0 turns it off. Read when a graph is built (set it before a context). Layers
+// under the lru policy never stream. Returns the threshold now in force (0: off).
+LLAMA_API int32_t rapidmoe_llama_set_stream_min_batch(const struct llama_model * model, int32_t n_tokens);
 // Test entry: run UMIA's op on the CPU backend for one layer il of a policy, weights F32 [n_tokens, k] (selected
 // ids are the slot numbers 0..k-1), in the given phase (0 decode, 1 prefill; the policy's phase_mode applies).
 // ids_out [n_tokens, k], hist_out [k + 1]. 0, or -1 on bad arguments.

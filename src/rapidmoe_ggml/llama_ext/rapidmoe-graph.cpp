@@ -11,6 +11,7 @@
 #include "rapidmoe-graph.h"
 
 #include "rapidmoe-residual.h"
+#include "rapidmoe-stream.h"
 
 #include <initializer_list>
 
@@ -157,6 +158,27 @@ void begin_cache(rapidmoe_moe_split & s, const llm_graph_context & g, const rapi
     }
 }
 
+// Prefill streaming (rapidmoe-stream.h): a ubatch of at least the model's threshold computes this cached layer's WQ
+// on the cache's device, from the stacked host tensors the scheduler copies there. Not under the lru policy (it
+// loads experts into the cache itself). The residuals then overlap with the device's work, as for WQ on a device.
+void begin_stream(rapidmoe_moe_split & s, const llm_graph_context & g, const rapidmoe_expert_cache_layer & cache) {
+    const int32_t min_batch = rapidmoe_stream_min_batch_of(cache.base_up);
+    if (min_batch <= 0 || g.ubatch.n_tokens < (uint32_t) min_batch || cache.up == nullptr || cache.lru ||
+        g.sched == nullptr) {
+        return;
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(cache.up->buffer));
+    for (int i = 0; dev != nullptr && i < ggml_backend_sched_get_n_backends(g.sched); ++i) {
+        ggml_backend_t b = ggml_backend_sched_get_backend(g.sched, i);
+        if (ggml_backend_get_device(b) == dev) {
+            s.stream = b;
+        }
+    }
+    if (s.stream != nullptr && s.layer != nullptr) {
+        s.overlap = s.layer->state->overlap_mode.load() != RAPIDMOE_OVERLAP_OFF;
+    }
+}
+
 }  // namespace
 
 rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor * x, ggml_tensor * selected,
@@ -179,6 +201,7 @@ rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor *
     // own meaning, so a layer under it ignores the cache (Python refuses the combination)
     if (cache != nullptr && !s.skip_noncritical) {
         begin_cache(s, g, *cache, selected);
+        begin_stream(s, g, *cache);
     }
     return s;
 }
@@ -267,6 +290,13 @@ bool concurrent(const rapidmoe_moe_split & s, std::initializer_list<const ggml_t
     return true;
 }
 
+// a WQ matmul of a streamed layer: llama.cpp's own node (stacked weights, every slot) on the cache's device
+void stream_wq(const rapidmoe_moe_split & s, ggml_tensor * wq) {
+    if (wq->op == GGML_OP_MUL_MAT_ID) {
+        ggml_backend_sched_set_tensor_backend(s.g->sched, wq, s.stream);
+    }
+}
+
 // the device's matmul of one cached WQ role: every slot from the slot ids (a miss reads slot 0; the hit mask drops it)
 ggml_tensor * cache_matmul(const rapidmoe_moe_split & s, ggml_tensor * cache, ggml_tensor * in, const char * name) {
     ggml_tensor * dev = ggml_mul_mat_id(s.g->ctx0, cache, in, s.route.slot_ids);
@@ -307,11 +337,13 @@ ggml_tensor * concurrent_down(const rapidmoe_moe_split & s, ggml_tensor * expert
 }  // namespace
 
 void rapidmoe_moe_gate_up(const rapidmoe_moe_split & s, ggml_tensor *& gate, ggml_tensor *& up) {
-    if (concurrent(s, { gate, up })) {
+    if (s.stream != nullptr) {
+        stream_wq(s, gate);
+        stream_wq(s, up);
+    } else if (concurrent(s, { gate, up })) {
         concurrent_gate_up(s, gate, up);
         return;
-    }
-    if (s.cache != nullptr) {
+    } else if (s.cache != nullptr) {
         gate = cached_wq(s, gate, s.cache->gate, "rapidmoe_gate_cache");
         up = cached_wq(s, up, s.cache->up, "rapidmoe_up_cache");
     }
@@ -338,10 +370,11 @@ void rapidmoe_moe_gate_up(const rapidmoe_moe_split & s, ggml_tensor *& gate, ggm
 }
 
 ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * experts, ggml_tensor * act) {
-    if (concurrent(s, { experts })) {
+    if (s.stream != nullptr) {
+        stream_wq(s, experts);
+    } else if (concurrent(s, { experts })) {
         return concurrent_down(s, experts, act);
-    }
-    if (s.cache != nullptr) {
+    } else if (s.cache != nullptr) {
         experts = cached_wq(s, experts, s.cache->down, "rapidmoe_down_cache");
     }
     if (s.layer == nullptr) {

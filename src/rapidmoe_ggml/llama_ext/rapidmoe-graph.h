@@ -30,6 +30,7 @@ struct rapidmoe_moe_split {
     int                             il       = -1;
     bool                            skip_noncritical = false; // drop baseline: WQ computes critical slots only
     bool                            overlap = false;          // begin/join around the WQ matmuls
+    ggml_backend_t                  stream = nullptr;         // prefill streaming: WQ on this backend (the cache's)
 };
 
 rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor * x, ggml_tensor * selected,

@@ -207,13 +207,17 @@ def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: f
     out = {"model": str(model), "tokens": n_tokens, "cached_per_layer": cap, "n_expert": n_expert, "policies": [],
            "moepic_fixed_point": {"splits": cfg.splits, "capacity": cfg.capacity, "budgets": cfg.budgets}}
     with RPCServer(threads=1) as srv:
-        for policy in ("static", "rapidmoe", "lru", *moepic):
-            tpath = OUT / "traces" / f"runtime-{policy}.trace"
+        # "-sync": the same policy with every batch of copies waited for as soon as it is queued (no transfer queue
+        # overlap): the compute's wait for copies with and without the queue
+        for run in ("static", "rapidmoe", "lru", *moepic, "lru-sync", "moepic-half-sync"):
+            policy = run.removesuffix("-sync")
+            tpath = OUT / "traces" / f"runtime-{run}.trace"
             t0 = time.time()
             kw: dict[str, Any] = (dict(expert_cache_policy="moepic", expert_cache_moepic=moepic[policy])
                                   if policy in moepic else
                                   dict(expert_cache=initial, expert_cache_policy=policy,
                                        expert_cache_refresh=settings if policy == "rapidmoe" else None))
+            kw["expert_cache_async"] = not run.endswith("-sync")
             llm = Llama(model, n_ctx=n_tokens + 8, verbose=False, n_threads=1, rpc_servers=[srv.endpoint],
                         n_gpu_layers=-1, override_tensor="exps=CPU", expert_cache_device=srv.device.buffer_type,
                         trace=tpath, **kw)
@@ -224,6 +228,7 @@ def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: f
             ref = llm.expert_cache_refresh_stats() if policy == "rapidmoe" else None
             copies = sum(llm.expert_cache_copies().values())
             moved = llm.expert_cache_bytes()
+            waited = sum(llm.expert_cache_wait_us().values())
             ml = llm.expert_cache_moepic if policy in moepic else None
             llm.close()
             wall = time.time() - t0
@@ -244,7 +249,7 @@ def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: f
             runtime_bytes = (ref.bytes_moved if ref else
                              sum(d + p for d, p in moved.values()) if ml is not None else copies * eb[layers[0]])
             out["policies"].append({
-                "policy": policy, "runtime_hits": st.hits, "runtime_slots": st.slots, "runtime_hit_rate": st.hit_rate,
+                "policy": run, "copy_wait_ms_per_token": waited / 1e3 / n_tokens, "runtime_hits": st.hits, "runtime_slots": st.slots, "runtime_hit_rate": st.hit_rate,
                 "replay_hits": r.hits, "replay_slots": r.slots, "replay_hit_rate": r.hit_rate,
                 "runtime_swaps": ref.swaps if ref else copies,
                 "replay_swaps": getattr(sim, "swaps", round(r.bytes_moved / eb[layers[0]])),
@@ -266,8 +271,8 @@ def fmt_runtime(d: dict) -> str:  # type: ignore[type-arg]
              "the calibration trace's hottest), stacked experts in CPU memory. Counters of the run against the "
              "simulator's replay of the trace the same run recorded (same steps):", "",
              "| policy | hits runtime / replay | slots runtime / replay | hit rate | experts copied runtime / replay | "
-             "bytes copied runtime / replay | of which ahead | MB/token | cache MB (+ work area) | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "bytes copied runtime / replay | of which ahead | MB/token | cache MB (+ work area) | copy wait ms/token | "
+             "wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in d["policies"]:
         swaps = "-" if p["policy"].startswith("moepic") else f"{p['runtime_swaps']} / {p['replay_swaps']}"
         lines.append(f"| {p['policy']} | {p['runtime_hits']} / {p['replay_hits']} | {p['runtime_slots']} / "
@@ -275,13 +280,16 @@ def fmt_runtime(d: dict) -> str:  # type: ignore[type-arg]
                      f"{p['runtime_bytes']} / {p['replay_bytes']:.0f} | {p.get('runtime_bytes_ahead', 0)} | "
                      f"{p['runtime_bytes'] / d['tokens'] / 1e6:.2f} | {p.get('device_bytes', 0) / 1e6:.1f}"
                      + (f" (+ {p['work_area_bytes'] / 1e6:.1f})" if p.get("work_area_bytes") else "")
-                     + f" | {p['wall_s']:.1f} |")
+                     + f" | {p.get('copy_wait_ms_per_token', 0):.3f} | {p['wall_s']:.1f} |")
     fp = d.get("moepic_fixed_point")
     if fp:
         lines += ["", "moepic's fixed point for this budget (24gb profile: PCIe 25 GB/s against a window of one "
                   f"layer's compute): split per layer {', '.join(f'{x:.2f}' for x in fp['splits'])}, tops per layer "
                   f"{', '.join(str(c) for c in fp['capacity'])}. moepic-half: split 0.5, twice the tops, same memory. "
-                  "moepic's work area (top-k experts per layer, rebuilt each step) is device memory beside the cache."]
+                  "moepic's work area (top-k experts per layer, rebuilt each step) is device memory beside the cache. "
+                  "-sync: the same policy with each batch of copies waited for as soon as it is queued (no overlap "
+                  "through the transfer queue); copy wait: time the computing thread waited for copies. On the RPC "
+                  "stand-in the 'device' shares this machine's two cores: neither speed says what a GPU does."]
     return "\n".join(lines)
 
 

@@ -12,8 +12,13 @@ of the decode steps (worker time, device time, wall time per stage).
 Threads: the rpc-server, this process's compute threads and the residual worker get --threads each
 (default 1: on a 2-core machine the device and the worker then each have a core).
 
+--cache F: a per-expert WQ cache instead: the routed experts stay stacked in this process's memory (-ot exps=CPU)
+and the first F of each MoE layer's experts are copied to the device; serial ("off": misses, then the device's
+hits, then the residuals) against concurrent ("auto": the worker computes the misses and the residuals while the
+device computes the hits). Writes overlap-cached.{json,md}.
+
 Usage: python bench/bench_overlap.py [--wq M.wq.gguf --wr M.wr.gguf | --arch qwen3moe --size small]
-                                      [--r 1 2 8] [--tg 24] [--pp 64] [--reps 3] [--threads 1]
+                                      [--r 1 2 8] [--tg 24] [--pp 64] [--reps 3] [--threads 1] [--cache 0.5]
 Writes bench/out/overlap.{json,md}.
 """
 from __future__ import annotations
@@ -103,17 +108,30 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cache", type=float, default=None, help="share of each layer's experts cached on the device")
     args = ap.parse_args()
+    if args.cache is not None and not 0 < args.cache <= 1:
+        ap.error("--cache is a share of the experts in (0, 1]")
     if (args.wq is None) != (args.wr is None):
         ap.error("--wq and --wr go together")
     wq, wr = split_pair(args)
     result: dict = {"command": " ".join(["python", "bench/bench_overlap.py", *sys.argv[1:]]), "wq": str(wq),
                     "wr": str(wr), "threads": args.threads, "tg": args.tg, "pp": args.pp, "reps": args.reps,
-                    "machine": machine(), "rows": []}
+                    "machine": machine(), "cache": args.cache, "rows": []}
     with RPCServer(threads=args.threads) as srv:
         common = dict(residual_path=wr, rpc_servers=[srv.endpoint], n_gpu_layers=-1, n_ctx=512, n_batch=512,
                       n_ubatch=512, n_threads=args.threads, n_threads_batch=args.threads,
                       overlap_threads=args.threads, logits_all=False, verbose=False)
+        if args.cache is not None:
+            from rapidmoe.expert_cache import moe_layers_of
+            from rapidmoe.ggufio import GGUFFile
+
+            f = GGUFFile(wq)
+            n_expert = int(f.get(f"{f.get('general.architecture')}.expert_count"))
+            n_cached = max(1, round(args.cache * n_expert))
+            result["cached_experts"] = f"{n_cached}/{n_expert}"
+            common.update(override_tensor="exps=CPU", expert_cache_device=srv.device.buffer_type,
+                          expert_cache={il: list(range(n_cached)) for il in moe_layers_of(wq)})
         llms = {mode: Llama(wq, overlap=mode, **common) for mode in ("off", "auto")}
         k = llms["off"].residual.n_expert_used
         prompt = llms["off"].tokenize(PROMPT, add_bos=False)[: args.pp]
@@ -140,20 +158,31 @@ def main() -> int:
                 row[f"{m}_samples"] = samples[m]
             result["rows"].append(row)
             print(json.dumps({k2: v for k2, v in row.items() if not k2.endswith("samples")}), flush=True)
+        if args.cache is not None:
+            result["hit_rate"] = llms["auto"].expert_cache_stats().hit_rate
         for llm in llms.values():
             llm.close()
     OUT.mkdir(parents=True, exist_ok=True)
-    write_text(OUT / "overlap.json", json.dumps(result, indent=1))
-    write_text(OUT / "overlap.md", to_markdown(result))
+    name = "overlap" if args.cache is None else "overlap-cached"
+    write_text(OUT / f"{name}.json", json.dumps(result, indent=1))
+    write_text(OUT / f"{name}.md", to_markdown(result))
     print(to_markdown(result))
     return 0
 
 
 def to_markdown(res: dict) -> str:
-    lines = [f"# Overlap of residual work with the device's WQ work (RPC stand-in device)", "",
+    if res.get("cache") is None:
+        title = "Overlap of residual work with the device's WQ work (RPC stand-in device)"
+        where = "every layer on a local rpc-server except the sidecar"
+    else:
+        title = "Concurrent hits, misses and residuals in cached layers (RPC stand-in device)"
+        where = (f"every layer on a local rpc-server except the routed experts (stacked here) and the sidecar; "
+                 f"{res['cached_experts']} experts of each MoE layer cached on the rpc-server (the lowest ids), hit "
+                 f"rate {res['hit_rate']:.1%} over the run; serial = overlap off, concurrent = auto")
+    lines = [f"# {title}", "",
              f"`{res['command']}`", "",
-             f"Model {Path(res['wq']).name} + {Path(res['wr']).name}; every layer on a local rpc-server except the "
-             f"sidecar; {res['threads']} thread(s) each for the rpc-server, this process and the residual worker; "
+             f"Model {Path(res['wq']).name} + {Path(res['wr']).name}; {where}; "
+             f"{res['threads']} thread(s) each for the rpc-server, this process and the residual worker; "
              f"medians of {res['reps']} alternating runs; decode {res['tg']} tokens, prefill {res['pp']} tokens. "
              f"Machine: {res['machine']}.", "",
              "| r | decode tok/s serial | decode tok/s overlapped | ratio | prefill tok/s serial | prefill tok/s "

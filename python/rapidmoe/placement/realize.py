@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import fields
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from typing_extensions import NotRequired  # typing has it from Python 3.11
 
@@ -79,7 +79,12 @@ def sidecar_preset(residual_path: str | os.PathLike[str]) -> Preset:
     if missing:
         raise ModelFileError(f"sidecar {residual_path} does not record its preset ({', '.join(missing)} missing)")
     try:
-        return Preset(**{n: str(meta[f"preset.{n}"]) for n in names})
+        # optional fields (token_embd, output) are written as the string "None" when unset
+        values: dict[str, Any] = {}
+        for n in names:
+            v = str(meta[f"preset.{n}"])
+            values[n] = None if v == "None" else v
+        return Preset(**values)
     except ValueError as e:
         raise ModelFileError(f"sidecar {residual_path} records an unusable preset: {e}") from None
 

@@ -41,7 +41,8 @@ std::map<const ggml_tensor *, const rapidmoe_expert_cache_layer *> g_layers;
 // The buffer type of `name` (a device name such as "RPC0", or a buffer type name such as "RPC0[127.0.0.1:50052]"),
 // among the model's own devices and the CPU: a device the model's contexts have no backend for could not run the
 // cache's matmul.
-ggml_backend_buffer_type_t find_buft(const llama_model * model, const std::string & name) {
+ggml_backend_buffer_type_t find_buft(const llama_model * model, const std::string & name,
+                                     ggml_backend_dev_t * dev_out = nullptr) {
     std::vector<ggml_backend_dev_t> devs;
     for (const auto & d : model->devices) {
         devs.push_back(d.dev);
@@ -53,6 +54,9 @@ ggml_backend_buffer_type_t find_buft(const llama_model * model, const std::strin
         }
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(dev);
         if (name == ggml_backend_dev_name(dev) || (buft != nullptr && name == ggml_backend_buft_name(buft))) {
+            if (dev_out != nullptr) {
+                *dev_out = dev;  // the CPU buffer type names no device of its own
+            }
             return buft;
         }
     }
@@ -618,7 +622,8 @@ std::string rapidmoe_expert_cache_set(const llama_model * model, int il, const i
     if (!err.empty()) {
         return err;
     }
-    ggml_backend_buffer_type_t buft = find_buft(model, device);
+    ggml_backend_dev_t found_dev = nullptr;
+    ggml_backend_buffer_type_t buft = find_buft(model, device, &found_dev);
     if (buft == nullptr) {
         return std::string("no device or buffer type named ") + device +
                " among this model's devices (an RPC device needs rpc_servers=...)";
@@ -645,7 +650,7 @@ std::string rapidmoe_expert_cache_set(const llama_model * model, int il, const i
         c->expert_bytes += t->nb[2];
     }
     c->n_expert_used = (int32_t) model->hparams.n_expert_used((uint32_t) il);
-    c->dev = ggml_backend_buft_get_device(buft);
+    c->dev = ggml_backend_buft_get_device(buft) != nullptr ? ggml_backend_buft_get_device(buft) : found_dev;
     {
         std::lock_guard<std::mutex> lock(g_mutex);  // one transfer queue per model and device
         if (const layers_t * st = state_of(model)) {

@@ -12,7 +12,8 @@ every placement), then runs SECTIONS in order, each adding exactness checks and/
               returns its input and the graph is stock llama.cpp's) with -ngl 99 -ot exps=CPU
   ours        ours with all WQ on the GPU at r = 0, 1, 2, k and UMIA, overlap off and on, with the overlap timing
   cache       the planner's per-expert WQ cache for a budget of half the routed WQ (realized as --gpu-mem does),
-              misses on the CPU: logits vs the CPU path and speed, under the static, rapidmoe and lru policies
+              misses on the CPU: logits vs the CPU path and speed, under the static, rapidmoe and lru policies;
+              moepic (split experts, tops up to half the WQ) and lru with its copies waited for at once
   concurrent  (hook, helper-14b) a cached layer's hits, misses and residuals serial vs concurrent
   streaming   (hook, helper-14b) prefill with misses streamed to the GPU above the threshold, on vs off
   umia-gpu    (hook, helper-14b) UMIA calibrated on this GPU's latency model vs fixed r
@@ -91,13 +92,17 @@ def speed(path: Path, n_prompt: int, n_gen: int, threads: int, **kw) -> dict[str
         t2 = time.perf_counter()
         out: dict[str, float] = {"prefill_tps": len(toks) / (t1 - t0), "decode_tps": n_gen / (t2 - t1),
                                  "decode_ms_per_token": 1e3 * (t2 - t1) / n_gen}
-        if kw.get("expert_cache"):
+        if kw.get("expert_cache") or kw.get("expert_cache_policy") == "moepic":
             out["cache_hit_rate"] = llm.expert_cache_stats().hit_rate  # prompt and generated tokens
             policy = kw.get("expert_cache_policy", "static")
             if policy == "lru":  # experts copied host -> device per decoded token (prompt copies included)
                 out["cache_copies_per_token"] = sum(llm.expert_cache_copies().values()) / (len(toks) + n_gen)
             elif policy == "rapidmoe":
                 out["cache_copies_per_token"] = llm.expert_cache_refresh_stats().swaps / (len(toks) + n_gen)
+            if policy in ("lru", "moepic"):  # host -> device MB per token, time the compute waited for copies
+                n_all = len(toks) + n_gen
+                out["cache_mb_per_token"] = sum(d + p for d, p in llm.expert_cache_bytes().values()) / n_all / 1e6
+                out["cache_wait_ms_per_token"] = sum(llm.expert_cache_wait_us().values()) / n_all / 1e3
         if llm.residual is not None:  # per decoded token, both stages together
             st = llm.overlap_stats()
             stages = (st.gate_up, st.down)
@@ -211,6 +216,32 @@ def section_cache(ctx: Ctx) -> None:
         row = ctx.speed(label, ctx.wq, residual_path=ctx.wr, n_critical=2, **kw)
         if pol != "static":
             row["cache_policy"] = pol
+    # MoEpic (helper-17): experts split vertically, tops resident up to half the routed WQ bytes, the rest fetched
+    # per ubatch with the next layer's predicted experts assembled ahead; and lru with its copies waited for at
+    # once (expert_cache_async=False): the transfer queue's overlap, as the compute's copy wait per token
+    moepic_kw = _moepic_half(ctx, cache_kw["expert_cache_device"])
+    label = "ours r=2, MoEpic split experts, tops up to half the WQ (moepic policy), overflow on CPU"
+    ctx.check(label, logits(ctx.wq, ctx.toks, t, residual_path=ctx.wr, n_critical=2, **moepic_kw), cpu)
+    row = ctx.speed(label, ctx.wq, residual_path=ctx.wr, n_critical=2, **moepic_kw)
+    row["cache_policy"] = "moepic"
+    row = ctx.speed("ours r=2, lru policy, copies waited for at once", ctx.wq, residual_path=ctx.wr, n_critical=2,
+                    **{**cache_kw, "expert_cache_policy": "lru", "expert_cache_async": False})
+    row["cache_policy"] = "lru-sync"
+
+
+def _moepic_half(ctx: Ctx, device: str) -> dict[str, Any]:
+    """moepic at half the routed WQ: split 0.5 (rounded to the down type's blocks), as many tops per layer as half
+    the layer's expert bytes hold (every expert's at most)."""
+    from rapidmoe.expert_cache import moe_layers_of, moepic_layers
+    from rapidmoe.modelfile import read_model_info
+    from rapidmoe.placement.cache_policies import MoEpicSettings
+
+    n_expert = read_model_info(ctx.wq).n_expert
+    layers = moe_layers_of(ctx.wq)
+    ml = moepic_layers(ctx.wq, layers, [0.5] * len(layers), [0] * len(layers), 0)
+    caps = [min(n_expert, m.expert_bytes * n_expert // 2 // m.top_bytes) if m.top_bytes else 0 for m in ml]
+    return {"n_gpu_layers": ctx.gpu, "override_tensor": "exps=CPU", "expert_cache_device": device,
+            "expert_cache_policy": "moepic", "expert_cache_moepic": MoEpicSettings([m.split for m in ml] or 0.5, caps)}
 
 
 def section_concurrent(ctx: Ctx) -> None:

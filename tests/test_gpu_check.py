@@ -50,9 +50,14 @@ def test_cpu_dry_run(tmp_path: Path) -> None:
     assert any("per-expert WQ cache" in c["variant"] for c in res["checks"])
     # the same cache under the runtime's rapidmoe and lru policies: equal logits (checked above), hit rates, copies
     pol = {r["cache_policy"]: r for r in res["runs"] if "cache_policy" in r}
-    assert set(pol) == {"rapidmoe", "lru"} and all(0 < r["cache_hit_rate"] <= 1 for r in pol.values())
+    assert set(pol) == {"rapidmoe", "lru", "moepic", "lru-sync"}
+    assert all(0 < pol[p]["cache_hit_rate"] <= 1 for p in ("rapidmoe", "lru", "lru-sync"))
     assert pol["lru"]["cache_copies_per_token"] > 0 and pol["rapidmoe"]["cache_copies_per_token"] >= 0
-    assert sum("policy)" in c["variant"] for c in res["checks"]) == 2
+    # moepic (the dry run's 256-wide Q2_K experts cannot split: every needed expert fetched whole) and the copies'
+    # bytes and wait per token of the two GPU-centric policies
+    assert all(pol[p]["cache_mb_per_token"] > 0 and pol[p]["cache_wait_ms_per_token"] >= 0
+               for p in ("lru", "lru-sync", "moepic"))
+    assert sum("policy)" in c["variant"] for c in res["checks"]) == 3
 
 
 @pytest.mark.native

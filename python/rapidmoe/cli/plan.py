@@ -100,5 +100,13 @@ def plan(
         typer.echo(choice.table())
         extra = {"machine": profile.to_dict(), "cache_schemes": [e.__dict__ for e in choice.estimates],
                  "cache_policy": choice.chosen, "cache_policy_forced": choice.forced}
+        from ..umia.profile import profile_terms  # noqa: PLC0415
+
+        stream = profile_terms(m, profile, p, r=r_critical, n_ctx=ctx_size, reserve=parse_size(reserve),
+                               frequency=frequency)["stream_threshold"]
+        typer.echo(f"prefill streaming (latency model, r = {r_critical}): " + (
+            f"ubatches of >= {stream} tokens compute the cached layers' WQ on the GPU from streamed experts "
+            f"(Llama(prefill_stream={stream}))" if stream else "never pays on this machine (up to 4096 tokens)"))
+        extra["prefill_stream"] = stream
     if json_out is not None:
         typer.echo(f"wrote {write_json(plans, m, json_out, extra)}")

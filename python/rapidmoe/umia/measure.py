@@ -12,11 +12,13 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 from ..errors import RapidMoEError
 from ..modelfile import read_model_info
+from .device import DevicePoint
 from .latency import LatencyModel, Point, describe_machine, fit
 
 log = logging.getLogger(__name__)
@@ -113,3 +115,84 @@ def calibrate_latency(wq_path: str | os.PathLike[str], wr_path: str | os.PathLik
              "n_expert": info.n_expert, "measure_seconds": round(time.perf_counter() - t0, 1),
              "decode_tokens": decode_tokens, "repeats": repeats}
     return fit(points, n_moe, k, prefill_batch, describe_machine(threads), model)
+
+
+def measure_device_points(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], *, device: str,
+                          rpc_servers: Sequence[str] = (), threads: int | None = None,
+                          r_values: Sequence[int] = (0, 1, 2), cache_fractions: Sequence[float] = (0.5, 1.0),
+                          decode_tokens: int = 16, prefill_batch: int = 64, repeats: int = 2,
+                          progress: bool = True) -> tuple[list[DevicePoint], int, int]:
+    """The device part's measurements (umia/device.py): for each share of every MoE layer's experts cached on
+    `device` (the lowest ids) and each schedule (serial, concurrent), decode steps and a prefill batch at each r,
+    with the hit rate and the per-stage worker/device times the runtime recorded. Returns (points, n_moe, k)."""
+    from ..expert_cache import moe_layers_of  # noqa: PLC0415
+    from ..llama import Llama  # noqa: PLC0415 - loads libllama
+
+    info = read_model_info(wq_path)
+    k, n_expert = info.n_expert_used, info.n_expert
+    moe = moe_layers_of(wq_path)
+    bad = [f for f in cache_fractions if not 0 < f <= 1]
+    if bad or not cache_fractions:
+        raise RapidMoEError(f"cache fractions must be in (0, 1], got {list(cache_fractions)}")
+    n_ctx = max(prefill_batch, 8 + decode_tokens) + 8
+    total = len(cache_fractions) * 2 * repeats * len(r_values)
+    bar = tqdm(total=total, desc="device latency", unit="run", disable=not progress)
+    points: list[DevicePoint] = []
+    for frac in cache_fractions:
+        n_cached = max(1, round(frac * n_expert))
+        for overlap in (False, True):
+            llm = Llama(wq_path, residual_path=wr_path, n_ctx=n_ctx, n_batch=max(prefill_batch, 64),
+                        n_ubatch=max(prefill_batch, 64), n_threads=threads, n_threads_batch=threads,
+                        rpc_servers=list(rpc_servers) or None, n_gpu_layers=-1, override_tensor="exps=CPU",
+                        expert_cache={il: list(range(n_cached)) for il in moe}, expert_cache_device=device,
+                        overlap="auto" if overlap else "off", verify_residual=False, verbose=False)
+            try:
+                toks = llm.tokenize(_TEXT.encode())
+                prompt, steps, batch = toks[:8], toks[8:8 + decode_tokens], toks[:prefill_batch]
+                llm.eval(prompt)  # warm-up
+                got: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
+                for rep in range(repeats):
+                    for r in (r_values if rep % 2 == 0 else list(r_values)[::-1]):
+                        llm.set_n_critical(r)
+                        got.setdefault(("decode", r), []).append(_decode_sample(llm, prompt, steps))
+                        got.setdefault(("prefill", r), []).append(_prefill_sample(llm, batch))
+                        bar.update(1)
+                for (phase, r), samples in got.items():
+                    ms, hit, worker, dev = (statistics.median(s[i] for s in samples) for i in range(4))
+                    points.append(DevicePoint(phase, r, hit, overlap, ms, worker, dev))
+            finally:
+                llm.close()
+    bar.close()
+    return points, len(moe), k
+
+
+def _stage_sums(llm: Any, n_tokens: int) -> tuple[float, float, float]:
+    """(hit rate, worker ms per token, device ms per token) since the counters were last reset."""
+    st = llm.overlap_stats()
+    hit = llm.expert_cache_stats().hit_rate
+    worker = (st.gate_up.cpu_ms + st.down.cpu_ms) / n_tokens
+    dev = (st.gate_up.device_ms + st.down.device_ms) / n_tokens
+    return hit, worker, dev
+
+
+def _decode_sample(llm: Any, prompt: Sequence[int], steps: Sequence[int]) -> tuple[float, float, float, float]:
+    llm.reset()
+    llm.eval(prompt)
+    llm.overlap_stats(reset=True)
+    llm.expert_cache_stats(reset=True)
+    step_ms = []
+    for t in steps:
+        t0 = time.perf_counter()
+        llm.eval([t])
+        step_ms.append(1e3 * (time.perf_counter() - t0))
+    return (statistics.median(step_ms), *_stage_sums(llm, len(steps)))
+
+
+def _prefill_sample(llm: Any, batch: Sequence[int]) -> tuple[float, float, float, float]:
+    llm.reset()
+    llm.overlap_stats(reset=True)
+    llm.expert_cache_stats(reset=True)
+    t0 = time.perf_counter()
+    llm.eval(batch)
+    ms = 1e3 * (time.perf_counter() - t0) / len(batch)
+    return (ms, *_stage_sums(llm, len(batch)))

@@ -115,6 +115,10 @@ HOOKS: list[tuple[str, str, str]] = [
      "gate_exps, down_exps, il);",
      "ggml_tensor * experts = nullptr;",
      "if (gate_up_exps) {"),
+    # the merged layout's one WQ matmul, before its bias and the views that split it into gate and up
+    ("gate_up = rapidmoe_moe_gate_up_merged(rm, gate_up);",
+     "ggml_tensor * gate_up = build_lora_mm_id(gate_up_exps, cur, selected_experts, up_exps_s);",
+     'cb(gate_up, "ffn_moe_gate_up", il);'),
     # both gate and up exist (up is computed first in the separate path), before the gate's name and activation
     ("rapidmoe_moe_gate_up(rm, cur, up);",
      "cur = build_lora_mm_id(gate_exps, cur, selected_experts, gate_exps_s);",
@@ -165,11 +169,11 @@ def _check_hooks(source: str) -> None:
         assert body[i - 1] == before, f"{hook!r} must follow {before!r}, follows {body[i - 1]!r}"
         assert body[i + 1] == after, f"{hook!r} must precede {after!r}, precedes {body[i + 1]!r}"
         positions.append(i)
-    assert positions == sorted(positions), "the hooks are out of order (begin, gate/up, down)"
+    assert positions == sorted(positions), "the hooks are out of order (begin, merged gate_up, gate/up, down)"
     # begin comes after routing is final, and up exists before the gate/up hook in the separate path
     assert body.index("ggml_build_forward_expand(gf, weights);") < positions[0]
     ups = [i for i, line in enumerate(body) if line.startswith("up = build_lora_mm_id(up_exps, cur,")]
-    assert len(ups) == 1 and positions[0] < ups[0] < positions[1]
+    assert len(ups) == 1 and positions[1] < ups[0] < positions[2]
     # every rapidmoe call in the file is one of the hooks above
     calls = [line for line in _code_lines(source) if "rapidmoe_" in line and not line.startswith("#include")]
     assert calls == [h for h, _, _ in HOOKS], calls

@@ -3,7 +3,8 @@
 
 Stock is the reference our numbers are compared against in the same run. The build lives in
 build/stock/ (git-ignored) and is reused; only the requested targets are built.
-Usage: python tools/stock_llama.py [TARGET ...]   (default: llama; prints the bin folder)
+Usage: python tools/stock_llama.py [TARGET ...]   (default: llama; prints the bin folder; test-* targets such as
+test-llama-archs switch llama.cpp's tests on in that build)
 """
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ def build_stock(targets: list[str], jobs: int | None = None, quiet: bool = True)
                         "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
                         "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF"],
                        check=True, stdout=out)
+    cache = build / "CMakeCache.txt"
+    if any(t.startswith("test-") for t in targets) and "LLAMA_BUILD_TESTS:BOOL=ON" not in cache.read_text():
+        # llama.cpp's test programs (test-llama-archs writes its random-weight models per architecture)
+        subprocess.run(["cmake", "-S", str(src / "llama.cpp"), "-B", str(build), "-DLLAMA_BUILD_TESTS=ON"], check=True, stdout=out)
     cmd = ["cmake", "--build", str(build), "--config", "Release", "-j", str(jobs or os.cpu_count() or 2),
            "--target", *targets]
     subprocess.run(cmd, check=True, stdout=out)

@@ -160,9 +160,12 @@ SKIP_KEYS = ("GGUF.", "general.architecture", "general.alignment")
 
 
 def copy_metadata(reader: GGUFFile, writer: GGUFWriter, *, skip_prefixes: tuple[str, ...] = ()) -> None:
-    """Copy every KV pair with its exact GGUF type (except the architecture, which the writer sets)."""
+    """Copy every KV pair with its exact GGUF type (except the architecture, which the writer sets). Empty arrays
+    (gguf-py cannot write them; llama.cpp reads an absent array as empty) are left out."""
     for key, f in reader.fields.items():
         if key.startswith(SKIP_KEYS + skip_prefixes):
+            continue
+        if f.vtype == GGUFValueType.ARRAY and len(f.value) == 0:
             continue
         writer.add_key_value(key, f.value, f.vtype, f.sub_type)
 

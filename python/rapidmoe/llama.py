@@ -25,7 +25,7 @@ from .expert_cache import (
     moepic_layers,
     wq_expert_bytes,
 )
-from .modelfile import read_model_info
+from .modelfile import generation_problem, read_model_info
 from .overlap import OverlapStats, overlap_mode
 from .overrides import BufferOverrides, build_overrides
 from .placement.cache_policies import MoEpicSettings, RefreshSettings
@@ -53,6 +53,9 @@ class Timings:
     @property
     def decode_tps(self) -> float:
         return 1e3 * self.decode_tokens / self.decode_ms if self.decode_ms > 0 else 0.0
+
+
+RAPIDMOE_MAX_TOP_K = 64  # RAPIDMOE_LLAMA_MAX_TOP_K (rapidmoe-llama.h): the most experts per token the split handles
 
 
 class Llama(llama_cpp.Llama):
@@ -132,6 +135,12 @@ class Llama(llama_cpp.Llama):
         **kwargs: Any,
     ) -> None:
         info = read_model_info(model_path)  # a clear error for missing, truncated and non-GGUF files
+        self._vocab_only_load = bool(kwargs.get("vocab_only", False))
+        self._embedding_load = bool(kwargs.get("embedding", False))
+        if not kwargs.get("vocab_only", False):
+            problem = generation_problem(model_path, embedding=bool(kwargs.get("embedding", False)))
+            if problem is not None:
+                raise ModelFileError(problem)
         self._trace: TraceRecorder | None = None
         if trace is not None and eval_callback is not None:
             raise RapidMoEError("trace records through the eval callback: give trace or eval_callback, not both")
@@ -205,6 +214,16 @@ class Llama(llama_cpp.Llama):
                 self._trace.abort()
                 self._trace = None
             raise
+        if self.residual is not None:
+            # the context's reserved graphs are built: each sidecar layer must have met the split hook there
+            unhooked = _core.residual_unhooked(self._model.model)
+            if unhooked:
+                self.close()
+                raise ModelFileError(
+                    f"{info.architecture}: split routing cannot apply to MoE layer(s) "
+                    f"{', '.join(map(str, unhooked))}: llama.cpp's graph does not reach them through its shared MoE "
+                    "builder (build_moe_ffn) with this sidecar's expert tensors, or routes more than "
+                    f"{RAPIDMOE_MAX_TOP_K} experts per token there; run the .wq.gguf without --residual")
 
     # llama_cpp.Llama.__init__ assigns self.model_params and loads the model right after; intercepting the
     # assignment is how the override array reaches llama_model_load_from_file without copying that method.
@@ -249,12 +268,24 @@ class Llama(llama_cpp.Llama):
     def _model(self, model: Any) -> None:
         self.__dict__["_model"] = model
         try:
+            self._check_loaded(model)
             self._attach_extensions(model)
         except BaseException:
             # llama_cpp already holds the model in its exit stack; free it now, not at garbage collection, which
             # may come after the devices it uses are gone (freeing an RPC buffer then hangs or aborts)
             self.close()
             raise
+
+    def _check_loaded(self, model: Any) -> None:
+        """What only the loaded model tells (llama.cpp's own classification), before a context is made for it."""
+        if getattr(self, "_vocab_only_load", False):
+            return
+        if llama_cpp.llama_model_is_diffusion(model.model):
+            raise ModelFileError(f"{self.model_path} is a diffusion model: llama.cpp generates with it through its "
+                                 "diffusion sampler (llama-diffusion-cli), not token by token as RapidMoE runs")
+        if not llama_cpp.llama_model_has_decoder(model.model) and not getattr(self, "_embedding_load", False):
+            raise ModelFileError(f"{self.model_path} is an encoder-only model: it gives embeddings (embedding=True), "
+                                 "not generated text")
 
     def _attach_extensions(self, model: Any) -> None:
         """The sidecar (with its policy and overlap settings) and the expert cache, right after the model loads."""

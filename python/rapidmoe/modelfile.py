@@ -65,6 +65,21 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
                      n_expert_used=hparam("expert_used_count"), n_tensors=len(reader.tensors), file_size=size)
 
 
+def generation_problem(path: str | os.PathLike[str] | GGUFFile, *, embedding: bool = False) -> str | None:
+    """Why llama.cpp cannot generate text from this GGUF, as its header tells (None when nothing says so): a
+    vocab-only file has no weights; a model with non-causal attention (embedding models such as BERT/nomic-bert-moe,
+    and diffusion models) does not predict the next token. With embedding=True a non-causal model is fine."""
+    r = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    arch = r.get("general.architecture")
+    if not r.tensors:
+        return (f"{r.path} is a vocab-only GGUF ({arch}: tokenizer and hyperparameters, no weights): nothing to run "
+                "(it can only tokenize: vocab_only=True)")
+    if r.get(f"{arch}.attention.causal") is False and not embedding:
+        return (f"{r.path} is a {arch} model with non-causal attention (an embedding or diffusion model): it does not "
+                "generate text token by token, which is what RapidMoE runs")
+    return None
+
+
 def require_moe(path: str | os.PathLike[str]) -> ModelInfo:
     """read_model_info, and refuse a dense (non-MoE) model."""
     info = read_model_info(path)

@@ -13,7 +13,7 @@ import numpy as np
 from .ggufio import GGUFFile
 from .resplit.sidecar import check_pair
 
-_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|wr|hi)$")
+_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|wr|hi)$")
 
 
 @dataclass(frozen=True)

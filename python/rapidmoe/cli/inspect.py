@@ -19,7 +19,7 @@ def inspect(
 ) -> None:
     """Show the MoE structure (layers, experts, top-k, expert tensor types and bits) and RESplit pairing."""
     from ..ggufio import GGUFFile  # noqa: PLC0415
-    from ..modelfile import read_model_info  # noqa: PLC0415
+    from ..modelfile import generation_problem, read_model_info  # noqa: PLC0415
     from ..resplit.sidecar import SIDECAR_ARCH, check_pair  # noqa: PLC0415
 
     info = read_model_info(model)
@@ -28,12 +28,16 @@ def inspect(
     typer.echo(f"{model}: {info.file_size / 1e6:.1f} MB, {info.n_tensors} tensors, architecture {info.architecture}")
     if is_sidecar:
         for k, f in r.fields.items():
-            if k.startswith("rapidmoe.residual."):
+            if k.startswith("rapidmoe.residual.") and k != "rapidmoe.residual.type_fallbacks":
                 typer.echo(f"  {k[len('rapidmoe.residual.'):]}: {f.value}")
     elif info.is_moe:
         typer.echo(f"  MoE: {info.n_layer} layers, {info.n_expert} experts, top-{info.n_expert_used}")
     else:
         typer.echo("  dense model (no routed experts)")
+    if not is_sidecar:
+        problem = generation_problem(r)
+        if problem is not None:
+            typer.echo(f"  not runnable: {problem}")
     kinds: Counter[tuple[str, str, str]] = Counter()
     n_bytes: Counter[tuple[str, str, str]] = Counter()
     n_elems: Counter[tuple[str, str, str]] = Counter()
@@ -49,6 +53,14 @@ def inspect(
         for key in sorted(kinds):
             typer.echo(f"    {key[0]:8s} {key[1]:6s} {key[2]:8s} {kinds[key]:4d}  {n_bytes[key] / 1e6:9.2f}  "
                        f"{8 * n_bytes[key] / n_elems[key]:.3f}")
+    fallbacks = r.get("rapidmoe.residual.type_fallbacks" if is_sidecar else "rapidmoe.resplit.type_fallbacks") or []
+    if fallbacks:
+        typer.echo(f"  type fallbacks (rows not a multiple of the preset type's block; llama-quantize's choice): "
+                   f"{len(fallbacks)}")
+        for line in fallbacks:
+            typer.echo(f"    {line}")
+    elif r.get("rapidmoe.resplit.pair_id") is not None or is_sidecar:
+        typer.echo("  type fallbacks: none (every expert tensor has the preset's types)")
     pair = r.get("rapidmoe.resplit.pair_id")
     if pair is not None:
         typer.echo(f"  RESplit base (WQ): preset {r.get('rapidmoe.resplit.preset')}, pair id {pair}")

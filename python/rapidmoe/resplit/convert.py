@@ -31,12 +31,57 @@ from .report import ErrorAccumulator, TensorReport
 
 log = logging.getLogger(__name__)
 
-# architectures whose routed experts are ffn_{gate,up,down}_exps (or merged gate_up) in llama.cpp's MoE builder
-SUPPORTED_ARCHS = ("qwen3moe", "qwen2moe", "deepseek2", "olmoe", "glm4moe", "llama4", "granitemoe", "bailingmoe")
+# What converts is decided by the tensors, not by the architecture's name: every routed-expert tensor stacked as
+# llama.cpp's shared MoE builder reads it (blk.N.ffn_{gate,up,down}_exps.weight, or the merged
+# ffn_gate_up_exps.weight, each [n_in, n_out, n_expert]) is split; every other tensor (attention, shared experts,
+# biases, per-expert scales, norms, chunk experts, ...) goes through the preset's non-expert rule.
+LAYER_ROLE_SETS = (frozenset({"gate", "up", "down"}), frozenset({"gate_up", "down"}))
 INPUT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
                GGMLQuantizationType.Q8_0)
 EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 KEEP_F32_RE = re.compile(r"(_norm|_inp|\.bias$|exp_probs_b)")
+NORM_RE = re.compile(r"_norm")
+FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+# llama-quantize's fallback for a row size a type's block does not divide (tensor_type_fallback in the pinned
+# src/llama-quant.cpp): the 256-block type becomes a 32-block one; where that does not fit either, F16
+_FALLBACK = {"IQ1_S": "IQ4_NL", "IQ1_M": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ2_S": "IQ4_NL",
+             "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ4_XS": "IQ4_NL", "Q2_K": "Q4_0", "Q3_K": "Q4_0",
+             "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def fit_type(name: str, n_in: int) -> str:
+    """The type a row of n_in values gets when `name` is asked for: itself when its block divides n_in, else
+    llama-quantize's fallback (a 32-block type), else F16."""
+    name = name.upper()
+    if n_in % block_size(name) == 0:
+        return name
+    fb = _FALLBACK.get(name, name)
+    return fb if n_in % block_size(fb) == 0 else "F16"
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """One routed-expert tensor's split: its role and the types its WQ and sidecar parts get (after fallback)."""
+
+    name: str
+    role: str  # gate, up, down, gate_up
+    wq: str
+    hi: str  # the sidecar tensor's type (residual, or down's copy)
+    fallbacks: tuple[tuple[str, str, str], ...]  # (part, asked type, type used) where the row size forced a change
+
+    def describe_fallbacks(self) -> list[str]:
+        return [f"{self.name} {part} {asked}->{used}" for part, asked, used in self.fallbacks]
+
+
+def plan_expert(t: Tensor, preset: Preset) -> ExpertPlan:
+    role = EXPERT_RE.match(t.name).group(2)  # type: ignore[union-attr]
+    n_in = int(t.shape[0])
+    asked = {"wq": preset.wq.upper(), "sidecar": (preset.down_hi if role == "down" else preset.wr).upper()}
+    used = {part: fit_type(ty, n_in) for part, ty in asked.items()}
+    fallbacks = tuple((part, asked[part], used[part]) for part in asked if used[part] != asked[part])
+    return ExpertPlan(t.name, role, used["wq"], used["sidecar"], fallbacks)
 
 
 @dataclass(frozen=True)
@@ -69,6 +114,11 @@ def _target_type(t: Tensor, preset: Preset, mixture: dict[str, GGMLQuantizationT
     if mixture is not None:
         if t.name not in mixture:
             raise ModelFileError(f"llama.cpp's quantization plan has no tensor {t.name}")
+        # a norm weight multiplies activations elementwise, which ggml's CPU does not do from a quantized type:
+        # the pinned llama-quantize quantizes 2-D norms it does not recognize (qwen4exp's ple_norm_*: its own Q4_K_M
+        # of that model aborts in binary_op); they stay as stored
+        if NORM_RE.search(t.name) and mixture[t.name] not in FLOAT_TYPES:
+            return GGMLQuantizationType(int(t.tensor_type))
         return mixture[t.name]
     if len(t.shape) == 1 or KEEP_F32_RE.search(t.name):
         return GGMLQuantizationType.F32
@@ -129,6 +179,7 @@ class _Converter:
         self.reader = GGUFFile(src)
         self.arch = str(self.reader.get("general.architecture"))
         self.reports: list[TensorReport] = []
+        self.plans: dict[str, ExpertPlan] = {}
         self.totals = ErrorAccumulator()
 
     # -- validation -------------------------------------------------------------------------------------
@@ -136,41 +187,59 @@ class _Converter:
         return [t for t in self.reader.tensors if EXPERT_RE.match(t.name)]
 
     def validate(self) -> None:
-        if self.arch not in SUPPORTED_ARCHS:
-            raise ModelFileError(f"architecture {self.arch!r} is not supported by RESplit conversion "
-                                 f"(supported: {', '.join(SUPPORTED_ARCHS)})")
         experts = self.expert_tensors()
         if not experts:
-            raise ModelFileError(f"{self.src} has no routed-expert tensors (ffn_*_exps): not an MoE model")
-        p = self.preset
+            raise ModelFileError(f"{self.src} has no routed-expert tensors (blk.N.ffn_{{gate,up,down}}_exps.weight or "
+                                 "ffn_gate_up_exps.weight): nothing for RESplit to split")
+        layers: dict[int, dict[str, Tensor]] = {}
         for t in experts:
+            m = EXPERT_RE.match(t.name)
+            assert m is not None
+            layers.setdefault(int(m.group(1)), {})[m.group(2)] = t
             if GGMLQuantizationType(int(t.tensor_type)) not in INPUT_TYPES:
                 raise ModelFileError(f"tensor {t.name} is {t.tensor_type.name}; RESplit needs F32/F16/BF16/Q8_0 "
                                      "input (convert from the original weights, not from a low-bit quantization)")
-            role = EXPERT_RE.match(t.name).group(2)  # type: ignore[union-attr]
-            types = [p.wq, p.down_hi if role == "down" else p.wr, "Q4_K", "Q8_0"]
-            for ty in types:
-                if int(t.shape[0]) % block_size(ty) != 0:
-                    raise ModelFileError(f"tensor {t.name} has rows of {int(t.shape[0])} values; {ty} needs a "
-                                         f"multiple of {block_size(ty)}")
-        if self.imatrix is None and p.wq.upper() in NEEDS_IMATRIX:
+            if len(t.shape) != 3:
+                raise ModelFileError(f"tensor {t.name} has shape {[int(x) for x in t.shape]}; RESplit splits stacked "
+                                     "experts [n_in, n_out, n_expert]")
+        for il, roles in sorted(layers.items()):
+            if frozenset(roles) not in LAYER_ROLE_SETS:
+                first = next(iter(roles.values())).name
+                raise ModelFileError(f"tensor {first}: layer {il} has routed experts {'/'.join(sorted(roles))}; "
+                                     "RESplit splits gate+up+down or merged gate_up+down (llama.cpp's gated layout)")
+            counts = {int(t.shape[2]) for t in roles.values()}
+            if len(counts) != 1:
+                raise ModelFileError(f"tensor {roles['down'].name}: layer {il}'s expert tensors disagree on the "
+                                     f"number of experts ({sorted(counts)})")
+        self.plans = {t.name: plan_expert(t, self.preset) for t in experts}
+        for t in experts:
+            if self.plans[t.name].wq == "F16":
+                raise ModelFileError(f"tensor {t.name} has rows of {int(t.shape[0])} values, which no quantized type "
+                                     f"takes (not a multiple of 32): its WQ would be F16, nothing to split")
+        p = self.preset
+        if self.imatrix is None and any(pl.wq in NEEDS_IMATRIX for pl in self.plans.values()):
             raise RapidMoEError(f"{p.wq} needs an importance matrix: pass --imatrix FILE (llama.cpp's) or "
                                 "--calib-text FILE to compute one with our build")
+
+    def fallbacks(self) -> list[str]:
+        return [d for pl in self.plans.values() for d in pl.describe_fallbacks()]
 
     # -- one routed-expert tensor -------------------------------------------------------------------------
     def convert_expert(self, t: Tensor) -> tuple[np.ndarray, np.ndarray]:
         from .._runtime import _core  # noqa: PLC0415
 
         p = self.preset
-        role = EXPERT_RE.match(t.name).group(2)  # type: ignore[union-attr]
+        plan = self.plans[t.name]
+        role = plan.role
         n_in, n_out, n_expert = (int(x) for x in t.shape)
-        wq_t = int(qtype(p.wq))
+        wq_t = int(qtype(plan.wq))
         copy_down = role == "down" and p.down_mode == "copy"
-        hi_t = int(qtype(p.down_hi if role == "down" else p.wr))
+        hi_t = int(qtype(plan.hi))
         imat = self.imatrix.weights_for(t.name, n_expert, n_in) if self.imatrix is not None else None
         wq_out = np.empty((n_expert, n_out, _core.row_size(wq_t, n_in)), dtype=np.uint8)
         hi_out = np.empty((n_expert, n_out, _core.row_size(hi_t, n_in)), dtype=np.uint8)
-        rep = TensorReport(t.name, role, p.wq, p.down_hi if role == "down" else p.wr, copy_down)
+        rep = TensorReport(t.name, role, plan.wq, plan.hi, copy_down, fallbacks=plan.describe_fallbacks())
+        ref_types = [name for name in ("Q4_K", "Q8_0") if n_in % block_size(name) == 0]  # others: not comparable
         sample = set(range(n_expert)) if self.report_experts is None else \
             set(np.linspace(0, n_expert - 1, min(n_expert, self.report_experts)).round().astype(int).tolist())
         for e in range(n_expert):
@@ -188,7 +257,7 @@ class _Converter:
             hi_out[e] = hi
             refs = {}
             if e in sample:
-                for name in ("Q4_K", "Q8_0"):
+                for name in ref_types:
                     rt = int(qtype(name))
                     refs[name] = _core.dequantize(_core.quantize(w, rt, im), rt, n_in)
             rep.add(w, dq, crit, refs)
@@ -210,15 +279,18 @@ class _Converter:
         wr = GGUFWriter(wr_tmp, arch=sidecar.SIDECAR_ARCH)
         sidecar.add_metadata(wr, preset=p, pair_id=pair_id, base_arch=self.arch,
                              n_layer=int(self.reader.get(f"{self.arch}.block_count", 0)),
-                             n_expert=int(self.reader.get(f"{self.arch}.expert_count", 0)))
+                             n_expert=int(self.reader.get(f"{self.arch}.expert_count", 0)),
+                             type_fallbacks=self.fallbacks())
+        if self.fallbacks():
+            wq.add_array("rapidmoe.resplit.type_fallbacks", self.fallbacks())
         plan: list[tuple[Tensor, GGMLQuantizationType | None]] = []
         mixture = _mixture_types(self.src, p.other_mixture) if p.other_mixture is not None else None
         overrides = p.tensor_types({t.name for t in self.reader.tensors})
         for t in self.reader.tensors:
             m = EXPERT_RE.match(t.name)
             if m:
-                _add_quant_info(wq, t.name, _byte_shape(t, qtype(p.wq)), qtype(p.wq))
-                hi = qtype(p.down_hi if m.group(2) == "down" else p.wr)
+                wq_t, hi = qtype(self.plans[t.name].wq), qtype(self.plans[t.name].hi)
+                _add_quant_info(wq, t.name, _byte_shape(t, wq_t), wq_t)
                 _add_quant_info(wr, sidecar.sidecar_name(t.name, m.group(2), p.down_mode), _byte_shape(t, hi), hi)
                 plan.append((t, None))
             else:
@@ -296,7 +368,10 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset
             "files": {"wq_bytes": wq_tmp.stat().st_size, "wr_bytes": wr_tmp.stat().st_size,
                       "source_bytes": src_p.stat().st_size},
             "total": conv.totals.summary(), "tensors": [r.summary() for r in conv.reports],
+            "type_fallbacks": conv.fallbacks(),
         }
         rep_tmp.write_text(json.dumps(report, indent=1))
+    for line in conv.fallbacks():
+        log.info("resplit: row size needs a fallback type (as llama-quantize): %s", line)
     log.info("resplit: wrote %s and %s in %.1f s", wq_path, wr_path, seconds)
     return ConvertResult(wq_path, wr_path, report_path, seconds, report)

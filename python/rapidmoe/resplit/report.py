@@ -49,6 +49,7 @@ class TensorReport:
     hi_type: str  # the sidecar tensor's type
     down_copy: bool  # the sidecar holds a copy of down, not a residual
     acc: ErrorAccumulator = field(default_factory=ErrorAccumulator)
+    fallbacks: list[str] = field(default_factory=list)  # "<tensor> <part> <asked>-><used>" (row size forced a type)
 
     def add(self, w: np.ndarray, wq: np.ndarray, critical: np.ndarray, refs: dict[str, np.ndarray]) -> None:
         """One expert: W, deq(WQ), the critical-path reconstruction, and reference reconstructions."""
@@ -63,7 +64,7 @@ class TensorReport:
 
     def summary(self) -> dict[str, object]:
         return {"name": self.name, "role": self.role, "wq_type": self.wq_type, "sidecar_type": self.hi_type,
-                "sidecar_is_copy": self.down_copy, "rel_error": self.acc.summary()}
+                "sidecar_is_copy": self.down_copy, "rel_error": self.acc.summary(), "fallbacks": self.fallbacks}
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -81,4 +82,9 @@ def format_table(report: dict[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    fallbacks = report.get("type_fallbacks") or []
+    if fallbacks:
+        lines.append(f"{len(fallbacks)} part(s) took llama-quantize's fallback type (rows not a multiple of the "
+                     "asked type's block):")
+        lines.extend(f"  {line}" for line in fallbacks)
     return "\n".join(lines)

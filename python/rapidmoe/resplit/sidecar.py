@@ -2,8 +2,9 @@
 
 Version 1. Tensors: `blk.N.ffn_{gate,up}_exps.wr` (residuals, and `ffn_down_exps.wr` in residual mode) or
 `blk.N.ffn_down_exps.hi` (the high-precision copy of down used by critical experts), each with the base
-tensor's shape [n_in, n_out, n_expert]. A sidecar belongs to exactly one `.wq.gguf`: same pair id, and the
-base's recorded hashes: `base_layout_sha256` (file size and tensor table: names, types, shapes, offsets) is
+tensor's shape [n_in, n_out, n_expert]; `type_fallbacks` (when present) lists the parts whose row size made them
+take llama-quantize's fallback type instead of the preset's. A sidecar belongs to exactly one `.wq.gguf`: same pair
+id, and the base's recorded hashes: `base_layout_sha256` (file size and tensor table: names, types, shapes, offsets) is
 checked at every load, reading the base's header only; `base_sha256` (every byte) on request
 (`rapidmoe-cli inspect --verify`). Sidecars written before the layout hash existed are checked by the full hash.
 """
@@ -35,7 +36,8 @@ def sidecar_name(base_name: str, role: str, down_mode: str) -> str:
     return f"{stem}.hi" if role == "down" and down_mode == "copy" else f"{stem}.wr"
 
 
-def add_metadata(w: GGUFWriter, *, preset: Preset, pair_id: str, base_arch: str, n_layer: int, n_expert: int) -> None:
+def add_metadata(w: GGUFWriter, *, preset: Preset, pair_id: str, base_arch: str, n_layer: int, n_expert: int,
+                 type_fallbacks: list[str] | None = None) -> None:
     w.add_string("general.type", "rapidmoe.residual")
     w.add_uint32(KEY + "format_version", FORMAT_VERSION)
     w.add_string(KEY + "pair_id", pair_id)
@@ -46,6 +48,8 @@ def add_metadata(w: GGUFWriter, *, preset: Preset, pair_id: str, base_arch: str,
     w.add_uint32(KEY + "base_expert_count", n_expert)
     for k, v in asdict(preset).items():
         w.add_string(KEY + f"preset.{k}", str(v))
+    if type_fallbacks:  # "<tensor> <wq|sidecar> <asked>-><used>": rows the preset's type could not take
+        w.add_array(KEY + "type_fallbacks", type_fallbacks)
 
 
 def file_sha256(path: Path) -> str:

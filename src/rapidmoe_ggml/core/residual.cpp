@@ -4,6 +4,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "model_handle.h"
 #include "rapidmoe-llama.h"
@@ -33,6 +34,14 @@ void bind_residual(nb::module_ & m) {
               }
           }, "model"_a, "path"_a,
           "Load a .wr.gguf sidecar into CPU memory and attach it to the llama_model at this address.");
+    m.def("residual_unhooked", [](uintptr_t model) {
+              const llama_model * mdl = as_model(model);
+              std::vector<int32_t> out((size_t) std::max(0, rapidmoe_llama_residual_unhooked(mdl, nullptr, 0)));
+              out.resize((size_t) rapidmoe_llama_residual_unhooked(mdl, out.data(), (int32_t) out.size()));
+              return std::vector<int>(out.begin(), out.end());
+          }, "model"_a,
+          "Layers of the attached sidecar that no graph build reached through llama.cpp's build_moe_ffn (check after "
+          "creating a context): split routing cannot apply to them.");
     m.def("detach_residual", [](uintptr_t model) { return rapidmoe_llama_detach_residual(as_model(model)) != 0; },
           "model"_a, "Detach and free the model's sidecar; True if one was attached.");
     m.def("set_n_critical", [](uintptr_t model, int32_t r) {

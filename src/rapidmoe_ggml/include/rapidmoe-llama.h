@@ -27,6 +27,10 @@ LLAMA_API int64_t rapidmoe_llama_probe_add(int64_t delta);
 // later graph of this model runs split expert routing. Returns 0, or -1 with the reason in err.
 LLAMA_API int32_t rapidmoe_llama_attach_residual(const struct llama_model * model, const char * path,
                                                  char * err, size_t err_size);
+// Layers of the attached sidecar that no graph build has reached through llama.cpp's shared MoE builder
+// (build_moe_ffn): an architecture whose MoE is computed elsewhere cannot run split routing. Check after creating a
+// context (its reserved graphs are built then). Writes up to n_max layer indices into out; returns their count.
+LLAMA_API int32_t rapidmoe_llama_residual_unhooked(const struct llama_model * model, int32_t * out, int32_t n_max);
 // Detach the sidecar; returns 1 if one was attached. Safe while a context of the model decodes (on another thread):
 // the ubatch computing keeps the sidecar until it ends, then it is freed, and later graphs are rebuilt without it.
 // Call before llama_model_free.

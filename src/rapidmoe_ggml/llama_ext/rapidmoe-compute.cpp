@@ -64,12 +64,12 @@ const rapidmoe_ubatch_guard * rapidmoe_ubatch_guard::current() {
     return t_current;
 }
 
-const rapidmoe_layer_residual * rapidmoe_ubatch_guard::find_residual(const ggml_tensor * up_exps) const {
+const rapidmoe_layer_residual * rapidmoe_ubatch_guard::find_residual(const ggml_tensor * down_exps) const {
     if (residual_ == nullptr) {
         return nullptr;
     }
     for (const auto & lr : residual_->layers) {
-        if (lr.up_wr != nullptr && lr.base_up == up_exps) {
+        if (lr.down_hi != nullptr && lr.base_down == down_exps) {
             return &lr;
         }
     }

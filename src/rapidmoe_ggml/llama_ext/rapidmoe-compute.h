@@ -40,7 +40,7 @@ class rapidmoe_ubatch_guard {
 
     // the innermost guard of the calling thread, nullptr outside one
     static const rapidmoe_ubatch_guard * current();
-    const rapidmoe_layer_residual * find_residual(const ggml_tensor * up_exps) const;
+    const rapidmoe_layer_residual * find_residual(const ggml_tensor * down_exps) const;
     const rapidmoe_expert_cache_layer * find_cache(const ggml_tensor * up_exps) const;
 
   private:

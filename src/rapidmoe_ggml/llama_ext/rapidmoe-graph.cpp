@@ -73,11 +73,12 @@ void on_cpu(const llm_graph_context & g, ggml_tensor * t) {
     }
 }
 
-// the layer's residual when the sidecar belongs to exactly these expert tensors (separate gate/up layout)
+// the layer's residual when the sidecar belongs to exactly these expert tensors (separate gate/up, or merged gate_up:
+// then up and gate are nullptr)
 const rapidmoe_layer_residual * residual_of(ggml_tensor * selected, const ggml_tensor * up_exps,
                                             const ggml_tensor * gate_exps, const ggml_tensor * down_exps, int il) {
-    const rapidmoe_layer_residual * found = up_exps != nullptr ? rapidmoe_residual_find(up_exps) : nullptr;
-    if (found == nullptr || found->base_gate != gate_exps || found->base_down != down_exps || found->il != il ||
+    const rapidmoe_layer_residual * found = down_exps != nullptr ? rapidmoe_residual_find(down_exps) : nullptr;
+    if (found == nullptr || found->base_gate != gate_exps || found->base_up != up_exps || found->il != il ||
         selected->ne[0] > RAPIDMOE_UMIA_MAX_K) {
         return nullptr;
     }
@@ -110,6 +111,9 @@ void begin_split(rapidmoe_moe_split & s, const llm_graph_context & g, const rapi
     const int mode = layer.state->overlap_mode.load();
     const bool wq_on_device = up_exps->buffer != nullptr && !in_cpu_memory(up_exps); // repacked CPU is not host
     s.overlap = mode == RAPIDMOE_OVERLAP_ON || (mode == RAPIDMOE_OVERLAP_AUTO && wq_on_device);
+    // the overlap ops know neither per-expert scales nor the merged gate_up: those layers add their residuals in the graph
+    s.overlap = s.overlap && !layer.scaled && layer.gate_up_wr == nullptr;
+    layer.state->hooked[layer.il].store(true); // this architecture's MoE reaches the split (checked at load)
 }
 
 // moepic: the next MoE layer's router on this layer's input (the rows that layer will compute: the model's last
@@ -195,7 +199,7 @@ rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor *
     s.selected = selected;
     s.il = il;
     if (layer != nullptr) {
-        begin_split(s, g, *layer, selected, weights, up_exps);
+        begin_split(s, g, *layer, selected, weights, up_exps != nullptr ? up_exps : down_exps);
     }
     // the drop baseline rewrites the WQ matmuls' ids to the critical ones: it is a CPU benchmark and keeps its
     // own meaning, so a layer under it ignores the cache (Python refuses the combination)
@@ -216,12 +220,24 @@ void wq_critical_only(const rapidmoe_moe_split & s, ggml_tensor * wq) {
     }
 }
 
+// r times the per-expert scale build_lora_mm_id gave the WQ result `wq` (its ggml_mul by the selected experts'
+// scales, under an expert bias if one was added), so the critical path is scaled as WQ is; r when there is none
+ggml_tensor * scaled_like(const rapidmoe_moe_split & s, ggml_tensor * r, const ggml_tensor * wq) {
+    if (wq->op == GGML_OP_ADD_ID) {
+        wq = wq->src[0];
+    }
+    if (wq->op != GGML_OP_MUL || wq->src[0]->op != GGML_OP_MUL_MAT_ID) {
+        return r;
+    }
+    return ggml_mul(s.g->ctx0, r, wq->src[1]);
+}
+
 // t + the residual matmul of the critical slots (zeros elsewhere): [n_ff, k, T]
 ggml_tensor * add_residual(const rapidmoe_moe_split & s, ggml_tensor * t, ggml_tensor * wr, const char * name) {
     ggml_tensor * r = ggml_mul_mat_id_masked(s.g->ctx0, wr, s.x, s.crit_ids);
     s.g->cb(r, name, s.il);
     on_cpu(*s.g, r); // the sidecar is in CPU memory: the residual work is the CPU's
-    return ggml_add(s.g->ctx0, t, r);
+    return ggml_add(s.g->ctx0, t, scaled_like(s, r, t));
 }
 
 rapidmoe_overlap_site * site(const rapidmoe_moe_split & s, int stage) {
@@ -398,6 +414,7 @@ ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * expe
     ggml_tensor * hi = ggml_mul_mat_id_masked(ctx, s.layer->down_hi, act, s.crit_ids); // [n_embd, k, T]
     s.g->cb(hi, s.layer->down_is_copy ? "rapidmoe_down_hi" : "rapidmoe_down_wr", s.il);
     on_cpu(*s.g, hi);
+    hi = scaled_like(s, hi, experts);
     if (s.layer->down_is_copy) { // WQ result only where the slot is not critical
         ggml_tensor * ids = s.crit_ids;
         ggml_tensor * keep = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, act->ne[1], act->ne[2], 1, &ids, 1,
@@ -407,4 +424,12 @@ ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * expe
         experts = ggml_mul(ctx, experts, keep);
     }
     return ggml_add(ctx, experts, hi);
+}
+
+ggml_tensor * rapidmoe_moe_gate_up_merged(const rapidmoe_moe_split & s, ggml_tensor * gate_up) {
+    if (s.layer == nullptr || s.layer->gate_up_wr == nullptr) {
+        return gate_up;
+    }
+    wq_critical_only(s, gate_up);
+    return add_residual(s, gate_up, s.layer->gate_up_wr, "rapidmoe_gate_up_wr");
 }

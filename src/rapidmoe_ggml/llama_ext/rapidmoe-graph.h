@@ -38,4 +38,6 @@ rapidmoe_moe_split rapidmoe_moe_begin(const llm_graph_context & g, ggml_tensor *
                                       const ggml_tensor * gate_exps, const ggml_tensor * down_exps, int il);
 // gate and up [n_ff, n_expert_used, n_tokens], both WQ results, replaced by WQ + the critical slots' residual
 void rapidmoe_moe_gate_up(const rapidmoe_moe_split & s, ggml_tensor *& gate, ggml_tensor *& up);
+// the merged layout's single WQ matmul [2*n_ff, k, T] + its critical slots' residual (before gate/up are split)
+ggml_tensor * rapidmoe_moe_gate_up_merged(const rapidmoe_moe_split & s, ggml_tensor * gate_up);
 ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * experts, ggml_tensor * act);

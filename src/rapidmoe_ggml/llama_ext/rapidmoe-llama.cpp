@@ -54,6 +54,14 @@ int32_t rapidmoe_llama_expert_cache_set(const llama_model * model, int32_t il, c
     return report(rapidmoe_expert_cache_set(model, il, ids, n_ids, device), err, err_size);
 }
 
+int32_t rapidmoe_llama_residual_unhooked(const llama_model * model, int32_t * out, int32_t n_max) {
+    const std::vector<int> layers = rapidmoe_residual_unhooked(model);
+    for (int32_t i = 0; i < n_max && i < (int32_t) layers.size(); ++i) {
+        out[i] = layers[i];
+    }
+    return (int32_t) layers.size();
+}
+
 int32_t rapidmoe_llama_detach_residual(const llama_model * model) {
     return rapidmoe_residual_detach(model) ? 1 : 0;
 }

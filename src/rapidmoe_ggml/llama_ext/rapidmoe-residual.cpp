@@ -19,7 +19,7 @@ namespace {
 
 std::mutex g_mutex;
 std::map<const llama_model *, std::shared_ptr<rapidmoe_residual_state>> g_states;
-// model's up_exps -> its residual (graph builds outside a ubatch guard: the context's reserve graphs)
+// model's down_exps -> its residual (graph builds outside a ubatch guard: the context's reserve graphs)
 std::map<const ggml_tensor *, const rapidmoe_layer_residual *> g_layers;
 
 bool same_shape(const ggml_tensor * a, const ggml_tensor * b) {
@@ -138,13 +138,26 @@ void rapidmoe_residual_set_policy(rapidmoe_residual_state & st, const float * pa
     }
 }
 
-const rapidmoe_layer_residual * rapidmoe_residual_find(const ggml_tensor * up_exps) {
+const rapidmoe_layer_residual * rapidmoe_residual_find(const ggml_tensor * down_exps) {
     if (const rapidmoe_ubatch_guard * guard = rapidmoe_ubatch_guard::current()) {
-        return guard->find_residual(up_exps);
+        return guard->find_residual(down_exps);
     }
     std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_layers.find(up_exps);
+    auto it = g_layers.find(down_exps);
     return it == g_layers.end() ? nullptr : it->second;
+}
+
+std::vector<int> rapidmoe_residual_unhooked(const llama_model * model) {
+    std::vector<int> out;
+    std::shared_ptr<rapidmoe_residual_state> st = rapidmoe_residual_get(model);
+    if (st != nullptr) {
+        for (const auto & lr : st->layers) {
+            if (lr.down_hi != nullptr && !st->hooked[lr.il].load()) {
+                out.push_back(lr.il);
+            }
+        }
+    }
+    return out;
 }
 
 std::shared_ptr<rapidmoe_residual_state> rapidmoe_residual_get(const llama_model * model) {
@@ -162,7 +175,9 @@ bool rapidmoe_residual_detach(const llama_model * model) {
             return false;
         }
         for (const auto & lr : it->second->layers) {
-            g_layers.erase(lr.base_up);
+            if (lr.down_hi != nullptr) {
+                g_layers.erase(lr.base_down);
+            }
         }
         gone = std::move(it->second);
         g_states.erase(it);
@@ -183,6 +198,7 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
     const auto & hp = model->hparams;
     st->n_expert_used = (int) hp.n_expert_used_max();
     st->layers.resize(model->layers.size());
+    st->hooked = std::make_unique<std::atomic<bool>[]>(model->layers.size());
     const int64_t n_t = gguf_get_n_tensors(gg);
     ggml_init_params ip = { (size_t) (n_t + 2) * ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
     st->ctx = ggml_init(ip);
@@ -206,7 +222,7 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         if (r == "up") base = L.ffn_up_exps;
         else if (r == "gate") base = L.ffn_gate_exps;
         else if (r == "down") base = L.ffn_down_exps;
-        else { err = std::string("sidecar tensor ") + name + ": the merged gate_up form is not supported yet"; break; }
+        else if (r == "gate_up") base = L.ffn_gate_up_exps;
         const ggml_tensor * src = ggml_get_tensor(meta, name);
         if (base == nullptr || src == nullptr || !same_shape(base, src)) {
             err = std::string("sidecar tensor ") + name + " does not match the model's expert tensor (shape)";
@@ -222,6 +238,8 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         lr.base_up = L.ffn_up_exps;
         lr.base_gate = L.ffn_gate_exps;
         lr.base_down = L.ffn_down_exps;
+        lr.base_gate_up = L.ffn_gate_up_exps;
+        lr.scaled = L.ffn_up_exps_s != nullptr || L.ffn_gate_exps_s != nullptr || L.ffn_down_exps_s != nullptr;
         for (int phase = 0; phase < 2; ++phase) {
             lr.sites[phase]->il = il;
             lr.sites[phase]->phase = phase;
@@ -231,16 +249,18 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         }
         if (r == "up" && f == "wr") lr.up_wr = t;
         else if (r == "gate" && f == "wr") lr.gate_wr = t;
+        else if (r == "gate_up" && f == "wr") lr.gate_up_wr = t;
         else if (r == "down" && (f == "wr" || f == "hi")) { lr.down_hi = t; lr.down_is_copy = f == "hi"; }
         else err = std::string("unexpected tensor ") + name + " in the sidecar";
     }
     for (size_t il = 0; il < st->layers.size() && err.empty(); ++il) {
         const auto & lr = st->layers[il];
-        const bool any = lr.up_wr || lr.gate_wr || lr.down_hi;
-        if (any && !(lr.up_wr && lr.gate_wr && lr.down_hi)) {
-            err = "layer " + std::to_string(il) + " of the sidecar lacks some of up/gate/down";
+        const bool any = lr.up_wr || lr.gate_wr || lr.gate_up_wr || lr.down_hi;
+        const bool separate = lr.up_wr && lr.gate_wr && !lr.gate_up_wr, merged = lr.gate_up_wr && !lr.up_wr && !lr.gate_wr;
+        if (any && !((separate || merged) && lr.down_hi)) {
+            err = "layer " + std::to_string(il) + " of the sidecar lacks some of up/gate/down (or gate_up/down)";
         }
-        if (!any && model->layers[il].ffn_up_exps != nullptr) {
+        if (!any && (model->layers[il].ffn_up_exps != nullptr || model->layers[il].ffn_gate_up_exps != nullptr)) {
             err = "the sidecar has no residual for MoE layer " + std::to_string(il);
         }
     }
@@ -301,8 +321,8 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         return "a residual sidecar is already attached to this model";
     }
     for (const auto & lr : st->layers) {
-        if (lr.up_wr != nullptr) {
-            g_layers[lr.base_up] = &lr;
+        if (lr.down_hi != nullptr) {
+            g_layers[lr.base_down] = &lr;
         }
     }
     g_states[model] = std::move(st);

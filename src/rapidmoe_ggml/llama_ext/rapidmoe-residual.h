@@ -1,5 +1,5 @@
 // A residual sidecar attached to a loaded model: its tensors in CPU memory, the UMIA policy tensor and the
-// per-layer r histograms. A graph build finds a layer's residual by the model's own up_exps tensor (what it sees).
+// per-layer r histograms. A graph build finds a layer's residual by the model's own down_exps tensor (what it sees).
 //
 // Lifetime: the registry holds each state by shared_ptr; every user holds one for its whole use (the C API
 // calls, and a ubatch's graph build + compute through rapidmoe_ubatch_guard, rapidmoe-compute.h), so a detach
@@ -31,8 +31,11 @@ struct rapidmoe_layer_residual {
     const ggml_tensor * base_up = nullptr;   // the model's WQ tensors this residual belongs to
     const ggml_tensor * base_gate = nullptr;
     const ggml_tensor * base_down = nullptr;
+    const ggml_tensor * base_gate_up = nullptr; // the merged gate_up tensor (then base_up/base_gate are nullptr)
     ggml_tensor * up_wr = nullptr;           // residuals [n_embd, n_ff, n_expert]
     ggml_tensor * gate_wr = nullptr;
+    ggml_tensor * gate_up_wr = nullptr;      // merged layout: the residual of gate_up [n_embd, 2*n_ff, n_expert]
+    bool scaled = false;                     // the model has per-expert scales (ffn_*_exps_s): no overlap
     ggml_tensor * down_hi = nullptr;         // copy of down (down_is_copy) or its residual
     bool down_is_copy = true;
     // UMIA's op state and r histogram, one per phase (index rapidmoe_umia_phase)
@@ -57,6 +60,9 @@ struct rapidmoe_residual_state {
     ggml_context * ctx_repack = nullptr;     // weights in the CPU backend's repacked layout (CPU_REPACK extra buffer)
     ggml_backend_buffer_t buf_repack = nullptr;
     std::vector<rapidmoe_layer_residual> layers; // index = layer; layers without experts stay empty
+    // per layer: a graph build reached the layer's split through build_moe_ffn (an architecture whose MoE does
+    // not go through it never sets this: split routing cannot apply there, and the load is refused)
+    std::unique_ptr<std::atomic<bool>[]> hooked;
 
     // ubatches of this model between graph build and compute end, and a policy set while one was running
     std::mutex compute_mutex;
@@ -76,10 +82,13 @@ void rapidmoe_residual_get_policy(rapidmoe_residual_state & st, float * out);
 // write the policy now when no ubatch of the model computes, else when the running ones have finished
 void rapidmoe_residual_set_policy(rapidmoe_residual_state & st, const float * params);
 
-// the residual of the layer whose routed-expert up tensor is `up_exps`; nullptr when none is attached. Inside a
+// the residual of the layer whose routed-expert down tensor is `down_exps` (every layout has one; up is absent in
+// the merged gate_up layout); nullptr when none is attached. Inside a
 // ubatch guard (a graph build for a compute) only the state the guard holds is searched, so the pointer stays
 // valid until the compute ends; outside one (reserve graphs, never computed) the registry.
-const rapidmoe_layer_residual * rapidmoe_residual_find(const ggml_tensor * up_exps);
+const rapidmoe_layer_residual * rapidmoe_residual_find(const ggml_tensor * down_exps);
+// layers with a residual that no graph build has reached through build_moe_ffn (see `hooked`)
+std::vector<int> rapidmoe_residual_unhooked(const llama_model * model);
 
 // load `path` into CPU memory and attach it; returns an empty string or the reason it was refused
 std::string rapidmoe_residual_attach(const llama_model * model, const char * path);

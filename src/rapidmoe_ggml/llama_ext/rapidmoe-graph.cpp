@@ -130,7 +130,10 @@ void moepic_prefetch(rapidmoe_moe_split & s, const llm_graph_context & g, const 
     ggml_context * ctx = g.ctx0;
     const int64_t n_embd = x->ne[0], T = ggml_nelements(x) / n_embd;
     ggml_tensor * x2 = ggml_reshape_2d(ctx, ggml_is_contiguous(x) ? x : ggml_cont(ctx, x), n_embd, T);
-    const int64_t rows = cache.next_is_last && g.n_outputs > 0 && g.n_outputs < T ? g.n_outputs : T;
+    const int64_t rows = cache.next_is_last && g.n_outputs < T ? g.n_outputs : T;
+    if (rows <= 0) {  // the last layer computes no row of this ubatch (a prompt chunk without outputs)
+        return;
+    }
     if (rows < T) {
         x2 = ggml_view_2d(ctx, x2, n_embd, rows, x2->nb[1], (size_t) (T - rows) * x2->nb[1]);
     }

@@ -7,7 +7,8 @@ r_l critical slots and a_l = 1 when it has any (mean over tokens):
                                                                      hand-over of activations in and results out
     C_l = k * (1 - h) * miss_ms + r_l * wr_ms + a_l * active_ms      the CPU: the misses' WQ and the residuals
     layer_l = max(D_l, C_l) + sync_ms     concurrent (the worker runs C while the device runs D: rapidmoe-overlap.h)
-            = D_l + C_l + sync_ms         serial (overlap "off")
+            = D_l + C_l + sync_ms + serial_sync_ms    serial (overlap "off": one device split per WQ matmul, three
+                                                      per layer, against two stages concurrent: more hand-overs)
     R = fixed_ms + sum over l of layer_l
 
 Prefill streaming (rapidmoe-stream.h) replaces D_l and the misses of C_l for a batch of B tokens by
@@ -43,6 +44,7 @@ class DeviceCosts:
     active_ms: float  # one layer's residual path having any work (CPU)
     xfer_ms: float  # one layer's activations to the device and results back (copies, launch)
     sync_ms: float  # one layer's CPU <-> device hand-over beyond the copies (waits, events)
+    serial_sync_ms: float = 0.0  # the serial schedule's extra hand-overs per layer
     stream_ms: float = float("nan")  # prefill: one layer's WQ streamed and computed on the device (nan: unknown)
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,6 +75,8 @@ def layer_ms(c: DeviceCosts, k: int, hit_rate: float, r: float, active: float, *
     dev = c.xfer_ms + k * hit_rate * c.hit_ms
     cpu = k * (1.0 - hit_rate) * c.miss_ms + residual
     sync = c.sync_ms if cpu > 0 else 0.0
+    if not overlap and cpu > 0:
+        sync += c.serial_sync_ms
     return LayerTimes(dev, cpu, (max(dev, cpu) if overlap else dev + cpu) + sync)
 
 
@@ -111,7 +115,8 @@ def profile_costs(cost: CostModel, hit_rate: float, n_tokens: int = 1, n_embd: i
     xfer = 1e3 * (2 * 4 * n_embd * (k + 1)) / m.pcie_bw  # per token: x in, k results back (f32)
     stream_s = n_e * mc.expert_bytes / m.pcie_bw + cost.gpu_experts_s(n_e, uses)
     return DeviceCosts(fixed_ms=1e3 * cost.resident_s(b) / b, hit_ms=hit, miss_ms=miss, wr_ms=wr,
-                       active_ms=0.0, xfer_ms=xfer, sync_ms=1e3 * 2 * m.sync_s / b, stream_ms=1e3 * stream_s / b)
+                       active_ms=0.0, xfer_ms=xfer, sync_ms=1e3 * 2 * m.sync_s / b,
+                       serial_sync_ms=1e3 * m.sync_s / b, stream_ms=1e3 * stream_s / b)
 
 
 def stream_threshold(cost: CostModel, hit_rate: float, r: float = 2.0, n_embd: int = 0,
@@ -169,9 +174,10 @@ def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def fit_stage_terms(points: Sequence[DevicePoint], n_moe: int, k: int) -> tuple[DeviceCosts, list[DevicePoint]]:
     """One phase's terms from measurements: C's (miss, wr, active) from the concurrent runs' worker times, D's
-    (xfer, hit) from their device times, fixed_ms from every run's step time given those (serial runs sum D and C,
-    concurrent ones take the max). sync_ms is 0: on a device reached through llama.cpp's scheduler the hand-over is
-    inside the device time the ops measure. Returns the terms and the points with their predictions."""
+    (xfer, hit) from their device times, fixed_ms and serial_sync_ms from the step times given those (serial runs
+    sum D and C, concurrent ones take the max). sync_ms is 0: on a device reached through llama.cpp's scheduler the
+    concurrent schedule's hand-over is inside the device time the ops measure. Returns the terms and the points
+    with their predictions."""
     conc = [p for p in points if p.overlap]
     if len({(p.r, round(p.hit_rate, 6)) for p in conc}) < 3:
         raise RapidMoEError("fitting the device terms needs concurrent runs at >= 3 (r, hit rate) configurations")
@@ -180,11 +186,14 @@ def fit_stage_terms(points: Sequence[DevicePoint], n_moe: int, k: int) -> tuple[
     a_d = np.array([[n_moe, n_moe * k * p.hit_rate] for p in conc], dtype=float)
     xfer, hit = _nnls(a_d, np.array([p.device_ms for p in conc]))
     base = DeviceCosts(0.0, float(hit), float(miss), float(wr), float(active), float(xfer), 0.0)
-    rest = [predict_ms(base, k, p.hit_rate, [float(p.r)] * n_moe, overlap=p.overlap) for p in points]
-    fixed = max(0.0, float(np.median([p.ms - x for p, x in zip(points, rest, strict=True)])))
-    costs = DeviceCosts(fixed, float(hit), float(miss), float(wr), float(active), float(xfer), 0.0)
-    out = [DevicePoint(p.phase, p.r, p.hit_rate, p.overlap, p.ms, p.worker_ms, p.device_ms, fixed + x)
-           for p, x in zip(points, rest, strict=True)]
+    rest = np.array([predict_ms(base, k, p.hit_rate, [float(p.r)] * n_moe, overlap=p.overlap) for p in points])
+    # step time - the stages = fixed + (serial runs with CPU work) n_moe * serial_sync
+    extra = [n_moe * float(not p.overlap and layer_ms(base, k, p.hit_rate, p.r, p.r > 0).cpu_ms > 0) for p in points]
+    fixed, serial_sync = _nnls(np.array([[1.0, e] for e in extra]), np.array([p.ms for p in points]) - rest)
+    costs = DeviceCosts(float(fixed), float(hit), float(miss), float(wr), float(active), float(xfer), 0.0,
+                        float(serial_sync))
+    out = [DevicePoint(p.phase, p.r, p.hit_rate, p.overlap, p.ms, p.worker_ms, p.device_ms,
+                       predict_ms(costs, k, p.hit_rate, [float(p.r)] * n_moe, overlap=p.overlap)) for p in points]
     return costs, out
 
 

@@ -14,6 +14,11 @@ c critical slots computed, in high precision) give R_drop(c, a) = fixed_ms + c *
 which separates wq_ms from fixed_ms. The coefficients (all >= 0) are fitted by least squares over all measured
 points; the report shows every point's measured and predicted time and the leave-one-out prediction (each point
 predicted by a fit without it).
+
+With a device (a per-expert WQ cache on a GPU or an RPC device), `device` holds the terms of umia/device.py and
+R becomes fixed_ms + sum over the MoE layers of max(device stage, CPU stage) + sync (concurrent) or their sum
+(serial), priced per layer from the r histogram; from a machine profile or measured (`calibrate-latency --machine
+/ --device`).
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ import numpy as np
 
 from ..atomic import write_text
 from ..errors import RapidMoEError
+from .device import DeviceCosts, DevicePoint
+from .device import predict_ms as device_predict_ms
 
 FORMAT = "rapidmoe-latency-model"
 VERSION = 1
@@ -63,6 +70,31 @@ class PhaseCosts:
 
 
 @dataclass
+class DeviceModel:
+    """The device part: where its terms come from, the expert cache's hit rate and schedule they price."""
+
+    source: str  # "profile <name>" or "measured on <device>"
+    hit_rate: float
+    overlap: bool  # concurrent stages (max) or serial (sum)
+    decode: DeviceCosts
+    prefill: DeviceCosts | None
+    points: list[DevicePoint] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "hit_rate": self.hit_rate, "overlap": self.overlap,
+                "decode": self.decode.to_dict(), "prefill": self.prefill.to_dict() if self.prefill else None,
+                "points": [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                            for k, v in asdict(p).items()} for p in self.points]}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> DeviceModel:
+        return DeviceModel(str(d["source"]), float(d["hit_rate"]), bool(d["overlap"]),
+                           DeviceCosts.from_dict(d["decode"]),
+                           DeviceCosts.from_dict(d["prefill"]) if d.get("prefill") else None,
+                           [_device_point(x) for x in d.get("points", [])])
+
+
+@dataclass
 class LatencyModel:
     n_moe_layers: int
     k: int
@@ -72,10 +104,29 @@ class LatencyModel:
     points: list[Point]
     machine: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)
+    device: DeviceModel | None = None
+
+    def predict_layers_ms(self, r_per_layer: Any, active_per_layer: Any, phase: str = "decode") -> float:
+        """R from each MoE layer's mean r and share of tokens with any critical slot (the r histogram): the device
+        part's per-layer max when there is one, else R(sum of r, sum of active)."""
+        r_l = [float(x) for x in r_per_layer]
+        a_l = [float(x) for x in active_per_layer]
+        if self.device is None:
+            return self.predict_ms(sum(r_l), sum(a_l), phase)
+        c = self.device.decode if phase == "decode" else self.device.prefill
+        if c is None:
+            raise RapidMoEError(f"this latency model's device part has no {phase} terms")
+        return device_predict_ms(c, self.k, self.device.hit_rate, r_l, a_l, overlap=self.device.overlap)
 
     def predict_ms(self, critical_slots_per_token: float, active_layers_per_token: float | None = None,
                    phase: str = "decode") -> float:
-        """R(c, a); a defaults to every MoE layer active when c > 0."""
+        """R(c, a); a defaults to every MoE layer active when c > 0. With a device part: c and a spread evenly
+        over the MoE layers (predict_layers_ms prices an uneven spread)."""
+        if self.device is not None:
+            n = self.n_moe_layers
+            a = active_layers_per_token if active_layers_per_token is not None else (
+                n if critical_slots_per_token > 0 else 0.0)
+            return self.predict_layers_ms([critical_slots_per_token / n] * n, [a / n] * n, phase)
         c = self.decode if phase == "decode" else self.prefill
         if c is None:
             raise RapidMoEError(f"this latency model has no {phase} part")
@@ -92,6 +143,8 @@ class LatencyModel:
 
     def fit_errors(self, phase: str | None = None) -> dict[str, float]:
         pts = [p for p in self.points if phase is None or p.phase == phase]
+        if not pts:
+            return {}
         e = np.abs([p.rel_err for p in pts])
         loo = np.abs([p.loo_rel_err for p in pts])
         return {"mean_rel_err": float(e.mean()), "max_rel_err": float(e.max()),
@@ -104,7 +157,8 @@ class LatencyModel:
                 "fit": {ph: self.fit_errors(ph) for ph in ("decode", "prefill")
                         if any(p.phase == ph for p in self.points)},
                 "points": [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                            for k, v in asdict(p).items()} for p in self.points]}
+                            for k, v in asdict(p).items()} for p in self.points],
+                "device": self.device.to_dict() if self.device is not None else None}
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         return write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
@@ -200,9 +254,15 @@ def load_latency_model(path: str | os.PathLike[str]) -> LatencyModel:
             prefill=PhaseCosts(**d["prefill"]) if d.get("prefill") else None,
             prefill_batch=int(d["prefill_batch"]),
             points=[_point(x) for x in d["points"]],
-            machine=d.get("machine", {}), model=d.get("model", {}))
+            machine=d.get("machine", {}), model=d.get("model", {}),
+            device=DeviceModel.from_dict(d["device"]) if d.get("device") else None)
     except (KeyError, TypeError, ValueError) as e:
         raise RapidMoEError(f"{p}: malformed latency model ({e})") from None
+
+
+def _device_point(x: dict[str, Any]) -> DevicePoint:
+    values: dict[str, Any] = {k: (float("nan") if v is None else v) for k, v in x.items()}
+    return DevicePoint(**values)
 
 
 def _point(x: dict[str, Any]) -> Point:

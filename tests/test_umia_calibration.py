@@ -157,7 +157,8 @@ def test_calibrate_commands_end_to_end(make_split, tmp_path: Path) -> None:  # t
     assert pol.phase == "auto" and pol.meta["tokens"] == 64
     front = json.loads((out / "frontier.json").read_text())
     kinds = {e["kind"] for e in front["evaluations"]}
-    assert kinds == {"fixed", "umia", "drop"}
+    # beta rows (prefill) only when the choice is a UMIA policy: a fixed r has nothing for beta to change
+    assert kinds == {"fixed", "umia", "drop"} | (set() if pol.r_min == pol.r_max else {"beta"})
     # r = k is the reference itself: KL 0
     rk = next(e for e in front["evaluations"] if e["label"] == f"r={d['k']}")
     assert rk["kl_mean"] < 1e-6
@@ -169,3 +170,49 @@ def test_calibrate_commands_end_to_end(make_split, tmp_path: Path) -> None:  # t
     assert res.exit_code == 1 and "no candidate meets the latency budget" in res.output
     res = runner.invoke(app, ["calibrate", str(wq), "--residual", str(wr), "--text", str(tmp_path / "none.txt")])
     assert res.exit_code == 1 and "does not exist" in res.output
+
+
+@pytest.mark.native
+@pytest.mark.slow
+def test_device_latency_and_beta_search_end_to_end(make_split, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """calibrate-latency --device on the RPC stand-in writes a latency model with measured device terms (every
+    run's step time predicted); calibrate prices its candidates with it and searches beta with prefill thresholds:
+    the realised critical slots grow with beta, and a prefill budget picks the lowest prompt KL within it."""
+    from rapidmoe.rpc import RPCServer  # noqa: PLC0415 - the extension: native tests only
+    from rapidmoe.umia.calibrate import calibrate  # noqa: PLC0415
+    from rapidmoe.umia.latency import load_latency_model  # noqa: PLC0415
+
+    _, wq, wr = make_split("qwen3moe", "cpu-q8")
+    lat = tmp_path / "dev.latency.json"
+    with RPCServer(threads=1) as srv:
+        res = CliRunner().invoke(app, [
+            "calibrate-latency", str(wq), "--residual", str(wr), "-o", str(lat), "-t", "1", "--device",
+            srv.device.buffer_type, "--rpc", srv.endpoint, "--decode-tokens", "4", "--prefill-batch", "16",
+            "--repeats", "1"])
+    assert res.exit_code == 0, res.output
+    assert "concurrent" in res.output and "measured on RPC" in res.output
+    lm = load_latency_model(lat)
+    assert lm.device is not None and lm.device.prefill is not None
+    assert 0.0 < lm.device.hit_rate < 1.0  # the first cache fraction: half of each layer's experts
+    # every expert cached (fraction 1): every slot is a hit
+    assert sorted({round(p.hit_rate, 6) for p in lm.device.points})[-1] == 1.0
+    assert {(p.phase, p.overlap) for p in lm.device.points} == {(ph, o) for ph in ("decode", "prefill")
+                                                                for o in (False, True)}
+    assert all(np.isfinite(p.predicted_ms) and p.predicted_ms > 0 for p in lm.device.points)
+    text = tmp_path / "calib.txt"
+    text.write_text("The experts of a mixture each see a few tokens; routers pick them by weight. " * 60)
+    kw = {"n_tokens": 64, "chunk": 32, "alphas": (0.0,), "levels": (1.5,), "fixed_r": (), "drop_r": (),
+          "cutoffs": (), "refine": False, "threads": 2, "progress": False, "betas": (0.0, 1.0, 4.0)}
+    res1 = calibrate(wq, wr, text, lm, **kw)  # type: ignore[arg-type]
+    beta_rows = [e for e in res1.evaluations if e.kind == "beta"]
+    assert [e.policy.beta for e in beta_rows] == [0.0, 1.0, 4.0]
+    assert all(e.policy.phase == "prefill" for e in beta_rows)
+    crit = [e.critical_per_token for e in beta_rows]
+    assert crit[0] <= crit[1] <= crit[2] and crit[0] < crit[2]  # prefill thresholds (1 + beta) really applied
+    assert all(np.isfinite(e.predicted_ms) for e in beta_rows)
+    assert res1.policy.beta in (0.0, 1.0, 4.0) and res1.policy.phase == "auto"
+    # a prefill budget at the cheapest beta's cost: the lowest prompt KL among the betas priced within it
+    budget = min(e.predicted_ms for e in beta_rows)
+    want = min((e for e in beta_rows if e.predicted_ms <= budget), key=lambda e: e.kl_mean).policy.beta
+    res2 = calibrate(wq, wr, text, lm, prefill_budget_ms=budget, **kw)  # type: ignore[arg-type]
+    assert res2.policy.beta == want and "within the prefill budget" in res2.settings["beta_choice"]

@@ -12,6 +12,10 @@
    realised, priced by the latency model R.
 4. The Pareto frontier over (predicted ms/token, mean KL) of fixed-r and UMIA candidates; the choice is the
    lowest KL within the budget, or the frontier's knee without one.
+5. beta: the chosen policy at each beta of a grid, run with prefill thresholds over the same chunks (each chunk
+   is a prompt: its KL is the prompt-phase KL), priced by the latency model's prefill terms; the lowest KL within
+   the prefill budget, or the knee. A latency model with a device part prices every candidate per layer (the max
+   of the overlapped device and CPU stages needs each layer's own r).
 """
 from __future__ import annotations
 
@@ -39,14 +43,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class Evaluation:
     label: str
-    kind: str  # "fixed", "umia" or "drop"
+    kind: str  # "fixed", "umia", "drop" or "beta" (prefill: the chosen policy at another beta)
     policy: Policy
     kl_mean: float = float("nan")
     kl_p99: float = float("nan")
     top1_same: float = float("nan")
     critical_per_token: float = float("nan")  # realised: critical slots per token summed over MoE layers
     mean_r: list[float] = field(default_factory=list)  # realised mean r per MoE layer
-    predicted_ms: float = float("nan")  # decode ms/token by the latency model
+    predicted_ms: float = float("nan")  # ms/token by the latency model (decode; prefill for kind "beta")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -212,6 +216,7 @@ def calibrate(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], 
               alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0), levels: tuple[float, ...] | None = None,
               fixed_r: tuple[int, ...] | None = None, drop_r: tuple[int, ...] | None = None,
               cutoffs: tuple[float, ...] = (0.25, 0.5, 0.75), beta: float = 0.25,
+              betas: tuple[float, ...] | None = (0.0, 0.25, 0.5, 1.0, 2.0), prefill_budget_ms: float | None = None,
               r_min: int = 0, threads: int | None = None, refine: bool = True, progress: bool = True,
               command: str = "") -> CalibrationResult:
     from .. import _core  # noqa: PLC0415
@@ -295,24 +300,52 @@ def calibrate(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], 
             evals.append(evaluate(dropper, f"drop r={r}", "drop", replace(Policy.fixed(r), phase="decode"),
                                    chunks, ref_logp, latency, bar))
         dropper.close()
-    bar.close()
 
     # 4. frontier and choice (fixed r and UMIA; drop is shown, never chosen)
-    idx = [i for i, e in enumerate(evals) if e.kind != "drop"]
+    idx = [i for i, e in enumerate(evals) if e.kind in ("fixed", "umia")]
     lat, kl = [e.predicted_ms for e in evals], [e.kl_mean for e in evals]
     front = [idx[j] for j in pareto([lat[i] for i in idx], [kl[i] for i in idx])]
     chosen = choose(lat, kl, budget_ms, idx)
     pick = evals[chosen]
-    pick.policy = replace(pick.policy, phase="auto", meta={
+
+    # 5. beta (prefill): the chosen policy at each beta, with prefill thresholds, scored on the chunks as prompts
+    beta_note = "fixed r: beta does not change it" if pick.policy.is_fixed else ""
+    if betas and not pick.policy.is_fixed:
+        bar.total += len(betas) * len(chunks)
+        pre = Scorer(wq_path, chunk, threads, residual_path=wr_path, verify_residual=False)
+        b_evals = [evaluate(pre, f"beta={b:g} (prefill)", "beta", replace(pick.policy, beta=b, phase="prefill"),
+                            chunks, ref_logp, latency, bar, phase="prefill") for b in betas]
+        pre.close()
+        b_pick, beta_note = choose_beta(b_evals, prefill_budget_ms)
+        beta = b_pick.policy.beta
+        evals += b_evals
+    bar.close()
+    pick.policy = replace(pick.policy, beta=beta, phase="auto", meta={
         "calibrated_on": str(text_path), "tokens": len(chunks) * chunk, "chunk": chunk, "seed": seed,
         "reference": str(reference) if reference else "r=k", "kl_mean": pick.kl_mean,
         "predicted_decode_ms": pick.predicted_ms, "budget_ms": budget_ms, "model": str(wq_path),
+        "beta_choice": beta_note, "prefill_budget_ms": prefill_budget_ms,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
     settings = {"wq": str(wq_path), "wr": str(wr_path), "text": str(text_path), "reference": str(reference or "r=k"),
                 "tokens": len(chunks) * chunk, "chunk": chunk, "seed": seed, "alphas": list(alphas),
-                "levels": list(levels), "beta": beta, "r_min": r_min, "latency_model": latency.to_dict()["decode"],
+                "levels": list(levels), "beta": beta, "betas": list(betas or ()), "beta_choice": beta_note,
+                "r_min": r_min, "latency_model": latency.to_dict()["decode"],
                 "command": command, "title": f"UMIA calibration: {Path(wq_path).name}, {Path(text_path).name}"}
     return CalibrationResult(evals, front, chosen, budget_ms, settings)
+
+
+def choose_beta(evals: list[Evaluation], budget_ms: float | None) -> tuple[Evaluation, str]:
+    """The prefill choice among the chosen policy's beta variants: the lowest prompt-phase KL within the prefill
+    budget, else the knee of their (cost, KL) frontier. Cost: the latency model's prefill ms/token, or the critical
+    slots per token where it has no prefill terms (said in the note)."""
+    priced = all(np.isfinite(e.predicted_ms) for e in evals)
+    cost = [e.predicted_ms if priced else e.critical_per_token for e in evals]
+    kl = [e.kl_mean for e in evals]
+    i = choose(cost, kl, budget_ms if priced else None, list(range(len(evals))))
+    how = ("lowest prompt KL within the prefill budget" if budget_ms is not None and priced else
+           "knee of prompt KL vs predicted prefill ms/token" if priced else
+           "knee of prompt KL vs critical slots per token (no prefill terms in the latency model)")
+    return evals[i], f"beta {evals[i].policy.beta:g}: {how}"
 
 
 def _refine(scorer: Scorer, evals: list[Evaluation], weights: list[np.ndarray], chunks: list[list[int]],
@@ -350,8 +383,20 @@ def _refine(scorer: Scorer, evals: list[Evaluation], weights: list[np.ndarray], 
     return out
 
 
+def price(latency: LatencyModel, h: Any, phase: str = "decode") -> float:
+    """The latency model's ms/token for a realised r histogram: per layer when it has a device part (the max of
+    overlapped stages needs each layer's own r), else from the summed critical slots and active layers; nan when
+    the model has no terms for the phase."""
+    try:
+        if latency.device is not None:
+            return latency.predict_layers_ms(h.mean_r(), h.active_share(), phase)
+        return latency.predict_ms(h.critical_slots_per_token(), h.active_layers_per_token(), phase)
+    except RapidMoEError:
+        return float("nan")
+
+
 def evaluate(scorer: Scorer, label: str, kind: str, pol: Policy, chunks: list[list[int]],
-              ref_logp: list[np.ndarray], latency: LatencyModel, bar: tqdm) -> Evaluation:
+              ref_logp: list[np.ndarray], latency: LatencyModel, bar: tqdm, phase: str = "decode") -> Evaluation:
     scorer.llm.set_policy(pol)
     scorer.llm.r_histogram(reset=True)
     kls = []
@@ -364,6 +409,6 @@ def evaluate(scorer: Scorer, label: str, kind: str, pol: Policy, chunks: list[li
     h = scorer.llm.r_histogram()
     kl = np.concatenate(kls)
     crit, active = h.critical_slots_per_token(), h.active_layers_per_token()
-    ms = latency.predict_ms(crit, active) if kind != "drop" else latency.predict_drop_ms(crit, active)
+    ms = price(latency, h, phase) if kind != "drop" else latency.predict_drop_ms(crit, active)
     return Evaluation(label, kind, pol, float(kl.mean()), float(np.quantile(kl, 0.99)),
                       float(np.concatenate(agree).mean()), crit, [round(float(x), 3) for x in h.mean_r()], ms)

@@ -35,11 +35,15 @@ class RHistogram:
         """Critical expert slots per token summed over the MoE layers: what the latency model prices."""
         return float(self.mean_r(phase).sum())
 
-    def active_layers_per_token(self, phase: int | None = None) -> float:
-        """MoE layers per token where the token had at least one critical slot (the latency model's a)."""
+    def active_share(self, phase: int | None = None) -> np.ndarray:
+        """Per MoE layer, the share of its tokens with at least one critical slot (float64 [n_moe_layers])."""
         c = self.counts.sum(axis=1) if phase is None else self.counts[:, phase]
         n = c.sum(axis=-1)
-        return float(np.where(n > 0, 1.0 - c[:, 0] / np.maximum(n, 1), 0.0).sum())
+        return np.where(n > 0, 1.0 - c[:, 0] / np.maximum(n, 1), 0.0)
+
+    def active_layers_per_token(self, phase: int | None = None) -> float:
+        """MoE layers per token where the token had at least one critical slot (the latency model's a)."""
+        return float(self.active_share(phase).sum())
 
     def table(self) -> str:
         """A text table: one row per layer and phase that saw tokens, the share of tokens at each r."""

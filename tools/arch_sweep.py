@@ -53,6 +53,7 @@ class ArchResult:
     k: int | None = None
     layout: str = ""  # gate/up/down or gate_up/down
     fallbacks: int = 0  # expert parts that took llama-quantize's fallback type
+    experts_unused: bool | None = None  # split refused: the .wq.gguf's logits equal the F32-expert model's exactly
     note: str = ""  # why a step did not happen (the one-line message RapidMoE gave)
 
 
@@ -157,6 +158,9 @@ def ours(src: Path, work: Path) -> ArchResult:
         full = _logits(conv.wq_path, toks, residual_path=conv.wr_path, n_critical=res.k)
     except RapidMoEError as e:
         res.note = f"split routing refused: {e}"
+        # evidence that the graph never reads the routed experts: quantizing them changes no logit
+        write_f32_expert_model(src, conv.wq_path, work / "ref.gguf")
+        res.experts_unused = bool(np.array_equal(_logits(conv.wq_path, toks), _logits(work / "ref.gguf", toks)))
         return res
     np.save(work / "r0.npy", low)
     write_f32_expert_model(src, conv.wq_path, work / "ref.gguf")
@@ -213,6 +217,9 @@ def table(results: list[ArchResult]) -> str:
     for r in sorted(results, key=lambda r: r.arch):
         ratio = _fmt(r.err_rk / r.err_r0) if r.err_rk is not None and r.err_r0 else "-"
         note = r.note.replace("|", "\\|").replace("\n", " ")
+        if r.experts_unused:
+            note = ("the graph never reads the routed experts (the .wq.gguf's logits equal the F32-expert model's); "
+                    "split routing is refused at load")
         if r.fallbacks and not note:
             note = f"{r.fallbacks} expert parts with llama-quantize's fallback type"
         rows.append(f"| {r.arch} | {r.layout} | {_yn(r.runs)} | {_yn(r.converts)} | {_yn(r.r0_exact)} | "
@@ -245,6 +252,7 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001  # an unexpected failure is a result of the sweep, with its reason
             traceback.print_exc()
             res = ArchResult(args.one.name.removesuffix("-moe.gguf"), args.one.name, note=f"failed: {_one_line(e)}")
+        res.note = res.note.replace(str(args.one.parent) + os.sep, "")  # the file's name, not where it was made
         print(json.dumps(asdict(res)))
         return 0
     models = make_models(args.work / "models")

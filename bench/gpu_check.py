@@ -14,9 +14,9 @@ every placement), then runs SECTIONS in order, each adding exactness checks and/
   cache       the planner's per-expert WQ cache for a budget of half the routed WQ (realized as --gpu-mem does),
               misses on the CPU: logits vs the CPU path and speed, under the static, rapidmoe and lru policies;
               moepic (split experts, tops up to half the WQ) and lru with its copies waited for at once
-  concurrent  (hook, helper-14b) a cached layer's hits, misses and residuals serial vs concurrent
-  streaming   (hook, helper-14b) prefill with misses streamed to the GPU above the threshold, on vs off
-  umia-gpu    (hook, helper-14b) UMIA calibrated on this GPU's latency model vs fixed r
+  concurrent  the half-WQ cache's hits (GPU), misses and residuals (CPU) serial vs concurrent: exactness, speed
+  streaming   prefill with the cached layers' WQ streamed to the GPU from the latency model's threshold, on vs off
+  umia-gpu    UMIA calibrated against this GPU's measured device terms (beta searched too) vs fixed r = 1, 2
 
 A hook section records status "pending" until its feature lands: to fill one, replace its function body (keep the
 signature), append to ctx.checks / ctx.runs with the same keys as the other sections, and extend the --cpu assertions
@@ -245,23 +245,95 @@ def _moepic_half(ctx: Ctx, device: str) -> dict[str, Any]:
 
 
 def section_concurrent(ctx: Ctx) -> None:
-    """HOOK (helper-14b): in a layer with the per-expert cache (section cache's static half-WQ cache, r=2), the
-    device's hits, the CPU's misses and the CPU's residuals serial vs concurrent: one exactness check per mode
-    against the CPU path, one speed run per mode ("cache_concurrency": "serial" | "concurrent")."""
-    raise SectionPending("concurrent hits/misses/residuals in cached layers: not in this build yet")
+    """In the layers with the per-expert cache (section cache's static half-WQ cache, r=2), the device's hits, the
+    CPU's misses and the CPU's residuals serial (overlap off) vs concurrent (auto on a GPU; "on" in the dry run,
+    whose cache is on the CPU): one exactness check per mode against the CPU path, one speed run per mode
+    ("cache_concurrency": "serial" | "concurrent")."""
+    got = _half_cache(ctx)
+    if got is None:
+        raise SectionSkipped("the half-WQ plan keeps no per-expert cache for this model")
+    cache_kw, planned = got
+    t = ctx.args.threads
+    cpu = logits(ctx.wq, ctx.toks, t, residual_path=ctx.wr, overlap="off", n_critical=2)
+    for mode, name in (("off", "serial"), (ctx.overlapped, "concurrent")):
+        label = f"ours r=2, half-WQ cache ({planned} planned hits), hits/misses/residuals {name}"
+        dev = logits(ctx.wq, ctx.toks, t, residual_path=ctx.wr, n_critical=2, overlap=mode, **cache_kw)
+        ctx.check(label, dev, cpu, cache_concurrency=name)
+        row = ctx.speed(label, ctx.wq, residual_path=ctx.wr, n_critical=2, overlap=mode, **cache_kw)
+        row["cache_concurrency"] = name
+
+
+def _stream_threshold(ctx: Ctx) -> tuple[int, str]:
+    """The latency model's prefill streaming threshold for this model on the H200-like profile (r = 2), or stock
+    llama.cpp's op-offload batch (32) when the model says streaming never pays."""
+    from rapidmoe.placement.machine import load_machine
+    from rapidmoe.placement.tensors import read_gguf_shapes
+    from rapidmoe.resplit.presets import get_preset
+    from rapidmoe.umia.profile import profile_terms
+
+    prof = load_machine(ROOT / "bench" / "machines" / "h200.json")
+    shapes = read_gguf_shapes(ctx.wq)
+    thr = int(profile_terms(shapes, prof, get_preset("cpu-q8"), r=2.0)["stream_threshold"])
+    if thr > 0:
+        return thr, "latency model (h200 profile, r = 2)"
+    return 32, "stock op offload's batch (the latency model says streaming never pays for this model)"
 
 
 def section_streaming(ctx: Ctx) -> None:
-    """HOOK (helper-14b): prefill of --prompt tokens with the half-WQ cache, misses streamed to the GPU above the
-    threshold the latency model picks vs kept on the CPU: exactness vs the CPU path, prefill tok/s per mode
-    ("prefill_streaming": "on" | "off"), and the threshold."""
-    raise SectionPending("prefill streaming of missed experts: not in this build yet")
+    """Prefill of --prompt tokens with the half-WQ cache (r=2), the cached layers' WQ streamed to the GPU from the
+    stacked experts for ubatches from the threshold on vs misses kept on the CPU: exactness vs the CPU path, prefill
+    tok/s per mode ("prefill_streaming": "on" | "off"), and the threshold with its source."""
+    got = _half_cache(ctx)
+    if got is None:
+        raise SectionSkipped("the half-WQ plan keeps no per-expert cache for this model")
+    cache_kw, planned = got
+    thr, source = _stream_threshold(ctx)
+    n_stream = min(thr, max(2, ctx.args.prompt // 2))  # the prompt must reach it for the "on" run to stream
+    t = ctx.args.threads
+    cpu = logits(ctx.wq, ctx.toks, t, residual_path=ctx.wr, overlap="off", n_critical=2)
+    for mode, n in (("off", 0), ("on", n_stream)):
+        label = f"ours r=2, half-WQ cache ({planned} planned hits), prefill streaming {mode}"
+        dev = logits(ctx.wq, ctx.toks, t, residual_path=ctx.wr, n_critical=2, prefill_stream=n, **cache_kw)
+        ctx.check(label, dev, cpu, prefill_streaming=mode)
+        row = ctx.speed(label, ctx.wq, residual_path=ctx.wr, n_critical=2, prefill_stream=n, **cache_kw)
+        row.update(prefill_streaming=mode, stream_min_batch=n, stream_threshold=thr, stream_threshold_source=source)
 
 
 def section_umia_gpu(ctx: Ctx) -> None:
-    """HOOK (helper-14b): calibrate-latency on this GPU, calibrate (beta searched too) against it, then decode/
-    prefill tok/s and KL of the chosen policy vs fixed r = 1, 2 ("umia": "gpu-calibrated" | "fixed")."""
-    raise SectionPending("GPU-aware UMIA calibration: not in this build yet")
+    """calibrate-latency on this GPU (the device terms measured with half and all of the WQ cached), calibrate
+    against it (beta searched too) on the driver's text, then decode/prefill tok/s and KL of the chosen policy vs
+    fixed r = 1, 2, all with the half-WQ cache ("umia": "gpu-calibrated" | "fixed")."""
+    import tempfile
+
+    from rapidmoe.umia.calibrate import calibrate
+    from rapidmoe.umia.profile import device_latency_model
+
+    got = _half_cache(ctx)
+    if got is None:
+        raise SectionSkipped("the half-WQ plan keeps no per-expert cache for this model")
+    cache_kw, planned = got
+    t = ctx.args.threads
+    small = ctx.args.cpu
+    lm = device_latency_model(ctx.wq, ctx.wr, device=cache_kw["expert_cache_device"], threads=t,
+                              cache_fractions=(0.5, 1.0), repeats=1, decode_tokens=4 if small else 16,
+                              prefill_batch=16 if small else 64, progress=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        text = Path(tmp) / "calib.txt"
+        text.write_text(PROMPT)
+        res = calibrate(ctx.wq, ctx.wr, text, lm, n_tokens=64 if small else 512, chunk=32 if small else 128,
+                        alphas=(0.0, 0.5), levels=(1.5, 2.0), fixed_r=(1, 2), drop_r=(), cutoffs=(), refine=False,
+                        threads=t, progress=False, betas=(0.0, 0.5, 1.0))
+    chosen = res.policy
+    cpu_cfg: dict[str, Any] = {"residual_path": ctx.wr, "overlap": "off"}
+    for label, cfg, kind in (("UMIA calibrated on this device", {"policy": chosen}, "gpu-calibrated"),
+                             ("fixed r=1", {"n_critical": 1}, "fixed"), ("fixed r=2", {"n_critical": 2}, "fixed")):
+        name = f"ours {label}, half-WQ cache ({planned} planned hits)"
+        cpu = logits(ctx.wq, ctx.toks, t, **cpu_cfg, **cfg)
+        ctx.check(name, logits(ctx.wq, ctx.toks, t, residual_path=ctx.wr, **cfg, **cache_kw), cpu, umia=kind)
+        row = ctx.speed(name, ctx.wq, residual_path=ctx.wr, **cfg, **cache_kw)
+        row.update(umia=kind, policy=chosen.describe() if kind != "fixed" else label,
+                   predicted_decode_ms=res.evaluations[res.chosen].predicted_ms if kind != "fixed" else None,
+                   device_latency=lm.device.to_dict() if lm.device is not None else None)
 
 
 class SectionPending(Exception):

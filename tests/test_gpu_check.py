@@ -34,9 +34,7 @@ def test_cpu_dry_run(tmp_path: Path) -> None:
     assert sum(bool(c.get("yardstick")) for c in res["checks"]) == 1  # stock's GPU-vs-CPU difference sets the tolerance
     status = {s["name"]: s["status"] for s in res["sections"]}
     assert [status[n] for n in ("exactness", "stock", "ours", "cache")] == ["done"] * 4, status
-    # the hook sections say what they wait for until their feature lands (then they run: "done")
-    hooks = ("concurrent", "streaming", "umia-gpu")
-    assert all(status[n] == "done" or status[n].startswith("pending: ") for n in hooks), status
+    assert [status[n] for n in ("concurrent", "streaming", "umia-gpu")] == ["done"] * 3, status
     assert res["meta"]["gpu"].startswith("none") and res["meta"]["sizes"] == res["sizes"] and res["meta"]["total_s"] > 0
     assert all(r["decode_tps"] > 0 and r["prefill_tps"] > 0 for r in res["runs"])
     # ours twice per r: overlap off (no begin/join pairs) and forced on (-ngl 0 would not overlap on "auto")
@@ -58,6 +56,19 @@ def test_cpu_dry_run(tmp_path: Path) -> None:
     assert all(pol[p]["cache_mb_per_token"] > 0 and pol[p]["cache_wait_ms_per_token"] >= 0
                for p in ("lru", "lru-sync", "moepic"))
     assert sum("policy)" in c["variant"] for c in res["checks"]) == 3
+    # concurrent hits/misses/residuals vs serial, prefill streaming on vs off, UMIA calibrated on the device's
+    # measured terms vs fixed r: each exact against the CPU path (rel 0 above) and timed
+    conc = {r["cache_concurrency"]: r for r in res["runs"] if "cache_concurrency" in r}
+    assert set(conc) == {"serial", "concurrent"}
+    assert conc["serial"]["overlap_pairs"] == 0 < conc["concurrent"]["overlap_pairs"]
+    assert {c["cache_concurrency"] for c in res["checks"] if "cache_concurrency" in c} == {"serial", "concurrent"}
+    stream = {r["prefill_streaming"]: r for r in res["runs"] if "prefill_streaming" in r}
+    assert set(stream) == {"on", "off"} and stream["off"]["stream_min_batch"] == 0
+    assert 0 < stream["on"]["stream_min_batch"] <= 32 and stream["on"]["stream_threshold"] > 0
+    umia = [r for r in res["runs"] if "umia" in r]
+    assert [r["umia"] for r in umia] == ["gpu-calibrated", "fixed", "fixed"]
+    assert umia[0]["device_latency"]["source"] == "measured on CPU" and umia[0]["predicted_decode_ms"] > 0
+    assert sum("umia" in c for c in res["checks"]) == 3
 
 
 @pytest.mark.native

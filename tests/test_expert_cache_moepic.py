@@ -234,3 +234,35 @@ def test_moepic_on_quantized_wq_with_residuals_is_exact(rpc: RPCServer, tmp_path
     assert 0 < stats.hits < stats.slots
     for i, (a, b) in enumerate(zip(got, want)):
         assert np.array_equal(a, b), f"step {i}: max |dev - cpu| {np.abs(a - b).max()}"
+
+
+def test_moepic_from_a_gpu_mem_plan_is_exact(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
+    """The path of run/serve --gpu-mem --cache-policy moepic: the planner's per-expert cache for half the routed
+    experts, realized on the stand-in, its device memory spent on MoEpic's split experts (fixed point): the logits
+    equal the all-CPU run's and the resident tops fit the memory the cache would have used."""
+    from rapidmoe.cli.budget import moepic_placement
+    from rapidmoe.expert_cache import moepic_layers
+    from rapidmoe.placement import GPU
+    from rapidmoe.placement.realize import plan_for_model, realize
+
+    path = make_tiny("qwen3moe")
+    full = plan_for_model(path, gpu_mem=None, n_ctx=128, reserve=0)
+    half = plan_for_model(path, gpu_mem=full.vram - full.device_bytes(GPU, "routed experts") // 2, n_ctx=128,
+                          reserve=0)
+    place = dict(realize(half, cache_device=rpc.device.buffer_type))
+    assert place.get("expert_cache")
+    kw = {**place, **moepic_placement(path, place, None)}  # type: ignore[arg-type]
+    assert kw["expert_cache"] is None
+    prompt, rest, want = _cpu_steps(path, 16)
+    llm = Llama(path, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], expert_cache_policy="moepic", **kw)
+    try:
+        got = _steps(llm, prompt, rest)
+        ml = llm.expert_cache_moepic
+    finally:
+        llm.close()
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert np.array_equal(a, b), f"step {i}: max |dev - cpu| {np.abs(a - b).max()}"
+    layers = [m.layer for m in ml]
+    planned = sum(len(place["expert_cache"].get(il, ())) for il in layers)  # type: ignore[union-attr]
+    rounded = moepic_layers(path, layers, [m.split for m in ml], [m.capacity for m in ml], 1)
+    assert sum(m.capacity * m.top_bytes for m in rounded) <= planned * ml[0].expert_bytes

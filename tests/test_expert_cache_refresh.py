@@ -165,7 +165,9 @@ def test_cli_cache_policy(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> N
     res = runner.invoke(app, ["run", str(tiny_qwen), "-n", "2", "--cache-policy", "rapidmoe"])
     assert res.exit_code != 0 and "only on a machine with a GPU" in res.output
     res = runner.invoke(app, ["run", str(tiny_qwen), "-n", "2", "--cache-policy", "moepic"])
-    assert res.exit_code != 0 and "'moepic' is not one of" in res.output
+    assert res.exit_code != 0 and "only on a machine with a GPU" in res.output
+    res = runner.invoke(app, ["run", str(tiny_qwen), "-n", "2", "--cache-policy", "fifo"])
+    assert res.exit_code != 0 and "'fifo' is not one of" in res.output
     full = plan_for_model(tiny_qwen, gpu_mem=None, n_ctx=512, reserve=0)
     budget = full.vram - full.device_bytes(GPU, "routed experts") // 2
     seen: list = []  # type: ignore[type-arg]
@@ -177,3 +179,18 @@ def test_cli_cache_policy(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> N
     cfg = seen[0]
     assert cfg.expert_cache_policy == "rapidmoe" and cfg.expert_cache and cfg.expert_cache_device == "CUDA0"
     assert cfg.override_tensor == ("exps=CPU",)
+    # moepic spends the planned cache's device memory on split experts (MoEpic's fixed point): no expert_cache,
+    # per-layer splits and tops whose bytes fit what the cache would have used, at least as many experts' tops
+    res = runner.invoke(app, ["serve", str(tiny_qwen), "--gpu-mem", str(budget), "--reserve", "0", "-c", "512",
+                              "--cache-policy", "moepic"])
+    assert res.exit_code == 0, res.output
+    mcfg = seen[1]
+    assert mcfg.expert_cache_policy == "moepic" and mcfg.expert_cache is None and mcfg.expert_cache_device == "CUDA0"
+    from rapidmoe.expert_cache import moe_layers_of, wq_expert_bytes
+
+    layers = moe_layers_of(tiny_qwen)
+    splits, caps = mcfg.expert_cache_moepic.per_layer(len(layers))
+    eb = wq_expert_bytes(tiny_qwen, layers)
+    planned = sum(len(cfg.expert_cache.get(il, ())) for il in layers)
+    assert sum(c * s * eb[il] for c, s, il in zip(caps, splits, layers)) <= planned * eb[layers[0]] * (1 + 1e-9)
+    assert sum(caps) >= planned and all(0 < s <= 1 for s in splits)

@@ -186,6 +186,36 @@ class MoEpicLayer:
         return self.n_top / self.n_ff if self.n_ff else 0.0
 
 
+def moepic_for_cache(model_path: str | os.PathLike[str], cache: Mapping[int, Sequence[int]], *,
+                     frequency_path: str | os.PathLike[str] | None = None, machine: str = "24gb",
+                     accuracy: float = 0.8) -> Any:
+    """MoEpicSettings for the device memory a per-expert cache plan would use (the experts it lists, in the file's
+    types): per-layer split and tops from MoEpic's fixed point (placement.cache_policies.plan_moepic) over hit-rate
+    curves of the frequency table (--freq's formats; uniform without) and the `machine` profile's link and windows,
+    with the next-layer predictor's accuracy assumed (0.8, as plan --machine assumes)."""
+    import numpy as np  # noqa: PLC0415
+
+    from .placement.cache_policies import MoEpicSettings, plan_moepic  # noqa: PLC0415
+    from .placement.cost import CostModel, ModelCosts  # noqa: PLC0415
+    from .placement.frequency import load_frequency  # noqa: PLC0415
+    from .placement.machine import MACHINES  # noqa: PLC0415
+    from .placement.tensors import read_gguf_shapes  # noqa: PLC0415
+
+    layers = moe_layers_of(model_path)
+    eb = wq_expert_bytes(model_path, layers)
+    gf = GGUFFile(model_path)
+    n_expert = int(gf.tensor(f"blk.{layers[0]}.ffn_up_exps.weight").shape[2])
+    n_layer = int(gf.get(f"{gf.get('general.architecture')}.block_count"))
+    share = load_frequency(frequency_path, layers, n_layer, n_expert).share
+    freq = np.stack([share[il] for il in layers])
+    budget = float(sum(len(cache.get(il, ())) * eb[il] for il in layers))
+    shapes = read_gguf_shapes(model_path)
+    cost = CostModel(MACHINES[machine], ModelCosts.of(shapes))
+    cfg = plan_moepic(freq, budget, expert_bytes=float(eb[layers[0]]), k=shapes.n_expert_used, cost=cost,
+                      accuracy=[accuracy] * len(layers))
+    return MoEpicSettings.from_config(cfg)
+
+
 def moepic_layers(model_path: str | os.PathLike[str], layers: Sequence[int], splits: Sequence[float],
                   capacities: Sequence[int], work_slots: int) -> list[MoEpicLayer]:
     """Each layer's split rounded to whole rows of the intermediate dimension and to the down projection's

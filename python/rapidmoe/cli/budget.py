@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -36,6 +36,17 @@ def check_cache_policy(policy: str, place: LlamaPlacement) -> str:
                                  "machine with a GPU and a budget below the model's WQ (here there is none)",
                                  param_hint="--cache-policy")
     return policy
+
+
+def moepic_placement(model: Path, place: LlamaPlacement, freq: Path | None) -> dict[str, Any]:
+    """--cache-policy moepic: the per-expert cache's device memory spent on MoEpic's split experts instead
+    (rapidmoe.Llama's expert_cache_moepic; no expert_cache), logged in one line."""
+    from ..expert_cache import moepic_for_cache  # noqa: PLC0415
+
+    settings = moepic_for_cache(model, place.get("expert_cache") or {}, frequency_path=freq)
+    log.info("moepic: split %s, tops per layer %s (the device memory of the planned cache, MoEpic's fixed point on "
+             "the 24gb profile)", settings.split, settings.capacity)
+    return {"expert_cache": None, "expert_cache_moepic": settings}
 
 
 def gpu_devices() -> list[str]:

@@ -85,14 +85,17 @@ class CachePolicy(str, Enum):
     static = "static"
     rapidmoe = "rapidmoe"
     lru = "lru"
+    moepic = "moepic"
 
 
 CachePolicyOpt = Annotated[CachePolicy, typer.Option(
     "--cache-policy",
     help="With a per-expert WQ cache (--gpu-mem on a machine with a GPU): static keeps the planned experts; rapidmoe "
     "refreshes the set from running routing counts after every step (a few expert copies per step); lru "
-    "copies each step's missing experts into the least recently used slots before the layer computes. The "
-    "simulator's moepic is not realized (rapidmoe-cli plan --machine compares all of them).")]
+    "copies each step's missing experts into the least recently used slots before the layer computes; moepic "
+    "spends the same device memory on MoEpic's split experts (tops resident, the rest fetched per step, the next "
+    "layer's predicted experts ahead; split and tops from its fixed point on the 24gb profile). rapidmoe-cli plan "
+    "--machine compares all of them.")]
 TraceOpt = Annotated[Optional[Path], typer.Option(
     "--trace", metavar="FILE", help="Record every computed token's expert choices and router weights per MoE layer "
     "into FILE (binary; rapidmoe.trace reads it; bench/bench_cache.py replays it).")]

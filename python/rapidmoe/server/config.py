@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class ServerConfig:
     n_cpu_moe: int = 0
     expert_cache: dict[int, list[int]] | None = None  # per-expert WQ cache (from --gpu-mem on a GPU machine)
     expert_cache_device: str | None = None
+    expert_cache_moepic: Any = None  # MoEpicSettings with expert_cache_policy "moepic" (from --cache-policy moepic)
     expert_cache_policy: str = "static"  # "rapidmoe": the cache refreshed after every step (rapidmoe.Llama)
     override_tensor: tuple[str, ...] = ()
     rpc_servers: tuple[str, ...] = ()  # llama.cpp's --rpc: host:port of rpc-servers whose devices the model may use

@@ -242,9 +242,8 @@ def test_compare_schemes_prices_each_scheme_with_the_cost_model(tmp_path: Path) 
     assert est["stock"].decode_tok_s == pytest.approx(
         1 / (c_q4.resident_s(1) + n_moe * (c_q4.cpu_experts_s(k, k) + 2 * big.sync_s)))
     assert choice.chosen == max(choice.estimates, key=lambda e: e.decode_tok_s).scheme and not choice.forced
-    forced, _ = compare_schemes(model, MACHINES["24gb"], preset, cache_policy="moepic")  # not realized
-    assert forced.chosen == "moepic" and forced.forced and "do not realize moepic" in forced.table()
-    assert "Llama API only" in forced.table()
+    forced, _ = compare_schemes(model, MACHINES["24gb"], preset, cache_policy="moepic")  # priced on Q4 experts
+    assert forced.chosen == "moepic" and forced.forced and "--cache-policy moepic run it on the file's" in forced.table()
     with pytest.raises(PlanError, match="unknown cache policy"):
         compare_schemes(model, big, preset, cache_policy="fifo")
 

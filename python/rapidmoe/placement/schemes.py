@@ -11,9 +11,9 @@ Schemes (cache_policies.py has their replayable form):
   rapidmoe  static + refresh from running frequencies: priced as static here (with a fixed frequency table the
             refresh has nothing to gain; bench/bench_cache.py replays traces where it does)
 
-The runtime realizes `stock`, `static`, `rapidmoe` and `lru` (`Llama(expert_cache_policy=...)`, `run`/`serve
---cache-policy` where --gpu-mem realizes a per-expert cache: on the file's own experts, e.g. WQ, where the
-comparison prices lru with Q4 experts); moepic is a projection only.
+The runtime realizes all five (`Llama(expert_cache_policy=...)`, `run`/`serve --cache-policy` where --gpu-mem
+realizes a per-expert cache): lru and moepic on the file's own experts, e.g. WQ, where the comparison prices them
+with Q4 experts.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from .planner import DEFAULT_RESERVE, Plan, PlanError, plan
 from .tensors import ModelShapes
 
 CACHE_POLICIES = ("stock", "static", "lru", "moepic", "rapidmoe")
-REALIZED = ("stock", "static", "rapidmoe", "lru")
+REALIZED = ("stock", "static", "rapidmoe", "lru", "moepic")  # run/serve --gpu-mem --cache-policy
 PREFILL_BATCH = 512
 
 
@@ -43,7 +43,7 @@ class SchemeEstimate:
     moved_per_token: float  # host -> device bytes per decoded token
     decode_tok_s: float
     prefill_tok_s: float
-    realized: bool  # whether `run --gpu-mem` can place it today
+    realized: bool  # whether `run --gpu-mem` places the scheme as priced (lru, moepic: priced on Q4 experts)
     fits: bool
     note: str = ""
 
@@ -61,12 +61,12 @@ class SchemeChoice:
             mark = " <- chosen" + (" (--cache-policy)" if self.forced else "") if e.scheme == self.chosen else ""
             rows.append(f"{e.scheme:<10}{e.form[:25]:<26}{e.hit_rate:>9.1%}{e.moved_per_token / 1e6:>14.1f}"
                         f"{e.decode_tok_s:>14.2f}{e.prefill_tok_s:>15.1f}  "
-                        + ("realized" if e.realized else "Llama API only" if e.scheme == "moepic" else "simulated only")
+                        + ("realized" if e.realized else "as priced: simulated only")
                         + ("" if e.fits else ", DOES NOT FIT") + mark)
         chosen = next(e for e in self.estimates if e.scheme == self.chosen)
         if not chosen.realized:
-            rows.append(f"note: run/serve --gpu-mem do not realize {self.chosen} yet (only {', '.join(REALIZED)}; "
-                        "Llama(expert_cache_policy='moepic') runs it); the "
+            rows.append(f"note: run/serve --gpu-mem --cache-policy {self.chosen} run it on the file's own experts, not "
+                        "the Q4 model priced here; the "
                         "run flags printed with the plans are the static RESplit plan's")
         rows += [f"note ({e.scheme}): {e.note}" for e in self.estimates if e.note]
         return "\n".join(rows)

@@ -63,11 +63,11 @@ void bind_expert_cache(nb::module_ & m) {
           }, "model"_a, "il"_a, "n_top"_a, "capacity"_a,
           "Layer il's cache becomes MoEpic's: top segments of n_top intermediate rows, up to `capacity` resident, "
           "its slots a work area assembled per ubatch, the next layer's predicted experts assembled ahead.");
-    m.def("expert_cache_set_async", [](uintptr_t model, bool async) {
-              if (rapidmoe_llama_expert_cache_set_async(as_model(model), async) != 0) {
+    m.def("expert_cache_set_async", [](uintptr_t model, bool enabled) {
+              if (rapidmoe_llama_expert_cache_set_async(as_model(model), enabled) != 0) {
                   throw std::invalid_argument("the model has no expert cache");
               }
-          }, "model"_a, "async"_a,
+          }, "model"_a, "enabled"_a,
           "Cache copies overlap compute (each layer waits for its own right before its device work) or not.");
     m.def("expert_cache_bytes", [](uintptr_t model, bool reset) {
               const llama_model * mdl = as_model(model);

@@ -27,6 +27,17 @@ def _fetch_module():  # type: ignore[no-untyped-def]
     return mod
 
 
+def no_amx_flags() -> list[str]:
+    """The compile flags that keep llama.cpp's AMX kernels out, as our own build does by default (RAPIDMOE_AMX in
+    CMakeLists.txt: GCC 12 miscompiles them into a SIGSEGV); nothing where the compiler has no such flag."""
+    probe = subprocess.run(["cc", "-mno-amx-tile", "-x", "c", "-E", "-", "-o", os.devnull], input=b"",
+                           capture_output=True)
+    if probe.returncode != 0:
+        return []
+    flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    return [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"]
+
+
 def build_stock(targets: list[str], jobs: int | None = None, quiet: bool = True) -> Path:
     """Configure (once) and build the given targets of unpatched llama.cpp; returns the folder with binaries/libs."""
     fetch = _fetch_module()
@@ -40,9 +51,12 @@ def build_stock(targets: list[str], jobs: int | None = None, quiet: bool = True)
         gen = ["-G", "Ninja"] if subprocess.run(["ninja", "--version"], capture_output=True).returncode == 0 else []
         subprocess.run(["cmake", "-S", str(src / "llama.cpp"), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release",
                         "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
-                        "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF"],
+                        "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", *no_amx_flags()],
                        check=True, stdout=out)
     cache = build / "CMakeCache.txt"
+    amx = no_amx_flags()
+    if amx and "-mno-amx-tile" not in cache.read_text():  # configured before the AMX flags: the same flags as ours
+        subprocess.run(["cmake", "-S", str(src / "llama.cpp"), "-B", str(build), *amx], check=True, stdout=out)
     if any(t.startswith("test-") for t in targets) and "LLAMA_BUILD_TESTS:BOOL=ON" not in cache.read_text():
         # llama.cpp's test programs (test-llama-archs writes its random-weight models per architecture)
         subprocess.run(["cmake", "-S", str(src / "llama.cpp"), "-B", str(build), "-DLLAMA_BUILD_TESTS=ON"], check=True, stdout=out)

@@ -58,7 +58,11 @@ np.save(sys.argv[3], np.array(m.scores[:len(toks)], dtype=np.float64))
 
 
 @pytest.mark.stock
-def test_r0_is_exactly_stock_on_the_wq_file(split_pair, stock_bin: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_r0_is_exactly_stock_on_the_wq_file(split_pair, stock_bin: Path, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bit for bit, with our repacked MUL_MAT_ID's 4-row gemm off (patch 0005: on, prompt batches sum in another
+    order than stock's one gemv per row; test_repacked_mul_mat_id_gemm_rows_match_the_gemv checks that path)."""
+    monkeypatch.setenv("RAPIDMOE_REPACK_MMID_GEMM", "0")
     _, wq, wr = split_pair
     toks = _tokens(wq)
     ours = _logits(wq, toks, residual_path=wr, n_critical=0)
@@ -255,10 +259,12 @@ def test_masked_mul_mat_id_matches_numpy(type_name: str) -> None:
 
 
 @pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K"])
-def test_masked_mul_mat_id_on_repacked_weights_matches_numpy(type_name: str) -> None:
+def test_masked_mul_mat_id_on_repacked_weights_matches_numpy(type_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The op on the CPU's repacked layout (CPU_REPACK claims it): skipped slots are zero rows, kept ones equal the
     repacked plain MUL_MAT_ID bit for bit and numpy to quantization error. Before patch 0002 made the masked matmul
-    its own op, this kernel asserted on the negative ids."""
+    its own op, this kernel asserted on the negative ids. Bit for bit needs one kernel per row, so patch 0005's
+    4-row gemm is off here (masking changes how an expert's rows group into fours)."""
+    monkeypatch.setenv("RAPIDMOE_REPACK_MMID_GEMM", "0")
     rng = np.random.default_rng(2)
     n_as, n_out, n_in, T, k = 6, 32, 256, 7, 4
     w = rng.standard_normal((n_as, n_out, n_in)).astype(np.float32)
@@ -282,6 +288,39 @@ def test_masked_mul_mat_id_on_repacked_weights_matches_numpy(type_name: str) -> 
     with pytest.raises(ValueError, match="no repacked layout"):  # F32 has none: refused, not silently plain
         _core.mul_mat_id(w.view(np.uint8).reshape(n_as, n_out, -1), int(GGMLQuantizationType.F32), n_in, b, ids,
                          repacked=True)
+
+
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_repacked_mul_mat_id_gemm_rows_match_the_gemv(type_name: str, masked: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Patch 0005: on repacked weights an expert's routed rows go four at a time through the gemm kernel, the rest
+    (count % 4) through the gemv. A prompt-sized batch (experts with 0 to many rows, groups and remainders): equal
+    to the gemv-only path (RAPIDMOE_REPACK_MMID_GEMM=0) to float rounding, to numpy to quantization error, and the
+    masked op's skipped slots are zero rows."""
+    rng = np.random.default_rng(5)
+    n_as, n_out, n_in, T, k = 8, 64, 512, 61, 4
+    w = rng.standard_normal((n_as, n_out, n_in)).astype(np.float32)
+    qt = GGMLQuantizationType[type_name]
+    raw = _core.quantize(w.reshape(-1, n_in), int(qt)).reshape(n_as, n_out, -1)
+    deq = _core.dequantize(raw.reshape(-1, raw.shape[-1]), int(qt), n_in).reshape(w.shape)
+    b = rng.standard_normal((T, 1, n_in)).astype(np.float32)
+    p = np.array([8, 4, 2, 1, 1, 0.5, 0.25, 0.0])  # skewed routing: one expert gets most rows, one none
+    ids = np.stack([rng.choice(n_as, size=k, replace=False, p=p / p.sum()) for _ in range(T)]).astype(np.int32)
+    if masked:
+        ids[rng.random((T, k)) < 0.4] = -1
+    monkeypatch.setenv("RAPIDMOE_REPACK_MMID_GEMM", "1")
+    gemm = _core.mul_mat_id(raw, int(qt), n_in, b, ids, masked=masked, repacked=True)
+    monkeypatch.setenv("RAPIDMOE_REPACK_MMID_GEMM", "0")
+    gemv = _core.mul_mat_id(raw, int(qt), n_in, b, ids, masked=masked, repacked=True)
+    keep = ids >= 0
+    counts = np.bincount(ids[keep], minlength=n_as)
+    assert counts.max() >= 8 and (counts % 4 != 0).any()  # the batch takes both paths
+    assert not np.array_equal(gemm[keep], gemv[keep])  # the gemm ran (it sums in another order)
+    assert _rel(gemm[keep], gemv[keep]) < 1e-5
+    ref = np.einsum("tkoi,ti->tko", deq[np.where(keep, ids, 0)], b[:, 0].astype(np.float64))
+    assert _rel(gemm[keep], ref[keep]) < 2e-2
+    np.testing.assert_array_equal(gemm[~keep], 0.0)
 
 
 def _decode_batch(llm: Llama, seqs: list[list[int]]) -> list[np.ndarray]:

@@ -76,9 +76,11 @@ decode(2)  # warm-up: pages in the weights, first graph allocations
 for rep in range(cfg["reps"]):
     lc.llama_set_n_threads(llm._ctx.ctx, 2, 2)
     llm.reset(); llm._ctx.kv_cache_clear()
+    llm._logits_all = False  # as llama-bench's pp: the prompt's last logits only (the head is not run 512 times)
     t0 = time.perf_counter()
     llm.eval(cfg["pp_tokens"])
     res["pp_tps"].append(len(cfg["pp_tokens"]) / (time.perf_counter() - t0))
+    llm._logits_all = True
     if rep == 0 and cfg["ours"]:
         llm.moe_counters(reset=True)
     res["tg_tps"]["2"].append(decode(2))
@@ -209,7 +211,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from bench_split import file_bytes_per_token, run_variant
-    from common import ensure_synthetic, kl_stats
+    from common import ensure_synthetic, kl_stats, read_bandwidth_gbs
     from rapidmoe.ggufio import GGUFFile
     from stock_llama import build_stock
 
@@ -254,6 +256,7 @@ def main() -> int:
         variants += [{"variant": f"ours {p} {label}", "kind": "ours", "preset": p, "policy": path, "model": wq,
                       "residual": wr} for label, path in policies[p]]
 
+    bandwidth = {"2": read_bandwidth_gbs(2), "1": read_bandwidth_gbs(1)}  # the roofline, measured in this run
     runs: dict[str, list[dict[str, Any]]] = {v["variant"]: [] for v in variants}
     logits: dict[str, np.ndarray] = {}
     for rep in range(args.reps):  # alternating order: rep 0 forward, rep 1 backward, ...
@@ -283,6 +286,7 @@ def main() -> int:
                      "tg_tps": float(np.median([x for r in rr for x in r["tg_tps"]["2"]])),
                      "tg1_tps": float(np.median(tg1)) if tg1 else None,
                      "mb_per_token": (other + experts) / 1e6,
+                     "gb_per_s": (other + experts) / 1e9 * float(np.median([x for r in rr for x in r["tg_tps"]["2"]])),
                      "critical_fraction": rr[0].get("critical_fraction"), **kl_stats(ref, logits[v["variant"]])})
     stock_pts = [(x["kl_mean"], x["tg_tps"]) for x in rows if x["kind"] == "stock" and x["variant"] != "stock F16"]
     front = pareto(stock_pts)
@@ -295,7 +299,7 @@ def main() -> int:
         x["prefill_vs_q4_k_m"] = x["pp_tps"] / q4["pp_tps"] if q4 else None
     result = {"model": str(args.model), "name": name, "model_gb": args.model.stat().st_size / 1e9, "top_k": k,
               "kl_tokens": sum(len(c) for c in chunks), "pp": args.pp, "tg": args.tg, "reps": args.reps,
-              "setup_s": setup_s, "stock_frontier": front, "rows": rows,
+              "setup_s": setup_s, "read_bandwidth_gbs": bandwidth, "stock_frontier": front, "rows": rows,
               "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
     stem = OUT / f"frontier-{name}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
@@ -307,12 +311,16 @@ def main() -> int:
 
 def to_markdown(r: dict[str, Any]) -> str:
     lines = [f"Model `{Path(r['model']).name}` ({r['model_gb']:.2f} GB), top-{r['top_k']}; CPU, decode at 2 and 1 "
-             f"threads ({r['tg']} tokens), prefill pp{r['pp']} at 2 threads; medians of {r['reps']} alternating "
-             f"repetitions; KL over {r['kl_tokens']} held-out tokens vs the F16 model. Command: `python bench/"
+             f"threads ({r['tg']} tokens), prefill pp{r['pp']} at 2 threads (the last token's logits only, as "
+             f"llama-bench); medians of {r['reps']} alternating repetitions; KL over {r['kl_tokens']} held-out tokens vs the F16 model. Command: `python bench/"
              f"{r['command']}`", "",
+             f"Memory read bandwidth measured in the same run (numpy sum, best of 5): "
+             f"{r['read_bandwidth_gbs']['2']:.1f} GB/s with 2 threads, {r['read_bandwidth_gbs']['1']:.1f} GB/s with 1. "
+             "A decode step reads at least `MB read/token`; `GB/s` is that times decode tok/s (2 threads): a "
+             "variant near the measured bandwidth is bandwidth-bound, one well below it compute-bound.", "",
              "| variant | files MB | MB read/token | prefill tok/s | decode tok/s (2 thr) | decode tok/s (1 thr) | "
-             "critical slots | KL vs F16 | top-1 same | stock frontier at this KL | speed / frontier | "
-             "decode / Q4_K_M | prefill / Q4_K_M |", "|" + "---|" * 13]
+             "GB/s (2 thr) | critical slots | KL vs F16 | top-1 same | stock frontier at this KL | speed / frontier | "
+             "decode / Q4_K_M | prefill / Q4_K_M |", "|" + "---|" * 14]
     for x in r["rows"]:
         crit = f"{100 * x['critical_fraction']:.0f}%" if x["critical_fraction"] is not None else "-"
         tg1 = f"{x['tg1_tps']:.2f}" if x["tg1_tps"] is not None else "-"
@@ -320,7 +328,8 @@ def to_markdown(r: dict[str, Any]) -> str:
         q4d = f"{x['decode_vs_q4_k_m']:.2f}x" if x["decode_vs_q4_k_m"] else "-"
         q4p = f"{x['prefill_vs_q4_k_m']:.2f}x" if x["prefill_vs_q4_k_m"] else "-"
         lines.append(f"| {x['variant']} | {x['file_mb']:.0f} | {x['mb_per_token']:.1f} | {x['pp_tps']:.1f} | "
-                     f"{x['tg_tps']:.2f} | {tg1} | {crit} | {x['kl_mean']:.5f} | {x['top1_same']:.3f} | "
+                     f"{x['tg_tps']:.2f} | {tg1} | {x['gb_per_s']:.1f} | {crit} | {x['kl_mean']:.5f} | "
+                     f"{x['top1_same']:.3f} | "
                      f"{x['frontier_tps']:.2f} | {mark}{x['ratio_to_frontier']:.2f}x | {q4d} | {q4p} |")
     lines += ["", "Frontier ratio marks: `>` our KL is below every stock type's, so the ratio is to stock's "
               "lowest-KL type (which is also worse in quality); `<` our KL is above every stock type's (ratio to "

@@ -9,6 +9,7 @@ Needs Debian's linux-perf; cpu-clock samples count on-CPU time of both threads (
 counters), so the CPU ms per function hold up when other processes load the machine; the wall time does not.
 
 Usage: python tools/profile_decode.py MODEL.gguf [--residual WR.gguf -r 1] [--stock] [-t 2] [--steps 64] [--top 25]
+       [--pp 512: profile prefill batches of 512 tokens instead of decode steps]
 """
 from __future__ import annotations
 
@@ -37,7 +38,18 @@ else:
     from rapidmoe import Llama
     from rapidmoe._runtime import llama_cpp as lc
     kw = dict(residual_path=cfg["residual"], n_critical=cfg["r"]) if cfg["residual"] else {}
-llm = Llama(model_path=cfg["model"], n_ctx=512, n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
+if cfg["no_repack"]:  # plain weight layout: llama.cpp's use_extra_bufts off (its --no-repack)
+    import importlib
+    low = importlib.import_module("llama_cpp.llama_cpp" if cfg["stock"] else "rapidmoe._llama_cpp.llama_cpp")
+    _default = low.llama_model_default_params
+    def _plain():
+        p = _default()
+        p.use_extra_bufts = False
+        return p
+    low.llama_model_default_params = _plain
+    os.environ["RAPIDMOE_SIDECAR_REPACK"] = "0"
+llm = Llama(model_path=cfg["model"], n_ctx=max(512, cfg["pp"] + 8), n_batch=max(512, cfg["pp"]),
+            n_ubatch=max(512, cfg["pp"]), n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
             verbose=False, **kw)
 if cfg.get("policy"):
     llm.set_policy(cfg["policy"])
@@ -52,12 +64,22 @@ def decode(tok, n):
         llm.eval([tok])
         tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
     return (time.perf_counter() - t0) / n
-decode(prompt(), 8)
-tok = prompt()
+def prefill(n):  # one batch of cfg["pp"] tokens per step, from an empty cache
+    t0 = time.perf_counter()
+    for _ in range(n):
+        llm.reset(); llm._ctx.kv_cache_clear()
+        llm.eval(pp_toks)
+    return (time.perf_counter() - t0) / n / len(pp_toks)
+if cfg["pp"]:
+    pp_toks = (toks * (cfg["pp"] // len(toks) + 1))[:cfg["pp"]]
+    prefill(1)
+else:
+    decode(prompt(), 8)
+    tok = prompt()
 perf = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", str(cfg["freq"]), "-o", cfg["data"],
                          "-p", str(os.getpid())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 time.sleep(0.5)
-step = decode(tok, cfg["steps"])
+step = prefill(cfg["steps"]) if cfg["pp"] else decode(tok, cfg["steps"])
 perf.send_signal(signal.SIGINT)
 perf.wait()
 print("RESULT " + json.dumps({"ms_per_token": step * 1e3}))
@@ -74,6 +96,9 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--no-repack", action="store_true", help="load every weight in the plain layout (no CPU_REPACK)")
+    ap.add_argument("--pp", type=int, default=0,
+                    help="profile prefill instead: --steps batches of PP tokens each (times are then per token)")
     ap.add_argument("--json", type=Path, default=None, help="also write the table as JSON")
     args = ap.parse_args()
     if shutil.which("perf") is None:
@@ -91,7 +116,8 @@ def main() -> int:
         data = str(Path(tmp) / "perf.data")
         cfg = {"model": str(args.model.resolve()), "residual": str(args.residual.resolve()) if args.residual else None,
                "r": args.r, "policy": str(args.policy) if args.policy else None, "stock": args.stock,
-               "threads": args.threads, "steps": args.steps, "data": data, "freq": FREQ}
+               "threads": args.threads, "steps": args.steps, "data": data, "freq": FREQ, "pp": args.pp,
+               "no_repack": args.no_repack}
         out = subprocess.run([sys.executable, "-c", LOOP, json.dumps(cfg)], env=env, cwd=cwd, capture_output=True,
                              text=True)
         if out.returncode != 0:
@@ -104,14 +130,15 @@ def main() -> int:
     for line in rep.splitlines():
         parts = line.split()
         if len(parts) >= 4 and parts[0].endswith("%") and parts[2].startswith("["):
-            rows.append((float(parts[0][:-1]), int(parts[1]) / FREQ * 1e3 / args.steps, " ".join(parts[3:])))
+            rows.append((float(parts[0][:-1]), int(parts[1]) / FREQ * 1e3 / args.steps / max(args.pp, 1), " ".join(parts[3:])))
     cpu_ms = sum(r[1] for r in rows)
     print(f"{args.model.name} {'stock' if args.stock else 'ours'} r={args.r if args.residual else '-'} "
-          f"threads={args.threads}: {res['ms_per_token']:.2f} ms/token wall over {args.steps} steps, "
+          f"threads={args.threads}: {res['ms_per_token']:.3f} ms/token wall over {args.steps} "
+          f"{'prefill batches of ' + str(args.pp) if args.pp else 'decode steps'}, "
           f"{cpu_ms:.2f} CPU ms/token in the functions listed")
     print("| share of samples | CPU ms/token | function |\n|---|---|---|")
     for pct, ms, sym in rows[:args.top]:
-        print(f"| {pct:.1f}% | {ms:.2f} | `{sym}` |")
+        print(f"| {pct:.1f}% | {ms:.3f} | `{sym}` |")
     if args.json:
         args.json.write_text(json.dumps({"ms_per_token": res["ms_per_token"], "rows": rows}, indent=1))
     return 0

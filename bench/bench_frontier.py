@@ -8,7 +8,8 @@ model and in one run, stock llama.cpp of the same pin at Q2_K ... Q8_0 (and IQ4_
 - decode tokens/s (--tg single-token steps after an 8-token prompt) at 2 threads and at 1 thread,
 - prefill tokens/s (one batch of --pp tokens: pp512 by default),
 - weight bytes read per decoded token (experts: from the types and, for ours, the critical-slot counters),
-- KL divergence to the F16 model and top-1 agreement over --chunks x --n-ctx held-out tokens.
+- KL divergence to the F16 model and top-1 agreement over --chunks x --n-ctx held-out tokens (evaluated as prompt
+  batches; a UMIA policy is forced to its decode-phase thresholds there, so its KL belongs to its decode speed).
 
 Stock's Pareto-optimal points make the frontier line (decode tok/s against log KL); for each of our points the
 table gives the ratio of its decode speed to that line interpolated at the same KL (beyond the line's lowest KL
@@ -72,7 +73,10 @@ def decode(threads):
         tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
     return cfg["tg"] / (time.perf_counter() - t0)
 
-decode(2)  # warm-up: pages in the weights, first graph allocations
+llm._logits_all = False
+llm.eval(cfg["pp_tokens"])  # warm-up: a prompt batch reads every expert (pages in mmap'd weights), graphs allocated
+llm._logits_all = True
+decode(2)
 for rep in range(cfg["reps"]):
     lc.llama_set_n_threads(llm._ctx.ctx, 2, 2)
     llm.reset(); llm._ctx.kv_cache_clear()
@@ -94,6 +98,9 @@ for rep in range(cfg["reps"]):
     if cfg["one_thread"]:
         res["tg_tps"]["1"].append(decode(1))
 lc.llama_set_n_threads(llm._ctx.ctx, 2, 2)
+if cfg.get("policy"):  # KL with the thresholds decode runs (the chunks are prompt batches: prefill's otherwise)
+    import dataclasses
+    llm.set_policy(dataclasses.replace(llm.policy, phase="decode"))
 logits = []
 for ch in cfg["chunks"]:
     llm.reset(); llm._ctx.kv_cache_clear()
@@ -200,6 +207,7 @@ def main() -> int:
     ap.add_argument("--presets", default="cpu,cpu-q8", help="our presets, comma-separated")
     ap.add_argument("--r", default="0,1,2", help="fixed r values (comma-separated) for every preset")
     ap.add_argument("--umia", type=int, default=2, help="UMIA policies per preset (calibrated on --calib; 0: none)")
+    ap.add_argument("--umia-presets", default=None, help="the presets that get UMIA points (default: all of --presets)")
     ap.add_argument("--eval", type=Path, default=None, help="held-out text for KL (default: shared eval.txt)")
     ap.add_argument("--calib", type=Path, default=None, help="UMIA calibration text (default: shared calib.txt)")
     ap.add_argument("--n-ctx", type=int, default=256)
@@ -229,7 +237,9 @@ def main() -> int:
     presets = [p for p in args.presets.split(",") if p]
     pairs = {p: our_pair(args.model, p, work) for p in presets}
     calib = args.calib or (SHARED / "calib.txt")
-    policies = {p: (umia_policies(*pairs[p], calib, work, args.umia) if args.umia > 0 else []) for p in presets}
+    umia_presets = presets if args.umia_presets is None else [p for p in args.umia_presets.split(",") if p]
+    policies = {p: (umia_policies(*pairs[p], calib, work, args.umia) if args.umia > 0 and p in umia_presets else [])
+                for p in presets}
     setup_s = time.perf_counter() - t_setup
 
     from rapidmoe import Llama

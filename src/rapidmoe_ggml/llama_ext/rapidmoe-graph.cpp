@@ -34,25 +34,6 @@ void keep_mask_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
 }
 
-// dst [k, T] i32 = the selected expert where the slot is not critical, -1 where it is; src = selected, critical ids
-void noncritical_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    (void) nth;
-    (void) userdata;
-    if (ith != 0) {
-        return;
-    }
-    const ggml_tensor * sel = dst->src[0];
-    const ggml_tensor * crit = dst->src[1];
-    for (int64_t t = 0; t < sel->ne[1]; ++t) {
-        const auto * s = (const int32_t *) ((const char *) sel->data + t * sel->nb[1]);
-        const auto * c = (const int32_t *) ((const char *) crit->data + t * crit->nb[1]);
-        auto * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
-        for (int64_t j = 0; j < sel->ne[0]; ++j) {
-            out[j] = c[j] < 0 ? s[j] : -1;
-        }
-    }
-}
-
 // whether a weight lives in CPU memory (the plain or a repacked CPU buffer): the CPU can run its masked matmul
 bool in_cpu_memory(const ggml_tensor * w) {
     if (w->buffer == nullptr) {
@@ -100,12 +81,14 @@ void begin_split(rapidmoe_moe_split & s, const llm_graph_context & g, const rapi
                  ggml_tensor * selected, ggml_tensor * weights, const ggml_tensor * up_exps) {
     // the phase this graph serves: generation steps put at most one token per sequence in a ubatch
     const int phase = g.ubatch.n_tokens <= g.ubatch.n_seqs_unq ? RAPIDMOE_UMIA_DECODE : RAPIDMOE_UMIA_PREFILL;
-    s.crit_ids = rapidmoe_umia_critical_ids(g.ctx0, weights, selected, layer.state->policy,
-                                            layer.sites[phase].get()); // [k, T]
-    g.cb(s.crit_ids, "rapidmoe_critical_ids", s.il);
+    const rapidmoe_umia_ids ids = rapidmoe_umia_critical_ids(g.ctx0, weights, selected, layer.state->policy,
+                                                             layer.sites[phase].get()); // [k, T, 2]
+    g.cb(ids.node, "rapidmoe_critical_ids", s.il);
     // our custom ops run on the CPU: a device that claims every op (RPC) must not get them (their function
     // pointers mean nothing in another process), and a GPU refuses them anyway
-    on_cpu(g, s.crit_ids);
+    on_cpu(g, ids.node);
+    s.crit_ids = ids.critical;       // [k, T]
+    s.noncrit_ids = ids.noncritical; // [k, T]: copy-mode down's WQ ids
     s.layer = &layer;
     s.skip_noncritical = layer.state->skip_noncritical.load();
     const int mode = layer.state->overlap_mode.load();
@@ -279,12 +262,7 @@ ggml_tensor * down_copy_split(const rapidmoe_moe_split & s, ggml_tensor * expert
     if (s.skip_noncritical) { // drop baseline: no WQ slot at all
         return hi;
     }
-    ggml_tensor * srcs[2] = { s.selected, s.crit_ids };
-    ggml_tensor * wq_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, s.crit_ids->ne[0], s.crit_ids->ne[1], 1, 1, srcs, 2,
-                                          noncritical_ids_op, 1, nullptr); // [k, T]
-    s.g->cb(wq_ids, "rapidmoe_noncritical_ids", s.il);
-    on_cpu(*s.g, wq_ids);
-    experts->src[2] = wq_ids;
+    experts->src[2] = s.noncrit_ids; // UMIA's op wrote them beside the critical ids
     experts->op = GGML_OP_MUL_MAT_ID_MASKED;
     on_cpu(*s.g, experts);
     return ggml_add(ctx, experts, hi);

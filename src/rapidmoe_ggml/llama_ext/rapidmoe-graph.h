@@ -27,6 +27,7 @@ struct rapidmoe_moe_split {
     ggml_tensor *                   x        = nullptr; // expert input  [n_embd, 1, n_tokens]
     ggml_tensor *                   selected = nullptr; // the router's experts [n_expert_used, n_tokens]
     ggml_tensor *                   crit_ids = nullptr; // [n_expert_used, n_tokens], -1 for non-critical slots
+    ggml_tensor *                   noncrit_ids = nullptr; // [n_expert_used, n_tokens], -1 for critical slots
     int                             il       = -1;
     bool                            skip_noncritical = false; // drop baseline: WQ computes critical slots only
     bool                            overlap = false;          // begin/join around the WQ matmuls

@@ -65,12 +65,15 @@ void rapidmoe_umia_critical_ids_op(ggml_tensor * dst, int ith, int nth, void * u
         const auto * wt = (const float *) ((const char *) w->data + t * w->nb[2]);
         const auto * st = (const int32_t *) ((const char *) sel->data + t * sel->nb[1]);
         auto * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
+        auto * rest = (int32_t *) ((char *) dst->data + t * dst->nb[1] + dst->nb[2]);
         const int r = rapidmoe_umia_n_critical(wt, k, w->nb[1], tau, r_min, r_max, order.data());
         for (int j = 0; j < k; ++j) {
             out[j] = -1;
+            rest[j] = st[j];
         }
         for (int j = 0; j < r; ++j) {
             out[order[j]] = st[order[j]];
+            rest[order[j]] = -1;
         }
         ++hist[r];
     }
@@ -95,13 +98,17 @@ void rapidmoe_umia_fixed_policy(float * p, int64_t n_rows, int r) {
     }
 }
 
-ggml_tensor * rapidmoe_umia_critical_ids(ggml_context * ctx, ggml_tensor * weights, ggml_tensor * selected,
-                                         ggml_tensor * policy, rapidmoe_umia_site * site) {
+rapidmoe_umia_ids rapidmoe_umia_critical_ids(ggml_context * ctx, ggml_tensor * weights, ggml_tensor * selected,
+                                             ggml_tensor * policy, rapidmoe_umia_site * site) {
     GGML_ASSERT(selected->ne[0] <= RAPIDMOE_UMIA_MAX_K);
     GGML_ASSERT(policy->type == GGML_TYPE_F32 && policy->ne[0] == RAPIDMOE_UMIA_ROW && site->il + 1 < policy->ne[1]);
     ggml_tensor * args[3] = { weights, selected, policy };
-    return ggml_custom_4d(ctx, GGML_TYPE_I32, selected->ne[0], selected->ne[1], 1, 1, args, 3,
-                          rapidmoe_umia_critical_ids_op, 1, site);
+    rapidmoe_umia_ids ids;
+    ids.node = ggml_custom_4d(ctx, GGML_TYPE_I32, selected->ne[0], selected->ne[1], 2, 1, args, 3,
+                              rapidmoe_umia_critical_ids_op, 1, site); // [k, T, 2]
+    ids.critical = ggml_view_2d(ctx, ids.node, ids.node->ne[0], ids.node->ne[1], ids.node->nb[1], 0);
+    ids.noncritical = ggml_view_2d(ctx, ids.node, ids.node->ne[0], ids.node->ne[1], ids.node->nb[1], ids.node->nb[2]);
+    return ids;
 }
 
 int32_t rapidmoe_umia_eval(const float * weights, int64_t n_tokens, int32_t k, const float * policy, int32_t n_layer,
@@ -114,7 +121,7 @@ int32_t rapidmoe_umia_eval(const float * weights, int64_t n_tokens, int32_t k, c
     if (cpu == nullptr) {
         return -1;
     }
-    ggml_init_params ip = { 8 * ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
+    ggml_init_params ip = { 10 * ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * w = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, k, n_tokens);
     ggml_tensor * sel = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, n_tokens);
@@ -122,7 +129,7 @@ int32_t rapidmoe_umia_eval(const float * weights, int64_t n_tokens, int32_t k, c
     rapidmoe_umia_site site;
     site.il = il;
     site.phase = phase;
-    ggml_tensor * ids = rapidmoe_umia_critical_ids(ctx, w, sel, pol, &site);
+    ggml_tensor * ids = rapidmoe_umia_critical_ids(ctx, w, sel, pol, &site).node;
     ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, ids);
     ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, cpu);
@@ -135,7 +142,7 @@ int32_t rapidmoe_umia_eval(const float * weights, int64_t n_tokens, int32_t k, c
     ggml_backend_tensor_set(pol, policy, 0, ggml_nbytes(pol));
     const bool ok = ggml_backend_graph_compute(cpu, gf) == GGML_STATUS_SUCCESS;
     if (ok) {
-        ggml_backend_tensor_get(ids, ids_out, 0, ggml_nbytes(ids));
+        ggml_backend_tensor_get(ids, ids_out, 0, ggml_nbytes(ids) / 2); // plane 0: the critical ids
         for (int r = 0; r <= k && hist_out != nullptr; ++r) {
             hist_out[r] = site.hist[r].load();
         }

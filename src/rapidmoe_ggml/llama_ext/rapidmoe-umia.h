@@ -31,7 +31,8 @@ struct rapidmoe_umia_site {
 // r for one token: w points at k weights `stride` bytes apart; order receives the slots by weight, descending.
 int rapidmoe_umia_n_critical(const float * w, int k, size_t stride, float tau, int r_min, int r_max, int * order);
 
-// dst I32 [k, T] = the token's expert id in its critical slots, -1 elsewhere.
+// dst I32 [k, T, 2]: plane 0 = the token's expert id in its critical slots, -1 elsewhere; plane 1 = the expert id in
+// its non-critical slots, -1 elsewhere (the ids of copy-mode down's WQ matmul: no node of its own).
 // src[0] weights [1, k, T] F32, src[1] selected [k, T] I32, src[2] policy; userdata: rapidmoe_umia_site.
 void rapidmoe_umia_critical_ids_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 
@@ -44,6 +45,13 @@ void rapidmoe_umia_fixed_policy(float * p, int64_t n_rows, int r);
 int32_t rapidmoe_umia_eval(const float * weights, int64_t n_tokens, int32_t k, const float * policy, int32_t n_layer,
                            int32_t il, int32_t phase, int32_t * ids_out, int64_t * hist_out);
 
-// Build the op over `weights` [1, k, T] and `selected` [k, T] in ctx (no_alloc is fine).
-ggml_tensor * rapidmoe_umia_critical_ids(ggml_context * ctx, ggml_tensor * weights, ggml_tensor * selected,
-                                         ggml_tensor * policy, rapidmoe_umia_site * site);
+// Build the op over `weights` [1, k, T] and `selected` [k, T] in ctx (no_alloc is fine): the op's node [k, T, 2]
+// (the one to name and place), the critical ids [k, T] (a view of plane 0) and, where `noncritical` is given, the
+// non-critical ids [k, T] (a view of plane 1).
+struct rapidmoe_umia_ids {
+    ggml_tensor * node = nullptr;
+    ggml_tensor * critical = nullptr;
+    ggml_tensor * noncritical = nullptr;
+};
+rapidmoe_umia_ids rapidmoe_umia_critical_ids(ggml_context * ctx, ggml_tensor * weights, ggml_tensor * selected,
+                                             ggml_tensor * policy, rapidmoe_umia_site * site);

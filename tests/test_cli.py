@@ -90,3 +90,23 @@ def test_make_model_writes_and_refuses_overwrite(tmp_path: Path) -> None:
     assert out.stat().st_size > 0 and not list(tmp_path.glob("*.tmp"))
     assert "exists; pass --force" in _one_line_error(["make-model", "-o", str(out)])
     assert runner.invoke(app, ["make-model", "-o", str(out), "--force"]).exit_code == 0
+
+
+def test_convert_picks_the_machines_preset(tiny_qwen: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --preset, convert takes the CPU frontier's winner where llama.cpp sees no GPU and the paper's preset
+    where it sees one (both named in its output and recorded in the sidecar's metadata)."""
+    from rapidmoe.cli import budget
+    from rapidmoe.resplit import read_sidecar_meta
+    from rapidmoe.resplit.presets import CPU_DEFAULT, GPU_DEFAULT, default_preset
+
+    assert default_preset(False) == CPU_DEFAULT != default_preset(True) == GPU_DEFAULT
+    monkeypatch.setattr(budget, "gpu_devices", lambda: [])
+    res = runner.invoke(app, ["convert", str(tiny_qwen), "-o", str(tmp_path / "cpu"), "--name", "m"])
+    assert res.exit_code == 0, res.output
+    assert f"preset auto: {CPU_DEFAULT} (no GPU found)" in res.output
+    assert read_sidecar_meta(tmp_path / "cpu" / "m.wr.gguf")["preset.name"] == CPU_DEFAULT
+    monkeypatch.setattr(budget, "gpu_devices", lambda: ["CUDA0"])
+    res = runner.invoke(app, ["convert", str(tiny_qwen), "-o", str(tmp_path / "gpu"), "--name", "m"])
+    # the paper's IQ1_M needs an importance matrix: refused in one line, naming the preset auto chose
+    assert f"preset auto: {GPU_DEFAULT} (GPU: CUDA0)" in res.output
+    assert res.exit_code != 0 and "importance matrix" in res.output

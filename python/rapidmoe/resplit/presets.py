@@ -126,6 +126,17 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
 )}
 
 
+# `convert`'s preset when none is named: on a machine with a GPU the paper's (WQ small enough for the device), on
+# one without the preset that won the CPU frontier (bench/results/frontier-qwen3moe-bench.md)
+GPU_DEFAULT = "paper"
+CPU_DEFAULT = "cpu-fast"
+
+
+def default_preset(has_gpu: bool) -> str:
+    """The preset `convert --preset auto` picks: GPU_DEFAULT where llama.cpp sees a GPU, else CPU_DEFAULT."""
+    return GPU_DEFAULT if has_gpu else CPU_DEFAULT
+
+
 def get_preset(name: str, **overrides: str) -> Preset:
     """A named preset, optionally with some of its types replaced (e.g. wq='IQ2_XS')."""
     if name not in PRESETS:

@@ -218,8 +218,8 @@ def main() -> int:
     ap.add_argument("--no-one-thread", action="store_true", help="skip the 1-thread decode measurement")
     args = ap.parse_args()
 
-    from bench_split import file_bytes_per_token, run_variant
-    from common import ensure_synthetic, kl_stats, read_bandwidth_gbs
+    from bench_split import file_bytes_per_token, measure_bandwidth, run_variant
+    from common import ensure_synthetic, kl_stats
     from rapidmoe.ggufio import GGUFFile
     from stock_llama import build_stock
 
@@ -266,7 +266,7 @@ def main() -> int:
         variants += [{"variant": f"ours {p} {label}", "kind": "ours", "preset": p, "policy": path, "model": wq,
                       "residual": wr} for label, path in policies[p]]
 
-    bandwidth = {"2": read_bandwidth_gbs(2), "1": read_bandwidth_gbs(1)}  # the roofline, measured in this run
+    bandwidth = {"2": measure_bandwidth(threads=2), "1": measure_bandwidth(threads=1)}  # the roofline, this run
     runs: dict[str, list[dict[str, Any]]] = {v["variant"]: [] for v in variants}
     logits: dict[str, np.ndarray] = {}
     for rep in range(args.reps):  # alternating order: rep 0 forward, rep 1 backward, ...
@@ -324,7 +324,7 @@ def to_markdown(r: dict[str, Any]) -> str:
              f"threads ({r['tg']} tokens), prefill pp{r['pp']} at 2 threads (the last token's logits only, as "
              f"llama-bench); medians of {r['reps']} alternating repetitions; KL over {r['kl_tokens']} held-out tokens vs the F16 model. Command: `python bench/"
              f"{r['command']}`", "",
-             f"Memory read bandwidth measured in the same run (numpy sum, best of 5): "
+             f"Memory read bandwidth measured in the same run (numpy sum of 1 GiB per thread, best of 3): "
              f"{r['read_bandwidth_gbs']['2']:.1f} GB/s with 2 threads, {r['read_bandwidth_gbs']['1']:.1f} GB/s with 1. "
              "A decode step reads at least `MB read/token`; `GB/s` is that times decode tok/s (2 threads): a "
              "variant near the measured bandwidth is bandwidth-bound, one well below it compute-bound.", "",

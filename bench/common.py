@@ -29,22 +29,3 @@ def ensure_synthetic(path: Path, arch: str, size: str, **overrides: object) -> P
         write_model(spec_for(arch, size, **overrides), path, vocab_dir(), progress=True)
     return path
 
-
-def read_bandwidth_gbs(threads: int = 2, gib: float = 1.0, reps: int = 5) -> float:
-    """Best memory read bandwidth (GB/s) of `threads` threads summing their own part of a `gib`-GiB array (numpy
-    releases the GIL in the reduction): the roofline a bandwidth-bound decode step cannot beat on this machine."""
-    import threading
-    import time
-
-    a = np.ones(int(gib * 2**30) // 8, dtype=np.float64)
-    parts = np.array_split(a, threads)
-    best = 0.0
-    for _ in range(reps):
-        ts = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
-    return best

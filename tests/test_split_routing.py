@@ -230,19 +230,23 @@ def test_kl_to_f16_falls_as_r_grows(split_pair, tmp_path: Path) -> None:  # type
     assert all(a > b for a, b in zip(kls, kls[1:])), kls
 
 
+def _experts(rng: np.random.Generator, n_as: int, n_out: int, n_in: int,
+             type_name: str) -> tuple[np.ndarray, np.ndarray, GGMLQuantizationType]:
+    """Random stacked experts [n_as, n_out, n_in] in a ggml type: (raw bytes, their dequantization, the type)."""
+    w = rng.standard_normal((n_as, n_out, n_in)).astype(np.float32)
+    qt = GGMLQuantizationType[type_name]
+    if qt == GGMLQuantizationType.F32:
+        return w.view(np.uint8).reshape(n_as, n_out, -1), w, qt
+    raw = _core.quantize(w.reshape(-1, n_in), int(qt)).reshape(n_as, n_out, -1)
+    return raw, _core.dequantize(raw.reshape(-1, raw.shape[-1]), int(qt), n_in).reshape(w.shape), qt
+
+
 @pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K", "F32"])
 def test_masked_mul_mat_id_matches_numpy(type_name: str) -> None:
     """The ggml patch: ids < 0 skip their slot (zero rows); others equal ggml_mul_mat_id and numpy."""
     rng = np.random.default_rng(1)
     n_as, n_out, n_in, T, k = 6, 32, 256, 5, 3
-    w = rng.standard_normal((n_as, n_out, n_in)).astype(np.float32)
-    qt = GGMLQuantizationType[type_name]
-    if qt == GGMLQuantizationType.F32:
-        raw = w.view(np.uint8).reshape(n_as, n_out, -1)
-        deq = w
-    else:
-        raw = _core.quantize(w.reshape(-1, n_in), int(qt)).reshape(n_as, n_out, -1)
-        deq = _core.dequantize(raw.reshape(-1, raw.shape[-1]), int(qt), n_in).reshape(w.shape)
+    raw, deq, qt = _experts(rng, n_as, n_out, n_in, type_name)
     b = rng.standard_normal((T, 1, n_in)).astype(np.float32)
     ids = rng.integers(0, n_as, size=(T, k)).astype(np.int32)
     masked_ids = ids.copy()
@@ -267,10 +271,7 @@ def test_masked_mul_mat_id_on_repacked_weights_matches_numpy(type_name: str, mon
     monkeypatch.setenv("RAPIDMOE_REPACK_MMID_GEMM", "0")
     rng = np.random.default_rng(2)
     n_as, n_out, n_in, T, k = 6, 32, 256, 7, 4
-    w = rng.standard_normal((n_as, n_out, n_in)).astype(np.float32)
-    qt = GGMLQuantizationType[type_name]
-    raw = _core.quantize(w.reshape(-1, n_in), int(qt)).reshape(n_as, n_out, -1)
-    deq = _core.dequantize(raw.reshape(-1, raw.shape[-1]), int(qt), n_in).reshape(w.shape)
+    raw, deq, qt = _experts(rng, n_as, n_out, n_in, type_name)
     b = rng.standard_normal((T, 1, n_in)).astype(np.float32)
     # distinct experts per token, as routing gives (the repacked kernel sizes its row map for at most T rows each)
     ids = np.stack([rng.permutation(n_as)[:k] for _ in range(T)]).astype(np.int32)
@@ -286,8 +287,8 @@ def test_masked_mul_mat_id_on_repacked_weights_matches_numpy(type_name: str, mon
     np.testing.assert_array_equal(got[~keep], 0.0)
     np.testing.assert_array_equal(got[keep], full[keep])
     with pytest.raises(ValueError, match="no repacked layout"):  # F32 has none: refused, not silently plain
-        _core.mul_mat_id(w.view(np.uint8).reshape(n_as, n_out, -1), int(GGMLQuantizationType.F32), n_in, b, ids,
-                         repacked=True)
+        _core.mul_mat_id(deq.astype(np.float32).view(np.uint8).reshape(n_as, n_out, -1), int(GGMLQuantizationType.F32),
+                         n_in, b, ids, repacked=True)
 
 
 @pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K"])
@@ -300,10 +301,7 @@ def test_repacked_mul_mat_id_gemm_rows_match_the_gemv(type_name: str, masked: bo
     masked op's skipped slots are zero rows."""
     rng = np.random.default_rng(5)
     n_as, n_out, n_in, T, k = 8, 64, 512, 61, 4
-    w = rng.standard_normal((n_as, n_out, n_in)).astype(np.float32)
-    qt = GGMLQuantizationType[type_name]
-    raw = _core.quantize(w.reshape(-1, n_in), int(qt)).reshape(n_as, n_out, -1)
-    deq = _core.dequantize(raw.reshape(-1, raw.shape[-1]), int(qt), n_in).reshape(w.shape)
+    raw, deq, qt = _experts(rng, n_as, n_out, n_in, type_name)
     b = rng.standard_normal((T, 1, n_in)).astype(np.float32)
     p = np.array([8, 4, 2, 1, 1, 0.5, 0.25, 0.0])  # skewed routing: one expert gets most rows, one none
     ids = np.stack([rng.choice(n_as, size=k, replace=False, p=p / p.sum()) for _ in range(T)]).astype(np.int32)

@@ -46,8 +46,8 @@ int32_t rapidmoe_umia_eval(const float * weights, int64_t n_tokens, int32_t k, c
                            int32_t il, int32_t phase, int32_t * ids_out, int64_t * hist_out);
 
 // Build the op over `weights` [1, k, T] and `selected` [k, T] in ctx (no_alloc is fine): the op's node [k, T, 2]
-// (the one to name and place), the critical ids [k, T] (a view of plane 0) and, where `noncritical` is given, the
-// non-critical ids [k, T] (a view of plane 1).
+// (the one to name and place), the critical ids [k, T] (a view of plane 0) and the non-critical ids [k, T] (a view
+// of plane 1).
 struct rapidmoe_umia_ids {
     ggml_tensor * node = nullptr;
     ggml_tensor * critical = nullptr;

@@ -290,13 +290,14 @@ def main() -> int:
             experts = rr[0]["wq_bytes_per_token"] + rr[0]["wr_bytes_per_token"]
         size = Path(v["model"]).stat().st_size + (Path(v["residual"]).stat().st_size if "residual" in v else 0)
         tg1 = [x for r in rr for x in r["tg_tps"]["1"]]
+        tg2 = float(np.median([x for r in rr for x in r["tg_tps"]["2"]]))
         rows.append({"variant": v["variant"], "kind": v["kind"], "preset": v.get("preset"), "r": v.get("r"),
                      "policy": v.get("policy"), "file_mb": size / 1e6,
                      "pp_tps": float(np.median([x for r in rr for x in r["pp_tps"]])),
-                     "tg_tps": float(np.median([x for r in rr for x in r["tg_tps"]["2"]])),
+                     "tg_tps": tg2,
                      "tg1_tps": float(np.median(tg1)) if tg1 else None,
                      "mb_per_token": (other + experts) / 1e6,
-                     "gb_per_s": (other + experts) / 1e9 * float(np.median([x for r in rr for x in r["tg_tps"]["2"]])),
+                     "gb_per_s": (other + experts) / 1e9 * tg2,
                      "critical_fraction": rr[0].get("critical_fraction"), **kl_stats(ref, logits[v["variant"]])})
     stock_pts = [(x["kl_mean"], x["tg_tps"]) for x in rows if x["kind"] == "stock" and x["variant"] != "stock F16"]
     front = pareto(stock_pts)
@@ -322,7 +323,8 @@ def main() -> int:
 def to_markdown(r: dict[str, Any]) -> str:
     lines = [f"Model `{Path(r['model']).name}` ({r['model_gb']:.2f} GB), top-{r['top_k']}; CPU, decode at 2 and 1 "
              f"threads ({r['tg']} tokens), prefill pp{r['pp']} at 2 threads (the last token's logits only, as "
-             f"llama-bench); medians of {r['reps']} alternating repetitions; KL over {r['kl_tokens']} held-out tokens vs the F16 model. Command: `python bench/"
+             f"llama-bench); medians of {r['reps']} alternating repetitions; KL over {r['kl_tokens']} held-out "
+             "tokens vs the F16 model. Command: `python bench/"
              f"{r['command']}`", "",
              f"Memory read bandwidth measured in the same run (numpy sum of 1 GiB per thread, best of 3): "
              f"{r['read_bandwidth_gbs']['2']:.1f} GB/s with 2 threads, {r['read_bandwidth_gbs']['1']:.1f} GB/s with 1. "

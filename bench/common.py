@@ -28,4 +28,3 @@ def ensure_synthetic(path: Path, arch: str, size: str, **overrides: object) -> P
     if not path.exists():
         write_model(spec_for(arch, size, **overrides), path, vocab_dir(), progress=True)
     return path
-

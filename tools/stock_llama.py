@@ -47,14 +47,14 @@ def build_stock(targets: list[str], jobs: int | None = None, quiet: bool = True)
         sdist = fetch.ensure_sdist(ROOT / "vendor")
         fetch.extract_pristine(sdist, src)
     out = subprocess.DEVNULL if quiet else None
+    amx = no_amx_flags()
     if not (build / "build.ninja").exists() and not (build / "Makefile").exists():
         gen = ["-G", "Ninja"] if subprocess.run(["ninja", "--version"], capture_output=True).returncode == 0 else []
         subprocess.run(["cmake", "-S", str(src / "llama.cpp"), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release",
                         "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
-                        "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", *no_amx_flags()],
+                        "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", *amx],
                        check=True, stdout=out)
     cache = build / "CMakeCache.txt"
-    amx = no_amx_flags()
     if amx and "-mno-amx-tile" not in cache.read_text():  # configured before the AMX flags: the same flags as ours
         subprocess.run(["cmake", "-S", str(src / "llama.cpp"), "-B", str(build), *amx], check=True, stdout=out)
     if any(t.startswith("test-") for t in targets) and "LLAMA_BUILD_TESTS:BOOL=ON" not in cache.read_text():

@@ -24,6 +24,7 @@ Writes bench/out/frontier-<name>.{json,md,png} (copy to bench/results/ to publis
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -163,6 +164,15 @@ def our_pair(model: Path, preset: str, work: Path) -> tuple[Path, Path]:
     return wq, wr
 
 
+def kernels_key() -> str:
+    """A short hash of our patches and CPU kernels: what a cached latency measurement depends on besides the files."""
+    src = ROOT / "src" / "rapidmoe_ggml"
+    h = hashlib.sha256()
+    for f in sorted([*(src / "patches").glob("*.patch"), *(src / "ggml_ext").glob("*")]):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:10]
+
+
 def umia_policies(wq: Path, wr: Path, calib: Path, work: Path, n: int) -> list[tuple[str, str]]:
     """Calibrate UMIA on `calib` (latency model measured here, then the frontier search) and return up to n of its
     UMIA frontier policies as (label, policy.json path), cached in work/."""
@@ -171,7 +181,8 @@ def umia_policies(wq: Path, wr: Path, calib: Path, work: Path, n: int) -> list[t
     from rapidmoe.umia.measure import calibrate_latency
     from rapidmoe.umia.policy import policy_from_dict
 
-    d = work / f"{wq.stem}.umia"
+    # one calibration per preset and per build of our kernels (the latency model is measured with them)
+    d = work / f"{wq.parent.name}.{kernels_key()}.umia"
     d.mkdir(exist_ok=True)
     lat_path = d / "latency.json"
     if lat_path.exists():

@@ -61,7 +61,8 @@ np.save(sys.argv[3], np.array(m.scores[:len(toks)], dtype=np.float64))
 def test_r0_is_exactly_stock_on_the_wq_file(split_pair, stock_bin: Path, tmp_path: Path,  # type: ignore[no-untyped-def]
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Bit for bit, with our repacked MUL_MAT_ID's 4-row gemm off (patch 0005: on, prompt batches sum in another
-    order than stock's one gemv per row; test_repacked_mul_mat_id_gemm_rows_match_the_gemv checks that path)."""
+    order than stock's one gemv per row; test_repacked_mul_mat_id_gemm_rows_match_the_gemv checks that path). The
+    experts are repacked on an AVX-512 CPU, so this also holds our Q2_K gemv (patch 0006) to upstream's."""
     monkeypatch.setenv("RAPIDMOE_REPACK_MMID_GEMM", "0")
     _, wq, wr = split_pair
     toks = _tokens(wq)

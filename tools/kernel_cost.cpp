@@ -1,0 +1,213 @@
+// Per-weight cost of ggml's CPU matmul kernels in a decode step (one activation row), built and run against one
+// build's ggml libraries by tools/kernel_cost.py (ours or stock llama.cpp's, to compare the two).
+//
+//   kernel_cost time THREADS TYPE...   for each shape below and TYPE (plain and, where the CPU has one, repacked
+//                                      layout): wall time per node with the weights coming from memory (many
+//                                      copies of the tensor, more bytes than the last-level cache; the routed
+//                                      experts change every step), as ps per weight and GB/s
+//   kernel_cost check THREADS OUT TYPE...  small deterministic matmuls; writes every output's raw floats to OUT
+//                                      (the same inputs in every build: compare the files byte for byte) and
+//                                      prints the matmuls it ran ("experts q2_K repacked": a layout the CPU has)
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+#include "ggml.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Shape {
+    const char * name;
+    int64_t n_in, n_out, n_as; // n_as = 0: a dense matmul
+    int k;                     // routed experts per step
+};
+
+ggml_backend_buffer_type_t repack_buft() {
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    auto get_extra = (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(
+        ggml_backend_dev_backend_reg(cpu), "ggml_backend_dev_get_extra_bufts");
+    for (auto * b = get_extra != nullptr ? get_extra(cpu) : nullptr; b != nullptr && *b != nullptr; ++b) {
+        if (std::strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) {
+            return *b;
+        }
+    }
+    return nullptr;
+}
+
+ggml_type type_named(const char * name) {
+    for (int t = 0; t < GGML_TYPE_COUNT; t++) {
+        const char * n = ggml_type_name((ggml_type) t);
+        if (n != nullptr && std::strcmp(n, name) == 0) {
+            return (ggml_type) t;
+        }
+    }
+    std::fprintf(stderr, "kernel_cost: unknown ggml type %s\n", name);
+    std::exit(2);
+}
+
+// One measurement: `copies` weight tensors of one shape and type (in the plain or the repacked buffer), a graph
+// with one matmul per copy. Returns false where the repacked buffer has no layout for the type and shape.
+struct Bench {
+    ggml_backend_t backend;
+    std::mt19937 rng{ 1 };
+
+    bool run(const Shape & sh, ggml_type type, bool repacked, int copies, int steps, double * s_per_node,
+             std::vector<float> * out_values) {
+        const int64_t n_as = std::max<int64_t>(sh.n_as, 1);
+        ggml_init_params wp = { (size_t) (copies + 8) * ggml_tensor_overhead(), nullptr, true };
+        ggml_context * cw = ggml_init(wp);
+        std::vector<ggml_tensor *> ws(copies);
+        for (auto & w : ws) {
+            w = ggml_new_tensor_3d(cw, type, sh.n_in, sh.n_out, n_as);
+        }
+        ggml_backend_buffer_type_t buft = repacked ? repack_buft() : ggml_backend_cpu_buffer_type();
+        ggml_backend_buffer_t bw = buft != nullptr ? ggml_backend_alloc_ctx_tensors_from_buft(cw, buft) : nullptr;
+        ggml_tensor * x = ggml_new_tensor_3d(cw, GGML_TYPE_F32, sh.n_in, 1, 1);
+        ggml_tensor * x2 = ggml_new_tensor_2d(cw, GGML_TYPE_F32, sh.n_in, 1);
+        ggml_tensor * ids = ggml_new_tensor_2d(cw, GGML_TYPE_I32, std::max(sh.k, 1), 1);
+        ggml_backend_buffer_t bx = ggml_backend_alloc_ctx_tensors(cw, backend);
+        ggml_tensor * probe = sh.n_as ? ggml_mul_mat_id(cw, ws[0], x, ids) : ggml_mul_mat(cw, ws[0], x2);
+        if (bw == nullptr || (repacked && (ws[0]->extra == nullptr ||
+                              !ggml_backend_dev_supports_op(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU), probe)))) {
+            if (bw != nullptr) {
+                ggml_backend_buffer_free(bw);
+            }
+            ggml_backend_buffer_free(bx);
+            ggml_free(cw);
+            return false;
+        }
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        const size_t expert_bytes = ggml_row_size(type, sh.n_in) * sh.n_out;
+        std::vector<float> f(sh.n_in * sh.n_out);
+        std::vector<uint8_t> q(expert_bytes * n_as);
+        for (int64_t e = 0; e < n_as; e++) {
+            for (auto & v : f) {
+                v = nd(rng) * 0.02f;
+            }
+            ggml_quantize_chunk(type, f.data(), q.data() + e * expert_bytes, 0, sh.n_out, sh.n_in, nullptr);
+        }
+        for (auto * w : ws) { // the repacked buffer takes whole tensors only
+            ggml_backend_tensor_set(w, q.data(), 0, q.size());
+        }
+        std::vector<float> xv(sh.n_in);
+        for (auto & v : xv) {
+            v = nd(rng);
+        }
+        ggml_backend_tensor_set(sh.n_as ? x : x2, xv.data(), 0, xv.size() * sizeof(float));
+        std::vector<int32_t> idv(std::max(sh.k, 1));
+        auto route = [&]() { // distinct experts, new every step (as routing gives)
+            if (sh.n_as == 0) {
+                return;
+            }
+            for (size_t i = 0; i < idv.size(); i++) {
+                int32_t e;
+                do {
+                    e = (int32_t) (rng() % sh.n_as);
+                } while (std::find(idv.begin(), idv.begin() + i, e) != idv.begin() + i);
+                idv[i] = e;
+            }
+            ggml_backend_tensor_set(ids, idv.data(), 0, idv.size() * sizeof(int32_t));
+        };
+        route();
+        ggml_init_params gp = { (size_t) (copies + 8) * ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, true };
+        ggml_context * cg = ggml_init(gp);
+        ggml_cgraph * gf = ggml_new_graph(cg);
+        std::vector<ggml_tensor *> outs;
+        for (auto * w : ws) {
+            outs.push_back(sh.n_as ? ggml_mul_mat_id(cg, w, x, ids) : ggml_mul_mat(cg, w, x2));
+            ggml_build_forward_expand(gf, outs.back());
+        }
+        ggml_backend_buffer_t bo = ggml_backend_alloc_ctx_tensors(cg, backend);
+        ggml_backend_graph_compute(backend, gf); // warm-up (and the check's values)
+        if (out_values != nullptr) {
+            for (auto * o : outs) {
+                std::vector<float> v(ggml_nelements(o));
+                ggml_backend_tensor_get(o, v.data(), 0, ggml_nbytes(o));
+                out_values->insert(out_values->end(), v.begin(), v.end());
+            }
+        }
+        double best = 1e30;
+        for (int rep = 0; rep < 5 && steps > 0; rep++) {
+            double total = 0;
+            for (int i = 0; i < steps; i++) {
+                route();
+                const auto t0 = std::chrono::steady_clock::now();
+                ggml_backend_graph_compute(backend, gf);
+                total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            }
+            best = std::min(best, total / steps / copies);
+        }
+        *s_per_node = best;
+        ggml_backend_buffer_free(bo);
+        ggml_free(cg);
+        ggml_backend_buffer_free(bw);
+        ggml_backend_buffer_free(bx);
+        ggml_free(cw);
+        return true;
+    }
+};
+
+}  // namespace
+
+int main(int argc, char ** argv) {
+    if (argc < 4 || (std::strcmp(argv[1], "time") != 0 && std::strcmp(argv[1], "check") != 0)) {
+        std::fprintf(stderr, "usage: kernel_cost time THREADS TYPE... | kernel_cost check THREADS OUT TYPE...\n");
+        return 2;
+    }
+    const bool check = std::strcmp(argv[1], "check") == 0;
+    const int n_threads = std::atoi(argv[2]);
+    const int first_type = check ? 4 : 3;
+    ggml_cpu_init();
+    Bench bench{ ggml_backend_cpu_init() };
+    ggml_backend_cpu_set_n_threads(bench.backend, n_threads);
+    // the 8.1 GB bench model's matmuls (qwen3moe: 64 experts, top-8)
+    const Shape timed[] = { { "gate/up", 1024, 768, 64, 8 }, { "down", 768, 1024, 64, 8 },
+                            { "attn_q", 1024, 2048, 0, 0 }, { "head", 1024, 151936, 0, 0 } };
+    const Shape checked[] = { { "experts", 512, 64, 8, 4 }, { "dense", 768, 48, 0, 0 } };
+    std::vector<float> values;
+    if (!check) {
+        std::printf("| matmul | type | layout | us per node | ps per weight | GB/s |\n|---|---|---|---|---|---|\n");
+    }
+    for (const Shape & sh : check ? std::vector<Shape>(std::begin(checked), std::end(checked))
+                                  : std::vector<Shape>(std::begin(timed), std::end(timed))) {
+        for (int a = first_type; a < argc; a++) {
+            const ggml_type type = type_named(argv[a]);
+            if (sh.n_in % ggml_blck_size(type) != 0) {
+                continue;
+            }
+            for (bool repacked : { false, true }) {
+                const double bytes = (double) ggml_row_size(type, sh.n_in) * sh.n_out * std::max<int64_t>(sh.n_as, 1);
+                const int copies = check ? 1 : (int) std::clamp<double>(1.5e9 / bytes, 1, 256);
+                double s = 0;
+                if (!bench.run(sh, type, repacked, copies, check ? 0 : 20, &s, check ? &values : nullptr)) {
+                    continue;
+                }
+                if (check) {
+                    std::printf("%s %s %s\n", sh.name, argv[a], repacked ? "repacked" : "plain");
+                } else {
+                    const double weights = (double) sh.n_in * sh.n_out * std::max(sh.k, 1);
+                    std::printf("| %s | %s | %s | %.1f | %.1f | %.1f |\n", sh.name, argv[a], repacked ? "repacked" : "plain",
+                                s * 1e6, s * 1e12 / weights, weights * ggml_row_size(type, sh.n_in) / sh.n_in / s / 1e9);
+                    std::fflush(stdout);
+                }
+            }
+        }
+    }
+    if (check) {
+        FILE * f = std::fopen(argv[3], "wb");
+        if (f == nullptr || std::fwrite(values.data(), sizeof(float), values.size(), f) != values.size()) {
+            std::fprintf(stderr, "kernel_cost: cannot write %s\n", argv[3]);
+            return 1;
+        }
+        std::fclose(f);
+    }
+    ggml_backend_free(bench.backend);
+    return 0;
+}

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.stock
-def test_repacked_q2_K_gemv_is_stocks_bit_for_bit(stock_bin: Path) -> None:
+def test_repacked_q2k_gemv_is_stocks_bit_for_bit(stock_bin: Path) -> None:
     """tools/kernel_cost.py --check: the same quantized weights and activations through our build's and the stock
     build's ggml (Q2_K and Q4_K, plain and repacked, routed experts and a dense matmul, 2 threads), every output
     float compared byte for byte. On an AVX-512 CPU the repacked Q2_K gemv is our kernel in our build and upstream's

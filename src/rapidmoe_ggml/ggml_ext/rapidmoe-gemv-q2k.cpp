@@ -2,15 +2,16 @@
 // decode steps: one activation row against the routed experts' (and the residuals') weights.
 //
 // Why our own: on the 2-core AVX-512 machine this project measures on, upstream's kernel ran at 70-75 ps per
-// weight (one thread, weights from memory) while it needs 25 ps with the weights in L2: it waits on memory, and
-// its inner loop spends most of its shuffle port on lane shuffles. This kernel
+// weight (one thread, weights from memory) while it needs 26 ps with the weights in L2: it waits on memory, and
+// its inner loop shuffles lanes for every multiply. This kernel
 //  - multiplies each 4-column vector as it is laid out with the activation's 8 bytes broadcast (a load, no
 //    shuffle), so the 32-bit lanes hold (column, half) sums that one hadd per block folds; upstream blends two
 //    shuffled column vectors and shuffles the activation for each multiply;
 //  - prefetches the weights PREFETCH_BYTES ahead (the hardware prefetcher alone left the loads waiting).
 // Measured with the weights from memory, one thread: 40 vs 74 ps per weight; L2-hot: 17 vs 26 (docs/split-routing.md,
 // CPU performance). Every integer sum is exact (no 16-bit partial exceeds 2 x 2 x 3 x 128) and the float operations
-// per column are upstream's, in its order: the output is bit-identical (tests/test_split_routing.py checks it).
+// per column are upstream's, in its order: the output is bit-identical (tests/test_cpu_kernels.py compares it with
+// the stock build's, tests/test_split_routing.py the logits at r = 0).
 #include "rapidmoe-gemv-q2k.h"
 
 #include "repack.h"

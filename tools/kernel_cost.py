@@ -50,7 +50,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="q2_K,q4_K", help="ggml type names, comma-separated")
     ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--builds", default="ours,stock", help="ours, stock or both (comma-separated)")
+    ap.add_argument("--builds", default="ours,stock", help="ours, stock, or ours,stock")
     ap.add_argument("--check", action="store_true", help="compare outputs bit for bit instead of timing")
     args = ap.parse_args()
     types = [t for t in args.types.split(",") if t]
@@ -71,8 +71,7 @@ def main() -> int:
         for b, exe in exes.items():
             outs[b] = Path(d) / f"{b}.f32"
             ran[b] = subprocess.run([str(exe), "check", str(args.threads), str(outs[b]), *types], check=True,
-                                    stderr=subprocess.DEVNULL, capture_output=False, stdout=subprocess.PIPE,
-                                    text=True).stdout.split("\n")
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True).stdout.split("\n")
         data = [p.read_bytes() for p in outs.values()]
     first, second = ran.values()
     same = data[0] == data[1] and len(data[0]) > 0 and first == second

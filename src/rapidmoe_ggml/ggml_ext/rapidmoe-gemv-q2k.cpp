@@ -8,8 +8,9 @@
 //    shuffle), so the 32-bit lanes hold (column, half) sums that one hadd per block folds; upstream blends two
 //    shuffled column vectors and shuffles the activation for each multiply;
 //  - prefetches the weights PREFETCH_BYTES ahead (the hardware prefetcher alone left the loads waiting).
-// Measured with the weights from memory, one thread: 40 vs 74 ps per weight; L2-hot: 17 vs 26 (docs/split-routing.md,
-// CPU performance). Every integer sum is exact (no 16-bit partial exceeds 2 x 2 x 3 x 128) and the float operations
+// Called directly on one thread, weights from memory: 40 vs 74 ps per weight; L2-hot: 17 vs 26. Through ggml
+// (tools/kernel_cost.py), routed experts from memory: 49-56 vs 92-98 on one thread, 23-26 vs 35 on two
+// (docs/split-routing.md, CPU performance). Every integer sum is exact (no 16-bit partial exceeds 2 x 2 x 3 x 128) and the float operations
 // per column are upstream's, in its order: the output is bit-identical (tests/test_cpu_kernels.py compares it with
 // the stock build's, tests/test_split_routing.py the logits at r = 0).
 #include "rapidmoe-gemv-q2k.h"
@@ -24,7 +25,7 @@
 
 namespace {
 
-constexpr int PREFETCH_BYTES = 2048; // about three blocks ahead: measured best of 1, 2, 4, 8, 16 KiB here
+constexpr int PREFETCH_BYTES = 2048; // about three blocks ahead: the best of 1, 2, 4, 8, 16 KiB measured here
 
 }  // namespace
 

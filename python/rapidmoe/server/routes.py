@@ -533,6 +533,7 @@ def get_metrics(st: AppState, req: Request) -> Reply:
 
 WEB_FILES = {"/": ("index.html", "text/html; charset=utf-8"), "/index.html": ("index.html", "text/html; charset=utf-8"),
              "/static/app.js": ("app.js", "text/javascript; charset=utf-8"),
+             "/static/markdown.js": ("markdown.js", "text/javascript; charset=utf-8"),
              "/static/style.css": ("style.css", "text/css; charset=utf-8")}
 
 

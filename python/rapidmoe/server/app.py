@@ -25,7 +25,7 @@ from .errors import ApiError, authentication, invalid_request, not_found, payloa
 
 log = logging.getLogger(__name__)
 
-PUBLIC = {"/health", "/v1/health", "/", "/index.html", "/static/app.js", "/static/style.css"}  # no API key
+PUBLIC = {"/health", "/v1/health", *routes.WEB_FILES}  # no API key
 # needed (as in llama-server): health and the chat page, which asks for the key itself
 
 

@@ -1,7 +1,12 @@
-"""Shared fixtures: tiny synthetic models (made once per session) and the stock llama.cpp reference build."""
+"""Shared fixtures: tiny synthetic models (made once per session) and the stock llama.cpp reference build; a
+session-end check that no test left a process running."""
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +26,52 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if skipped:
         config.hook.pytest_deselected(items=skipped)
         items[:] = [it for it in items if it.get_closest_marker("arch_sweep") is None]
+
+
+def _live_descendants(root: int) -> dict[int, str]:
+    """pid -> command line of every running (not zombie) process below root, from /proc."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended while we looked
+            continue
+        if fields[0] != "Z":
+            parent[int(d.name)] = int(fields[1])
+    found: dict[int, str] = {}
+    todo = [root]
+    while todo:
+        p = todo.pop()
+        for child in (c for c, pp in parent.items() if pp == p):
+            try:
+                found[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except OSError:
+                continue
+            todo.append(child)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_processes() -> Iterator[None]:
+    """Torn down last: a process a test started and never ended (an RPCServer or a serve without stop(), say) is
+    ended here and fails the session by name, rather than living on after it."""
+    yield
+    if not sys.platform.startswith("linux"):
+        return
+    left = _live_descendants(os.getpid())
+    if not left:
+        return
+    for sig, pids in ((signal.SIGTERM, left), (signal.SIGKILL, None)):
+        for pid in pids if pids is not None else _live_descendants(os.getpid()):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        time.sleep(1.0 if sig == signal.SIGTERM else 0)
+    pytest.fail("processes left running by the tests (now ended): "
+                + "; ".join(f"{pid} {cmd[:200]}" for pid, cmd in sorted(left.items())), pytrace=False)
 
 
 @pytest.fixture(scope="session")

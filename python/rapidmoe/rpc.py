@@ -3,7 +3,8 @@
 RapidMoE uses it as a stand-in second device on machines without a GPU: tensors placed on it (`-ngl`, or an
 override such as "exps=RPC0[127.0.0.1:50052]") live and are computed in the rpc-server process, so placement,
 cross-device copies and the scheduler's splits are exercised exactly as with a GPU. The package ships the
-server built from the same pin (rapidmoe/bin/rpc-server); `RPCServer` starts one on a free loopback port.
+server built from the same pin (rapidmoe/bin/rpc-server); `RPCServer` starts one on a free loopback port, as a
+child that ends with this process even when `stop()` is forgotten or the interpreter is killed (`_children`).
 
 Registering a server is what llama.cpp's `--rpc host:port` does: its devices join ggml's device list, once per
 process. ggml's RPC client aborts the whole process when an endpoint does not answer, so `register_rpc_servers`
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import _children
 from ._runtime import _core
 from .errors import RapidMoEError
 
@@ -151,6 +153,8 @@ class RPCServer:
     """A local rpc-server process (the package's own build): `with RPCServer() as srv: srv.endpoint`.
 
     It serves this machine's CPU (the only ggml device it has here) with `threads` threads. One client at a time.
+    The process ends with `stop()`, the `with` block, or this interpreter, whichever comes first: at exit, and on
+    Linux also when the interpreter is killed (the rpc-server gets SIGTERM from the kernel, see `_children`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, threads: int = 1,
@@ -162,7 +166,7 @@ class RPCServer:
         self.port = port if port is not None else _free_port(host)
         self.endpoint = f"{host}:{self.port}"
         self._log = tempfile.TemporaryFile()  # its output (a pipe nobody reads could fill and block it)
-        self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+        self.proc: subprocess.Popen[bytes] | None = _children.spawn(
             server_command(host, self.port, threads, binary=exe), stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + startup_timeout
         while True:
@@ -182,13 +186,9 @@ class RPCServer:
         log.info("rpc-server %d listening on %s", self.proc.pid, self.endpoint)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """End the server (SIGTERM, SIGKILL after 5 s). Also done at interpreter exit for a server still running."""
+        if self.proc is not None:
+            _children.stop(self.proc)
         self.proc = None
 
     @property

@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rapidmoe import Llama, RapidMoEError
+from rapidmoe import Llama, RapidMoEError, _children
 from rapidmoe.ggufio import GGUFFile
 from rapidmoe.placement import plan, read_gguf_shapes
 from rapidmoe.placement.footprint import footprint
 from rapidmoe.placement.multidevice import gpu_layer_bytes, plan_across
 from rapidmoe.placement.typeplan import native_types
-from rapidmoe.rpc import RPCServer, _free_port, parse_servers, server_command
+from rapidmoe.rpc import RPC_SERVER, RPCServer, _free_port, parse_servers, server_command
 
 pytestmark = pytest.mark.native
 
@@ -159,10 +159,11 @@ def test_cli_run_with_two_rpc_servers(servers: tuple[RPCServer, RPCServer], tiny
 
 @pytest.mark.slow
 def test_cli_rpc_server_serves(tiny_qwen: Path) -> None:
-    """`rapidmoe-cli rpc-server` runs the package's rpc-server: a model offloads to it."""
+    """`rapidmoe-cli rpc-server` runs the package's rpc-server: a model offloads to it. The CLI process becomes the
+    server (exec), so ending it leaves no child behind."""
     port = _free_port("127.0.0.1")
-    proc = subprocess.Popen([sys.executable, "-m", "rapidmoe.cli", "rpc-server", "-p", str(port), "-t", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = _children.spawn([sys.executable, "-m", "rapidmoe.cli", "rpc-server", "-p", str(port), "-t", "1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -172,6 +173,9 @@ def test_cli_rpc_server_serves(tiny_qwen: Path) -> None:
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
                 time.sleep(0.1)
+        if sys.platform.startswith("linux"):
+            assert Path(f"/proc/{proc.pid}/exe").resolve() == RPC_SERVER.resolve()
+            assert not Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         llm = Llama(tiny_qwen, n_ctx=64, n_gpu_layers=-1, rpc_servers=[f"127.0.0.1:{port}"], verbose=False)
         try:
             buft = llm.tensor_buffer("blk.0.attn_norm.weight")
@@ -179,8 +183,9 @@ def test_cli_rpc_server_serves(tiny_qwen: Path) -> None:
         finally:
             llm.close()
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        _children.stop(proc)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 @pytest.mark.slow

@@ -1,10 +1,13 @@
 """The chat page at `/`, in a real headless Chromium (Debian's `chromium` + `chromium-driver`, driven by selenium;
 .ci/run installs them): load it, send a message, see the streamed answer equal the API's greedy answer, stop a long
-one, read the split-routing panel of a RESplit model, and check a screenshot is not blank.
+one, keep a conversation going after a failed turn (context size, wrong key) without sending the failure back, leave
+cleared fields out of the request, edit/regenerate/delete messages, render markdown while HTML in the model's
+output stays text, read the split-routing panel of a RESplit model, and check a screenshot is not blank.
 """
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -35,8 +38,8 @@ def srv(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.chrome.options import Options  # noqa: PLC0415 - selenium is optional (importorskip)
+    from selenium.webdriver.chrome.service import Service  # noqa: PLC0415
 
     opts = Options()
     opts.binary_location = CHROMIUM  # type: ignore[assignment]
@@ -50,7 +53,7 @@ def browser() -> Iterator[Any]:
 
 
 def _wait(cond: Any, timeout: float = 30.0) -> Any:
-    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.common.exceptions import StaleElementReferenceException  # noqa: PLC0415 - optional, as above
 
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -79,8 +82,62 @@ def _open(driver: Any, srv: ServerProc) -> None:
     _set(driver, "max_tokens", "24")
 
 
+def _chat(driver: Any) -> list[dict[str, Any]]:
+    """The current conversation's messages as the page stored them."""
+    state = json.loads(driver.execute_script("return localStorage.getItem('rapidmoe.chats')"))
+    return next(c for c in state["chats"] if c["id"] == state["current"])["messages"]  # type: ignore[no-any-return]
+
+
+def _idle(driver: Any) -> None:
+    """Waits until no answer is being generated (Send enabled, Stop disabled)."""
+    _wait(lambda: driver.find_element("id", "send").is_enabled() and not driver.find_element("id", "stop").is_enabled())
+
+
+def _answer(driver: Any) -> tuple[str, str]:
+    """(content, reasoning) of the last answer, once it is complete and has no error."""
+    _idle(driver)
+    last = _chat(driver)[-1]
+    assert last["role"] == "assistant" and "error" not in last, last
+    return last["content"], last.get("reasoning", "")
+
+
+def _reference(srv: ServerProc, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, str]:
+    """The API's greedy answer with the page's default sampling fields: (content, reasoning_content)."""
+    status, r = srv.request("POST", "/v1/chat/completions", {
+        "messages": messages, "temperature": 0, "top_p": 0.95, "top_k": 40, "max_tokens": max_tokens, "seed": -1},
+        headers=KEY)
+    assert status == 200, r
+    m = r["choices"][0]["message"]
+    return m.get("content") or "", m.get("reasoning_content") or ""
+
+
+RECORD_REQUESTS = """window.__bodies = [];
+const fetch0 = window.fetch;
+window.fetch = (url, opts) => {
+  if (String(url).endsWith('/v1/chat/completions')) window.__bodies.push(JSON.parse(opts.body));
+  return fetch0(url, opts);
+};"""
+
+
+def _bodies(driver: Any) -> list[dict[str, Any]]:
+    """The bodies of the page's /v1/chat/completions requests since RECORD_REQUESTS ran."""
+    return driver.execute_script("return window.__bodies")  # type: ignore[no-any-return]
+
+
+def _click(driver: Any, msg: int, action: str) -> None:
+    """Clicks the `action` button (edit, save, regenerate, delete, retry, remove) of the msg-th message bubble."""
+    driver.find_elements("css selector", "#messages .msg")[msg].find_element(
+        "css selector", f"button[data-action='{action}']").click()
+
+
+def _type(driver: Any, text: str) -> None:
+    """Puts text in the message box (set directly: send_keys is slow for long text) and sends it."""
+    driver.execute_script("document.getElementById('input').value = arguments[0]", text)
+    driver.find_element("id", "send").click()
+
+
 def test_page_is_served_without_a_key(srv: ServerProc) -> None:
-    for path, kind in (("/", "text/html"), ("/static/app.js", "text/javascript"), ("/static/style.css", "text/css")):
+    for path in ("/", "/static/app.js", "/static/markdown.js", "/static/style.css"):
         status, body = srv.request("GET", path)
         assert status == 200 and len(body) > 500, path
     assert srv.request("GET", "/rapidmoe/stats")[0] == 401
@@ -92,14 +149,11 @@ def test_chat_streams_the_greedy_answer(srv: ServerProc, browser: Any) -> None:
     _open(browser, srv)
     _set(browser, "input", "Tell me a story")
     browser.find_element("id", "send").click()
-    _wait(lambda: browser.find_elements("css selector", ".msg.assistant .content"))
-    _wait(lambda: browser.find_element("id", "send").is_enabled() and
-          browser.find_element("css selector", ".msg.assistant .content").text)
-    shown = browser.find_element("css selector", ".msg.assistant .content").get_attribute("textContent")
-    status, ref = srv.request("POST", "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "Tell me a story"}], "temperature": 0, "top_p": 0.95, "top_k": 40,
-        "max_tokens": 24, "seed": -1}, headers=KEY)
-    assert status == 200 and shown == ref["choices"][0]["message"]["content"] and shown
+    shown = _answer(browser)
+    ref = _reference(srv, [{"role": "user", "content": "Tell me a story"}], max_tokens=24)
+    assert shown == ref and any(shown)
+    reasoning = browser.find_elements("css selector", ".msg.assistant .reasoning")
+    assert [r.get_attribute("textContent") for r in reasoning] == ([shown[1]] if shown[1] else [])
     speed = browser.find_element("id", "speed").text
     assert speed.endswith(" tok/s") and float(speed.split()[0]) > 0
     assert browser.find_element("css selector", "#conversations li span").text == "Tell me a story"
@@ -117,17 +171,188 @@ def test_stop_ends_the_answer_and_frees_the_slot(srv: ServerProc, browser: Any) 
     _set(browser, "input", "Go on forever")
     browser.find_element("id", "send").click()
     _wait(lambda: browser.find_element("id", "stop").is_enabled())
-    _wait(lambda: len(browser.find_element("css selector", ".msg.assistant .content").text) > 20)
+    _wait(lambda: len(browser.find_element("css selector", ".msg.assistant").text) > 20)
     browser.find_element("id", "stop").click()
-    _wait(lambda: browser.find_element("id", "send").is_enabled())
+    _idle(browser)
+    assert _chat(browser)[-1].get("stopped") is True
     _wait(lambda: not any(s["is_processing"] for s in srv.request("GET", "/slots", headers=KEY)[1]), 10)
+
+
+def test_a_failed_turn_is_shown_but_never_sent_again(srv: ServerProc, browser: Any) -> None:
+    _open(browser, srv)
+    browser.execute_script(RECORD_REQUESTS)
+    _set(browser, "max_tokens", "8")
+    _type(browser, "word " * 3000)  # over the 2048 tokens of a slot
+    _idle(browser)
+    assert "exceeds the available context size" in browser.find_element("id", "messages").text
+    _type(browser, "Hi")
+    _idle(browser)
+    assert _bodies(browser)[-1]["messages"] == [{"role": "user", "content": "Hi"}]
+    assert _answer(browser) == _reference(srv, [{"role": "user", "content": "Hi"}], max_tokens=8)
+    error = browser.find_element("css selector", ".msg.assistant.failed .error").text
+    assert "exceeds the available context size" in error
+    assert browser.find_elements("css selector", ".msg.user.failed")  # the turn is marked as left out
+    shown = _answer(browser)
+    _click(browser, 1, "remove")  # the failed turn: its user message and the error go
+    assert [m["content"] for m in _chat(browser)] == ["Hi", shown[0]]
+    assert len(browser.find_elements("css selector", "#messages .msg")) == 2
+    assert not browser.find_elements("css selector", ".msg.failed")
+
+
+def test_a_wrong_key_is_an_error_in_the_page_and_retry_sends_the_turn_alone(srv: ServerProc, browser: Any) -> None:
+    _open(browser, srv)
+    browser.execute_script(RECORD_REQUESTS)
+    _set(browser, "api_key", "wrong")
+    _set(browser, "max_tokens", "8")
+    _type(browser, "Hello")
+    _idle(browser)
+    assert "Invalid API Key" in browser.find_element("id", "messages").text
+    _set(browser, "api_key", "sekret")
+    _type(browser, "Hello again")  # a new turn after the failed one: sent alone
+    _idle(browser)
+    assert _bodies(browser)[-1]["messages"] == [{"role": "user", "content": "Hello again"}]
+    assert browser.find_element("css selector", ".msg.assistant.failed .error").text == "Invalid API Key"
+    _click(browser, 3, "delete")  # the answer, then the message: back to the failed turn alone
+    _click(browser, 2, "delete")
+    _click(browser, 1, "retry")
+    shown = _answer(browser)
+    assert [b["messages"] for b in _bodies(browser)][::2] == [[{"role": "user", "content": "Hello"}]] * 2
+    assert shown == _reference(srv, [{"role": "user", "content": "Hello"}], max_tokens=8)
+    assert len(_chat(browser)) == 2 and not browser.find_elements("css selector", ".msg.failed")
+
+
+def test_cleared_fields_are_left_out_of_the_request(srv: ServerProc, browser: Any) -> None:
+    _open(browser, srv)
+    browser.execute_script(RECORD_REQUESTS)
+    for field in ("max_tokens", "temperature", "top_k", "seed"):
+        browser.find_element("id", field).clear()
+    _type(browser, "Go on")
+    _wait(lambda: _bodies(browser))
+    body = _bodies(browser)[0]
+    assert {k: v for k, v in body.items() if k != "messages"} == {
+        "stream": True, "timings_per_token": True, "top_p": 0.95}
+    _wait(lambda: len(_chat(browser)[-1]["content"] + _chat(browser)[-1]["reasoning"]) > 20)  # not an empty answer
+    browser.find_element("id", "stop").click()
+    _idle(browser)
+    browser.get(srv.url + "/")  # a cleared field stays cleared
+    assert browser.find_element("id", "max_tokens").get_attribute("value") == ""
+
+
+def test_edit_regenerate_and_delete(srv: ServerProc, browser: Any) -> None:
+    _open(browser, srv)
+    browser.execute_script(RECORD_REQUESTS)
+    _set(browser, "max_tokens", "8")
+    story = [{"role": "user", "content": "Tell me a story"}]
+    _type(browser, story[0]["content"])
+    first = _answer(browser)
+    _click(browser, 1, "regenerate")
+    assert _answer(browser) == first == _reference(srv, story, max_tokens=8)
+    assert [b["messages"] for b in _bodies(browser)] == [story, story] and len(_chat(browser)) == 2
+
+    _click(browser, 0, "edit")  # a user message: the answer after it is replaced
+    editor = browser.find_element("css selector", ".msg.user .editor textarea")
+    editor.clear()
+    editor.send_keys("Hello there")
+    _click(browser, 0, "save")
+    hello = [{"role": "user", "content": "Hello there"}]
+    assert _answer(browser) == _reference(srv, hello, max_tokens=8)
+    assert _bodies(browser)[-1]["messages"] == hello
+    assert [m["content"] for m in _chat(browser)][:1] == ["Hello there"] and len(_chat(browser)) == 2
+
+    _click(browser, 1, "edit")  # an answer: changed in place, nothing sent
+    editor = browser.find_element("css selector", ".msg.assistant .editor textarea")
+    editor.clear()
+    editor.send_keys("Edited `answer`")
+    _click(browser, 1, "save")
+    assert len(_bodies(browser)) == 3 and _chat(browser)[1]["content"] == "Edited `answer`"
+    assert browser.find_element("css selector", ".msg.assistant .content code").text == "answer"
+    _type(browser, "Next")
+    _answer(browser)
+    assert _bodies(browser)[-1]["messages"] == [*hello, {"role": "assistant", "content": "Edited `answer`"},
+                                                 {"role": "user", "content": "Next"}]
+
+    _click(browser, 3, "delete")
+    _click(browser, 2, "delete")
+    assert [m["content"] for m in _chat(browser)] == ["Hello there", "Edited `answer`"]
+    assert len(browser.find_elements("css selector", "#messages .msg")) == 2
+
+
+HOSTILE = ('<img src=x onerror="window.__pwned=1"> <script>window.__pwned=2</script> '
+           '[click](javascript:window.__pwned=3) <a href="javascript:window.__pwned=4">a</a>')
+MARKDOWN = ("# Title\n\nSome **bold**, *italic* and `inline <b>code</b>` text, a [link](https://example.com/a_b).\n\n"
+            "- one\n- two\n  1. nested\n\n```python\nprint('<script>alert(1)</script>')\n```\n\n" + HOSTILE)
+
+
+def _fake_stream(driver: Any, text: str) -> None:
+    """Makes the page's next chat request answer `text` as one SSE delta, as the server streams model output."""
+    event = "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": text}}]}) + "\n\ndata: [DONE]\n\n"
+    driver.execute_script("""const event = arguments[0];
+      window.fetch = async () => new Response(event, {headers: {'Content-Type': 'text/event-stream'}});""", event)
+
+
+def test_markdown_renders_and_model_html_stays_text(srv: ServerProc, browser: Any) -> None:
+    _open(browser, srv)
+    _fake_stream(browser, MARKDOWN)
+    _type(browser, "Show me markdown")
+    _idle(browser)
+    md = browser.find_element("css selector", ".msg.assistant .content.markdown")
+    assert md.find_element("css selector", "h1").text == "Title"
+    assert [e.text for e in md.find_elements("css selector", "p > strong, p > em")] == ["bold", "italic"]
+    assert md.find_element("css selector", "p > code").text == "inline <b>code</b>"
+    a = md.find_element("css selector", "p > a")
+    assert (a.text, a.get_attribute("href")) == ("link", "https://example.com/a_b")
+    assert [e.text for e in md.find_elements("css selector", "ul > li")][:1] == ["one"]
+    assert md.find_element("css selector", "ul > li > ol > li").text == "nested"
+    code = md.find_element("css selector", "pre > code.language-python")
+    assert code.get_attribute("textContent") == "print('<script>alert(1)</script>')"
+    last = md.find_elements("css selector", ":scope > p")[-1]  # the hostile line: all of it text, no element made
+    assert last.get_attribute("textContent") == HOSTILE.replace("[click](javascript:window.__pwned=3)", "click")
+    assert last.find_elements("css selector", "*") == []
+    assert browser.find_elements("css selector", "#messages img, #messages script, #messages b") == []
+    assert [a.get_attribute("href") for a in browser.find_elements("css selector", "#messages a")] == [
+        "https://example.com/a_b"]
+    browser.get(srv.url + "/")  # rendered again from localStorage on load: still text
+    assert browser.find_elements("css selector", "#messages img, #messages script") == []
+    time.sleep(0.5)
+    assert browser.execute_script("return window.__pwned") is None
+
+
+MARKDOWN_CASES = [  # (markdown, the HTML that markdown.js builds for it, as CommonMark with line breaks renders it)
+    ("a *b* **c** ***d*** ~~e~~ `f`", "<p>a <em>b</em> <strong>c</strong> <strong><em>d</em></strong> <del>e</del> "
+     "<code>f</code></p>"),
+    ("2 * 3 * 4 and snake_case_name", "<p>2 * 3 * 4 and snake_case_name</p>"),
+    ("line one\nline two\n\npara", "<p>line one<br>line two</p><p>para</p>"),
+    ("<b>x</b> & \"q\"", "<p>&lt;b&gt;x&lt;/b&gt; &amp; \"q\"</p>"),
+    ("\\*not em\\*", "<p>*not em*</p>"),
+    ("see https://example.com/x).", '<p>see <a href="https://example.com/x" target="_blank" '
+     'rel="noopener noreferrer nofollow">https://example.com/x</a>).</p>'),
+    ("[x](ftp://h/f) [y](data:text/html,hi)", "<p>x y</p>"),
+    ("3. c\n4. d", '<ol start="3"><li>c</li><li>d</li></ol>'),
+    ("> quoted\n\n---", "<blockquote><p>quoted</p></blockquote><hr>"),
+    ("| a | b |\n|---|--:|\n| 1 | 2 |", '<div class="table"><table><thead><tr><th>a</th><th style="text-align: right;">'
+     'b</th></tr></thead><tbody><tr><td>1</td><td style="text-align: right;">2</td></tr></tbody></table></div>'),
+    ("```\nopen fence, still streaming", '<div class="code-block"><div class="code-bar"><span></span><button '
+     'class="copy" type="button">Copy</button></div><pre><code>open fence, still streaming</code></pre></div>'),
+    ("```js onclick=x\n<i>\n```", '<div class="code-block"><div class="code-bar"><span>js</span><button '
+     'class="copy" type="button">Copy</button></div><pre><code class="language-js">&lt;i&gt;</code></pre></div>'),
+]
+
+
+def test_markdown_renderer_cases(srv: ServerProc, browser: Any) -> None:
+    _open(browser, srv)
+    got = browser.execute_script("""return arguments[0].map((text) => {
+        const div = document.createElement('div');
+        div.appendChild(Markdown.render(text));
+        return div.innerHTML;
+      });""", [md for md, _ in MARKDOWN_CASES])
+    assert got == [html for _, html in MARKDOWN_CASES]
 
 
 def test_split_panel_shows_critical_share_and_histogram(make_split, tmp_path: Path, browser: Any) -> None:  # type: ignore[no-untyped-def]
     _, wq, wr = make_split("qwen3moe")
     s = ServerProc(wq, "--residual", str(wr), "-r", "1", "-t", "1", "-c", "1024", log_path=tmp_path / "split.log")
     try:
-        status, r = s.request("POST", "/completion", {"prompt": "Hello there", "n_predict": 8})
+        status, _ = s.request("POST", "/completion", {"prompt": "Hello there", "n_predict": 8})
         assert status == 200
         _, st = s.request("GET", "/rapidmoe/stats")
         assert st["split"] and st["critical_slots"] > 0 and len(st["layers"]) > 0

@@ -1,11 +1,33 @@
-// RapidMoE chat page: conversations in localStorage, streaming /v1/chat/completions (SSE over fetch), stop,
-// sampling settings, live tokens/s, and for a RESplit model the split-routing statistics of /rapidmoe/stats.
+// RapidMoE chat page: conversations in localStorage, streaming /v1/chat/completions (SSE over fetch), stop, edit,
+// regenerate and delete, answers rendered as markdown (markdown.js), sampling settings, live tokens/s, and for a
+// RESplit model the split-routing statistics of /rapidmoe/stats. A failed turn is shown with its error but never
+// sent to the model again: the request history holds only user and assistant messages of turns that succeeded.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const SETTINGS = ["temperature", "top_p", "top_k", "max_tokens", "seed", "system", "api_key"];
-let state = JSON.parse(localStorage.getItem("rapidmoe.chats") || "null") || { chats: [], current: null };
-let controller = null;
+// [field id = request key, label]; an empty field is left out of the request (the server's default applies)
+const NUMBERS = [["temperature", "Temperature"], ["top_p", "Top-p"], ["top_k", "Top-k"], ["max_tokens", "Max tokens"],
+                 ["seed", "Seed"]];
+const SETTINGS = [...NUMBERS.map(([id]) => id), "system", "api_key"];
+let state = load();
+let controller = null;  // the AbortController of the answer being generated
+let streaming = null;   // {answer, node} while an answer streams in
+let editing = null;     // {chat, index} of the message being edited
+
+/** The stored conversations; an "error" message of an older page becomes the error of the answer it ended. */
+function load() {
+  const s = JSON.parse(localStorage.getItem("rapidmoe.chats") || "null") || { chats: [], current: null };
+  for (const chat of s.chats) {
+    const out = [];
+    for (const m of chat.messages) {
+      if (m.role !== "error") out.push(m);
+      else if (out.length && out[out.length - 1].role === "assistant") out[out.length - 1].error = m.content;
+      else out.push({ role: "assistant", content: "", error: m.content });
+    }
+    chat.messages = out;
+  }
+  return s;
+}
 
 function save() { localStorage.setItem("rapidmoe.chats", JSON.stringify(state)); }
 function current() { return state.chats.find((c) => c.id === state.current); }
@@ -17,11 +39,42 @@ function headers() {
   return h;
 }
 
+/** What the model is sent: user and assistant messages, without failed turns (the answer that failed and the user
+ * message right before it) and without empty answers (stopped before the first token). */
+function history(messages) {
+  const out = [];
+  messages.forEach((m, i) => {
+    if (m.role !== "user" && m.role !== "assistant") return;
+    if (m.error) {
+      if (i > 0 && messages[i - 1].role === "user" && out.length && out[out.length - 1].from === i - 1) out.pop();
+      return;
+    }
+    if (m.role === "assistant" && !m.content) return;
+    out.push({ from: i, role: m.role, content: m.content });
+  });
+  const system = $("system").value.trim();
+  const msgs = out.map(({ role, content }) => ({ role, content }));
+  return system ? [{ role: "system", content: system }, ...msgs] : msgs;
+}
+
+/** The sampling fields that are filled in, as numbers; throws for a field the browser cannot read as a number. */
+function sampling() {
+  const out = {};
+  for (const [id, label] of NUMBERS) {
+    const input = $(id);
+    if (input.validity.badInput) throw new Error(label + " is not a number");
+    const v = input.value.trim();
+    if (v !== "") out[id] = Number(v);
+  }
+  return out;
+}
+
 function newChat() {
   const chat = { id: Date.now().toString(36) + Math.random().toString(36).slice(2, 6), title: "New conversation",
                  messages: [] };
   state.chats.unshift(chat);
   state.current = chat.id;
+  editing = null;
   save();
   render();
 }
@@ -37,7 +90,7 @@ function renderList() {
     li.appendChild(span);
     const del = document.createElement("button");
     del.textContent = "x";
-    del.title = "Delete";
+    del.title = "Delete conversation";
     del.onclick = (e) => {
       e.stopPropagation();
       state.chats = state.chats.filter((c) => c.id !== chat.id);
@@ -46,24 +99,127 @@ function renderList() {
       render();
     };
     li.appendChild(del);
-    li.onclick = () => { state.current = chat.id; save(); render(); };
+    li.onclick = () => { state.current = chat.id; editing = null; save(); render(); };
     ul.appendChild(li);
   }
 }
 
-function messageNode(m) {
+function button(action, text, title, onclick) {
+  const b = document.createElement("button");
+  b.type = "button";
+  b.dataset.action = action;
+  b.textContent = text;
+  b.title = title;
+  b.disabled = controller !== null;
+  b.onclick = onclick;
+  return b;
+}
+
+function editorNode(chat, i) {
+  const m = chat.messages[i];
+  const box = document.createElement("div");
+  box.className = "editor";
+  const area = document.createElement("textarea");
+  area.value = m.content || "";
+  area.rows = Math.min(16, Math.max(3, area.value.split("\n").length + 1));
+  const saveLabel = m.role === "user" ? "Save and send" : "Save";
+  const done = () => {
+    editing = null;
+    m.content = area.value;
+    if (m.role === "user") {  // the conversation goes on from the edited message: a new answer replaces what followed
+      chat.messages.splice(i + 1);
+      generate(chat);
+    } else {
+      save();
+      render();
+    }
+  };
+  area.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); done(); }
+    if (e.key === "Escape") { editing = null; render(); }
+  });
+  const bar = document.createElement("div");
+  bar.className = "actions";
+  bar.append(button("save", saveLabel, "Ctrl+Enter", done),
+             button("cancel", "Cancel", "Esc", () => { editing = null; render(); }));
+  box.append(area, bar);
+  setTimeout(() => area.focus(), 0);
+  return box;
+}
+
+function actionsNode(chat, i) {
+  const m = chat.messages[i];
+  const bar = document.createElement("div");
+  bar.className = "actions";
+  if (m.error) {  // a failed turn: send it again, or take it (the answer and its user message) out of the page
+    bar.append(button("retry", "Retry", "Send this turn again", () => { chat.messages.splice(i); generate(chat); }),
+               button("remove", "Remove turn", "Delete this failed turn", () => {
+                 if (i > 0 && chat.messages[i - 1].role === "user") chat.messages.splice(i - 1, 2);
+                 else chat.messages.splice(i, 1);
+                 save();
+                 render();
+               }));
+    return bar;
+  }
+  bar.append(button("edit", "Edit", "Edit this message", () => { editing = { chat: chat.id, index: i }; render(); }));
+  if (m.role === "assistant") {
+    bar.append(button("regenerate", "Regenerate", "Answer again from here", () => {
+      chat.messages.splice(i);
+      generate(chat);
+    }));
+  }
+  bar.append(button("delete", "Delete", "Delete this message", () => {
+    chat.messages.splice(i, 1);
+    editing = null;
+    save();
+    render();
+  }));
+  return bar;
+}
+
+function contentNode(m) {
+  const c = document.createElement("div");
+  c.className = "content";
+  if (m.role === "assistant") {
+    c.classList.add("markdown");
+    c.appendChild(Markdown.render(m.content || ""));
+  } else {
+    c.textContent = m.content || "";
+  }
+  return c;
+}
+
+function messageNode(chat, i) {
+  const m = chat.messages[i];
   const div = document.createElement("div");
   div.className = "msg " + m.role;
+  const failed = m.error || (m.role === "user" && chat.messages[i + 1] && chat.messages[i + 1].error);
+  if (failed) div.classList.add("failed");
   if (m.reasoning) {
     const r = document.createElement("div");
     r.className = "reasoning";
     r.textContent = m.reasoning;
     div.appendChild(r);
   }
-  const c = document.createElement("div");
-  c.className = "content";
-  c.textContent = m.content || "";
-  div.appendChild(c);
+  const isEditing = editing && editing.chat === chat.id && editing.index === i;
+  if (isEditing) div.appendChild(editorNode(chat, i));
+  else if (m.content || !m.error) div.appendChild(contentNode(m));
+  if (m.stopped) {
+    const s = document.createElement("div");
+    s.className = "note";
+    s.textContent = "stopped";
+    div.appendChild(s);
+  }
+  if (m.error) {
+    const e = document.createElement("div");
+    e.className = "error";
+    e.textContent = m.error;
+    const note = document.createElement("div");
+    note.className = "note";
+    note.textContent = "This turn is not sent to the model with later messages.";
+    div.append(e, note);
+  }
+  if (!isEditing && !(streaming && streaming.answer === m)) div.appendChild(actionsNode(chat, i));
   return div;
 }
 
@@ -73,14 +229,32 @@ function render() {
   box.textContent = "";
   const chat = current();
   if (!chat) return;
-  for (const m of chat.messages) box.appendChild(messageNode(m));
+  chat.messages.forEach((m, i) => {
+    const node = messageNode(chat, i);
+    if (streaming && streaming.answer === m) streaming.node = node;
+    box.appendChild(node);
+  });
   box.scrollTop = box.scrollHeight;
 }
 
-function sampling() {
-  const num = (id) => Number($(id).value);
-  return { temperature: num("temperature"), top_p: num("top_p"), top_k: num("top_k"),
-           max_tokens: num("max_tokens"), seed: num("seed") };
+/** Redraws the streaming answer alone (once per frame), keeping the view at the bottom if it was there. */
+let redrawPending = false;
+function redrawAnswer() {
+  if (redrawPending) return;
+  redrawPending = true;
+  requestAnimationFrame(() => {
+    redrawPending = false;
+    if (!streaming || !streaming.node || !streaming.node.isConnected) return;
+    const box = $("messages");
+    const atBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 60;
+    const chat = current();
+    const i = chat ? chat.messages.indexOf(streaming.answer) : -1;
+    if (i < 0) return;
+    const node = messageNode(chat, i);
+    streaming.node.replaceWith(node);
+    streaming.node = node;
+    if (atBottom) box.scrollTop = box.scrollHeight;
+  });
 }
 
 async function send(text) {
@@ -88,64 +262,74 @@ async function send(text) {
   const chat = current();
   chat.messages.push({ role: "user", content: text });
   if (chat.title === "New conversation") chat.title = text.slice(0, 40);
-  const answer = { role: "assistant", content: "", reasoning: "" };
-  chat.messages.push(answer);
-  save();
-  render();
-  const node = $("messages").lastChild;
-  const history = chat.messages.slice(0, -1).map((m) => ({ role: m.role, content: m.content }));
-  const system = $("system").value.trim();
-  if (system) history.unshift({ role: "system", content: system });
-  controller = new AbortController();
-  $("send").disabled = true;
-  $("stop").disabled = false;
-  const t0 = performance.now();
-  let tFirst = 0, nTokens = 0;
-  try {
-    const res = await fetch("/v1/chat/completions", {
-      method: "POST", headers: headers(), signal: controller.signal,
-      body: JSON.stringify({ messages: history, stream: true, timings_per_token: true, ...sampling() }),
-    });
-    if (!res.ok) {
-      const err = await res.json().catch(() => ({}));
-      throw new Error((err.error && err.error.message) || res.statusText);
-    }
-    const reader = res.body.getReader();
-    const decoder = new TextDecoder();
-    let buf = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buf += decoder.decode(value, { stream: true });
-      let cut;
-      while ((cut = buf.indexOf("\n\n")) >= 0) {
-        const event = buf.slice(0, cut);
-        buf = buf.slice(cut + 2);
-        if (!event.startsWith("data: ")) continue;
-        const data = event.slice(6);
-        if (data === "[DONE]") continue;
-        const obj = JSON.parse(data);
-        if (obj.error) throw new Error(obj.error.message);
-        const delta = obj.choices && obj.choices[0] ? obj.choices[0].delta : null;
-        if (delta && (delta.content || delta.reasoning_content)) {
-          answer.content += delta.content || "";
-          answer.reasoning += delta.reasoning_content || "";
-          node.replaceWith(messageNode(answer));
-          render();
-        }
-        if (obj.timings) {
-          nTokens = obj.timings.predicted_n;
-          if (!tFirst && nTokens) tFirst = performance.now();
-          const sec = (performance.now() - (tFirst || t0)) / 1000;
-          const rate = obj.timings.predicted_per_second || (sec > 0 && nTokens > 1 ? (nTokens - 1) / sec : 0);
-          $("speed").textContent = rate.toFixed(1) + " tok/s";
-        }
+  await generate(chat);
+}
+
+/** Reads the SSE stream of a chat completion into `answer`; throws with the server's message on an error event. */
+async function readStream(res, answer, t0) {
+  const reader = res.body.getReader();
+  const decoder = new TextDecoder();
+  let buf = "";
+  let tFirst = 0;
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buf += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buf.indexOf("\n\n")) >= 0) {
+      const event = buf.slice(0, cut);
+      buf = buf.slice(cut + 2);
+      if (!event.startsWith("data: ")) continue;
+      const data = event.slice(6);
+      if (data === "[DONE]") continue;
+      const obj = JSON.parse(data);
+      if (obj.error) throw new Error(obj.error.message || JSON.stringify(obj.error));
+      const delta = obj.choices && obj.choices[0] ? obj.choices[0].delta : null;
+      if (delta && (delta.content || delta.reasoning_content)) {
+        answer.content += delta.content || "";
+        answer.reasoning += delta.reasoning_content || "";
+        redrawAnswer();
+      }
+      if (obj.timings) {
+        const nTokens = obj.timings.predicted_n;
+        if (!tFirst && nTokens) tFirst = performance.now();
+        const sec = (performance.now() - (tFirst || t0)) / 1000;
+        const rate = obj.timings.predicted_per_second || (sec > 0 && nTokens > 1 ? (nTokens - 1) / sec : 0);
+        $("speed").textContent = rate.toFixed(1) + " tok/s";
       }
     }
+  }
+}
+
+/** Appends an answer to the conversation and streams it from the server; an error stays on that answer. */
+async function generate(chat) {
+  const answer = { role: "assistant", content: "", reasoning: "" };
+  const messages = history(chat.messages);
+  chat.messages.push(answer);
+  controller = new AbortController();
+  streaming = { answer, node: null };
+  $("send").disabled = true;
+  $("stop").disabled = false;
+  save();
+  render();
+  try {
+    const body = { messages, stream: true, timings_per_token: true, ...sampling() };
+    const res = await fetch("/v1/chat/completions", {
+      method: "POST", headers: headers(), signal: controller.signal, body: JSON.stringify(body),
+    });
+    if (!res.ok) {
+      const text = await res.text();
+      let msg = "";
+      try { msg = JSON.parse(text).error.message; } catch (e) { msg = text.trim().slice(0, 500); }
+      throw new Error(msg || "HTTP " + res.status + " " + res.statusText);
+    }
+    await readStream(res, answer, performance.now());
   } catch (e) {
-    if (e.name !== "AbortError") chat.messages.push({ role: "error", content: String(e.message || e) });
+    if (e.name === "AbortError") answer.stopped = true;
+    else answer.error = String(e.message || e);
   } finally {
     controller = null;
+    streaming = null;
     $("send").disabled = false;
     $("stop").disabled = true;
     save();

@@ -221,6 +221,20 @@ def test_a_wrong_key_is_an_error_in_the_page_and_retry_sends_the_turn_alone(srv:
     assert len(_chat(browser)) == 2 and not browser.find_elements("css selector", ".msg.failed")
 
 
+def test_error_messages_stored_by_an_older_page_are_not_sent(srv: ServerProc, browser: Any) -> None:
+    _open(browser, srv)
+    old = {"chats": [{"id": "c1", "title": "Hi", "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "reasoning": ""},
+        {"role": "error", "content": "Invalid API Key"}]}], "current": "c1"}
+    browser.execute_script("localStorage.setItem('rapidmoe.chats', arguments[0])", json.dumps(old))
+    browser.get(srv.url + "/")
+    browser.execute_script(RECORD_REQUESTS)
+    _type(browser, "Hello")
+    _answer(browser)
+    assert _bodies(browser)[-1]["messages"] == [{"role": "user", "content": "Hello"}]
+    assert browser.find_element("css selector", ".msg.assistant.failed .error").text == "Invalid API Key"
+
+
 def test_cleared_fields_are_left_out_of_the_request(srv: ServerProc, browser: Any) -> None:
     _open(browser, srv)
     browser.execute_script(RECORD_REQUESTS)

@@ -195,6 +195,8 @@ function messageNode(chat, i) {
   div.className = "msg " + m.role;
   const failed = m.error || (m.role === "user" && chat.messages[i + 1] && chat.messages[i + 1].error);
   if (failed) div.classList.add("failed");
+  const isStreaming = streaming !== null && streaming.answer === m;
+  if (isStreaming) div.classList.add("streaming");
   if (m.reasoning) {
     const r = document.createElement("div");
     r.className = "reasoning";
@@ -203,7 +205,7 @@ function messageNode(chat, i) {
   }
   const isEditing = editing && editing.chat === chat.id && editing.index === i;
   if (isEditing) div.appendChild(editorNode(chat, i));
-  else if (m.content || !m.error) div.appendChild(contentNode(m));
+  else if (m.content || isStreaming || !(m.error || m.reasoning)) div.appendChild(contentNode(m));
   if (m.stopped) {
     const s = document.createElement("div");
     s.className = "note";
@@ -219,7 +221,7 @@ function messageNode(chat, i) {
     note.textContent = "This turn is not sent to the model with later messages.";
     div.append(e, note);
   }
-  if (!isEditing && !(streaming && streaming.answer === m)) div.appendChild(actionsNode(chat, i));
+  if (!isEditing && !isStreaming) div.appendChild(actionsNode(chat, i));
   return div;
 }
 
@@ -284,7 +286,8 @@ async function readStream(res, answer, t0) {
       if (data === "[DONE]") continue;
       const obj = JSON.parse(data);
       if (obj.error) throw new Error(obj.error.message || JSON.stringify(obj.error));
-      const delta = obj.choices && obj.choices[0] ? obj.choices[0].delta : null;
+      const choice = (obj.choices || []).find((c) => !c.index);  // the first choice (the page asks for one)
+      const delta = choice ? choice.delta : null;
       if (delta && (delta.content || delta.reasoning_content)) {
         answer.content += delta.content || "";
         answer.reasoning += delta.reasoning_content || "";

@@ -119,14 +119,20 @@ Event = Union[Chunk, Finished, Failed]
 
 @dataclass
 class Ticket:
-    """One submitted generation; the HTTP thread reads `events` and calls `Engine.cancel` if the client leaves."""
+    """One submitted generation; the HTTP thread reads `events` and calls `Engine.cancel` if the client leaves.
+    The tickets of one request (several prompts, `n` > 1) share one `events` queue; each event comes tagged with
+    its ticket's `index` (the choice's index in the answer)."""
 
     id: int
     prompt: list[int]
     params: GenerationParams
     deadline: float  # monotonic time after which a still-waiting ticket gets 503
-    events: queue.Queue[Event] = field(default_factory=queue.Queue)
+    events: queue.Queue[tuple[int, Event]] = field(default_factory=queue.Queue)  # (index, event)
+    index: int = 0  # the choice this ticket answers
     cancelled: bool = False
+
+    def put(self, ev: Event) -> None:
+        self.events.put((self.index, ev))
 
 
 @dataclass
@@ -217,17 +223,33 @@ class Engine:
 
     # ---- called from HTTP threads ----
 
+    @property
+    def capacity(self) -> int | None:
+        """Generations that may be in slots or waiting at once; None: no limit (queue_size < 0)."""
+        return None if self.queue_size < 0 else self.n_parallel + self.queue_size
+
     def submit(self, prompt: list[int], params: GenerationParams) -> Ticket:
+        return self.submit_many([(prompt, params)])[0]
+
+    def submit_many(self, jobs: list[tuple[list[int], GenerationParams]]) -> list[Ticket]:
+        """Queue all of one request's generations, or none (QueueFull): ticket i answers choice i, all tickets
+        share one events queue. They wait in order and run in whichever slots free up, side by side."""
+        events: queue.Queue[tuple[int, Event]] = queue.Queue()
         with self._cv:
-            if self._outstanding >= self.n_parallel + self.queue_size:
+            cap = self.capacity
+            if cap is not None and self._outstanding + len(jobs) > cap:
                 self.stats.requests_rejected += 1
-                raise QueueFull(f"all {self.n_parallel} slots busy and {self.queue_size} requests waiting")
-            t = Ticket(self._next_id, prompt, params, time.monotonic() + self.queue_timeout)
-            self._next_id += 1
-            self._outstanding += 1
-            self._waiting.append(t)
+                raise QueueFull(f"{self._outstanding} generations in slots or waiting, at most {cap} "
+                                f"(--parallel {self.n_parallel} + --queue-size {self.queue_size})")
+            deadline = time.monotonic() + self.queue_timeout
+            tickets = []
+            for i, (prompt, params) in enumerate(jobs):
+                tickets.append(Ticket(self._next_id, prompt, params, deadline, events, index=i))
+                self._next_id += 1
+            self._outstanding += len(tickets)
+            self._waiting.extend(tickets)
             self._cv.notify()
-        return t
+        return tickets
 
     def cancel(self, t: Ticket) -> None:
         with self._cv:
@@ -306,7 +328,7 @@ class Engine:
             self._calls.clear()
             self._outstanding -= len(waiting)
         for t in waiting:
-            t.events.put(Failed(503, "unavailable_error", "server shutting down"))
+            t.put(Failed(503, "unavailable_error", "server shutting down"))
         for _, fut in calls:
             fut.set_exception(RuntimeError("server shutting down"))
 
@@ -316,7 +338,7 @@ class Engine:
             self._waiting.remove(t)
             self._outstanding -= 1
             self.stats.requests_rejected += 1
-            t.events.put(Failed(503, "unavailable_error", "timed out waiting for a free slot"))
+            t.put(Failed(503, "unavailable_error", "timed out waiting for a free slot"))
         while self._waiting:
             t = self._waiting[0]
             free = [s for s in self.slots if not s.busy]
@@ -440,7 +462,7 @@ class Engine:
         text = s.asm.push(self._token_piece(tok))
         if text:
             s.has_new_line = s.has_new_line or "\n" in text
-            t.events.put(Chunk(text, s.pending, s.n_decoded, self._timings(s, now), s.pending_probs))
+            t.put(Chunk(text, s.pending, s.n_decoded, self._timings(s, now), s.pending_probs))
             s.pending, s.pending_probs = [], []
         if s.asm.stopping_word:
             self._finish(s, "word")
@@ -495,7 +517,7 @@ class Engine:
         self.stats.requests_finished += 1
         timings = Timings(len(t.prompt) - s.n_cached, 1e3 * (t_first - s.t_start), s.n_decoded, predicted_ms,
                           s.n_cached)
-        t.events.put(Finished(s.asm.flush(), list(s.tokens), stop_type, s.asm.stopping_word, truncated,
+        t.put(Finished(s.asm.flush(), list(s.tokens), stop_type, s.asm.stopping_word, truncated,
                               len(t.prompt), s.n_decoded, s.id, timings, n_cached=s.n_cached,
                               tokens_cached=len(s.cache), probs=list(s.probs), tail_probs=list(s.pending_probs)))
         self._release(s)
@@ -503,7 +525,7 @@ class Engine:
     def _fail(self, s: _Slot, status: int, type_: str, message: str) -> None:
         if s.ticket is not None:
             self.stats.requests_failed += 1
-            s.ticket.events.put(Failed(status, type_, message))
+            s.ticket.put(Failed(status, type_, message))
         lc.llama_memory_seq_rm(self._mem, s.id, -1, -1)  # after a failed decode the KV is not known: drop it
         s.cache.clear()
         self._release(s)

@@ -114,7 +114,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "input_extra": (_EMPTY, "infill"),
     "suffix": (_off(""), "infill"),
     "best_of": (_off(1), ""),
-    "n_cmpl": (_off(1), "one completion per request"),
     "functions": (_EMPTY, "tool calls"),
     "function_call": (_off("none"), "tool calls"),
     "audio": (lambda v: False, "audio output"),
@@ -293,16 +292,29 @@ def get_n_probs(body: dict[str, Any], route: str, n_vocab: int) -> int:
     return k if k > 0 else -1
 
 
+MAX_N = 128  # completions per prompt (`n`), OpenAI's limit
+MAX_CHOICES = 1024  # completions per request (prompts x n)
+
+
+def get_n(body: dict[str, Any]) -> int:
+    """Completions per prompt: llama-server's `n_cmpl`, else OpenAI's `n` (llama-server's alias), 1 to MAX_N."""
+    name = "n_cmpl" if body.get("n_cmpl") is not None else "n"
+    return get_int(body, name, 1, lo=1, hi=MAX_N)
+
+
+def choice_seed(seed: int, j: int) -> int:
+    """The seed of a prompt's completion j: seed + j (mod 2^32, never SEED_RANDOM), so `n` completions with a
+    fixed seed differ and are reproducible; a random seed stays random."""
+    return seed if seed == SEED_RANDOM else (seed + j) % SEED_RANDOM
+
+
 def generation_from(body: dict[str, Any], *, n_vocab: int, default_n_predict: int, default_seed: int,
-                    default_temp: float, oai: bool, route: str = "native") -> GenerationParams:
+                    default_temp: float, route: str = "native") -> GenerationParams:
     """llama-server reads `n_predict`, then `max_tokens` (OpenAI), then `max_completion_tokens`."""
     n_predict = get_int(body, "n_predict", default_n_predict, lo=-1)
     for name in ("max_tokens", "max_completion_tokens"):
         if name in body and body[name] is not None:
             n_predict = get_int(body, name, n_predict, lo=-1)
-    if oai:
-        n = get_int(body, "n", 1, lo=1, hi=1)  # one choice per request
-        del n
     return GenerationParams(
         n_predict=n_predict,
         stop=get_stop(body),

@@ -49,9 +49,21 @@ def finish_reason(f: Finished) -> str:
     return "stop" if f.stop_type in ("eos", "word") else "length"
 
 
-def usage(f: Finished) -> dict[str, Any]:
-    return {"completion_tokens": f.n_decoded, "prompt_tokens": f.n_prompt, "total_tokens": f.n_decoded + f.n_prompt,
-            "prompt_tokens_details": {"cached_tokens": f.n_cached}}
+def usage(fins: list[Finished]) -> dict[str, Any]:
+    """OpenAI `usage`, summed over the choices (each choice evaluated its prompt: a prompt with n completions
+    counts n times, `cached_tokens` says how much of that came from the slots' KV)."""
+    n_decoded, n_prompt = sum(f.n_decoded for f in fins), sum(f.n_prompt for f in fins)
+    return {"completion_tokens": n_decoded, "prompt_tokens": n_prompt, "total_tokens": n_decoded + n_prompt,
+            "prompt_tokens_details": {"cached_tokens": sum(f.n_cached for f in fins)}}
+
+
+def merged(answers: list[dict[str, Any]], fins: list[Finished]) -> dict[str, Any]:
+    """One OpenAI answer from one per choice (as llama-server merges them): the first one's fields and timings,
+    every choice in index order, usage summed."""
+    out = answers[0]
+    out["choices"] = [c for a in answers for c in a["choices"]]
+    out["usage"] = usage(fins)
+    return out
 
 
 # ---- token probabilities ----
@@ -91,8 +103,8 @@ def oai_cmpl_logprobs(probs: list[TokenProb], with_offsets: bool) -> dict[str, A
 
 # ---- native /completion ----
 
-def native_partial(m: Meta, c: Chunk, n_prompt: int, id_slot: int) -> dict[str, Any]:
-    out = {"index": 0, "content": c.text, "tokens": c.tokens, "stop": False, "id_slot": id_slot,
+def native_partial(m: Meta, c: Chunk, n_prompt: int, id_slot: int, index: int = 0) -> dict[str, Any]:
+    out = {"index": index, "content": c.text, "tokens": c.tokens, "stop": False, "id_slot": id_slot,
            "tokens_predicted": c.n_decoded, "tokens_evaluated": n_prompt}
     if m.logprobs and c.probs:
         out["completion_probabilities"] = probs_json(c.probs)
@@ -100,9 +112,9 @@ def native_partial(m: Meta, c: Chunk, n_prompt: int, id_slot: int) -> dict[str, 
 
 
 def native_final(m: Meta, f: Finished, content: str, prompt: str, settings: dict[str, Any],
-                 stream: bool) -> dict[str, Any]:
+                 stream: bool, index: int = 0) -> dict[str, Any]:
     out = {
-        "index": 0, "content": content,
+        "index": index, "content": content,
         "tokens": f.tokens if (m.return_tokens and not stream) else [],
         "id_slot": f.id_slot, "stop": True, "model": m.model,
         "tokens_predicted": f.n_decoded, "tokens_evaluated": f.n_prompt,
@@ -139,82 +151,94 @@ def _oai_base(m: Meta, obj: str) -> dict[str, Any]:
     return {"created": m.created, "model": m.model, "system_fingerprint": m.fingerprint, "object": obj, "id": m.id}
 
 
-def oai_cmpl_partial(m: Meta, c: Chunk) -> dict[str, Any]:
+def oai_cmpl_partial(m: Meta, c: Chunk, index: int = 0) -> dict[str, Any]:
     lp = oai_cmpl_logprobs(c.probs, False) if m.logprobs else None
-    return m.add_timings({"choices": [{"text": c.text, "index": 0, "logprobs": lp, "finish_reason": None}],
+    return m.add_timings({"choices": [{"text": c.text, "index": index, "logprobs": lp, "finish_reason": None}],
                           **_oai_base(m, "text_completion")}, c)
 
 
-def oai_cmpl_final(m: Meta, f: Finished, text: str, stream: bool = False) -> dict[str, Any]:
+def oai_cmpl_final(m: Meta, f: Finished, text: str, stream: bool = False, index: int = 0) -> dict[str, Any]:
     lp = oai_cmpl_logprobs(f.probs, True) if m.logprobs and not stream else None
-    return {"choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish_reason(f)}],
-            **_oai_base(m, "text_completion"), "usage": usage(f), "timings": f.timings.to_json()}
+    return {"choices": [{"text": text, "index": index, "logprobs": lp, "finish_reason": finish_reason(f)}],
+            **_oai_base(m, "text_completion"), "usage": usage([f]), "timings": f.timings.to_json()}
 
 
 # ---- OpenAI /v1/chat/completions ----
 
 def chat_final(m: Meta, f: Finished, text: str, reasoning: str = "",
-               calls: list[ToolCall] | None = None) -> dict[str, Any]:
+               calls: list[ToolCall] | None = None, index: int = 0) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if reasoning:
         message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = [c.to_json() for c in calls]
         message["content"] = text or None
-    choice: dict[str, Any] = {"finish_reason": "tool_calls" if calls else finish_reason(f), "index": 0,
+    choice: dict[str, Any] = {"finish_reason": "tool_calls" if calls else finish_reason(f), "index": index,
                               "message": message}
     if m.logprobs:
         choice["logprobs"] = {"content": probs_json(f.probs)}
-    return {"choices": [choice], **_oai_base(m, "chat.completion"), "usage": usage(f),
+    return {"choices": [choice], **_oai_base(m, "chat.completion"), "usage": usage([f]),
             "timings": f.timings.to_json()}
 
 
-def _chat_chunk(m: Meta, delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
-    return {"choices": [{"finish_reason": reason, "index": 0, "delta": delta}],
+def _chat_chunk(m: Meta, delta: dict[str, Any], reason: str | None, index: int = 0) -> dict[str, Any]:
+    return {"choices": [{"finish_reason": reason, "index": index, "delta": delta}],
             **_oai_base(m, "chat.completion.chunk")}
 
 
-def chat_partial(m: Meta, c: Chunk, first: bool) -> list[dict[str, Any]]:
+def chat_partial(m: Meta, c: Chunk, first: bool, index: int = 0) -> list[dict[str, Any]]:
     """llama-server opens with a role-only delta, then one content delta per piece of text."""
-    out = [_chat_chunk(m, {"role": "assistant", "content": None}, None)] if first else []
+    out = [chat_role_chunk(m, index)] if first else []
     if c.text:
-        chunk = _chat_chunk(m, {"content": c.text}, None)
+        chunk = _chat_chunk(m, {"content": c.text}, None, index)
         if m.logprobs:
             chunk["choices"][0]["logprobs"] = {"content": probs_json(c.probs)}
         out.append(m.add_timings(chunk, c))
     return out
 
 
-def chat_role_chunk(m: Meta) -> dict[str, Any]:
-    return _chat_chunk(m, {"role": "assistant", "content": None}, None)
+def chat_role_chunk(m: Meta, index: int = 0) -> dict[str, Any]:
+    return _chat_chunk(m, {"role": "assistant", "content": None}, None, index)
 
 
-def chat_delta_chunks(m: Meta, d: Delta, probs: list[TokenProb], c: Chunk | None) -> list[dict[str, Any]]:
+def chat_delta_chunks(m: Meta, d: Delta, probs: list[TokenProb], c: Chunk | None,
+                      index: int = 0) -> list[dict[str, Any]]:
     """Chunks for a parsed delta: reasoning_content, content, then each completed tool call whole. The token
     probabilities go on the first chunk (on an empty delta if the text was held back)."""
     out = []
     if d.reasoning:
-        out.append(_chat_chunk(m, {"reasoning_content": d.reasoning}, None))
+        out.append(_chat_chunk(m, {"reasoning_content": d.reasoning}, None, index))
     if d.content:
-        out.append(_chat_chunk(m, {"content": d.content}, None))
-    out += [_chat_chunk(m, {"tool_calls": [call.to_json(index)]}, None) for index, call in d.calls]
+        out.append(_chat_chunk(m, {"content": d.content}, None, index))
+    out += [_chat_chunk(m, {"tool_calls": [call.to_json(i)]}, None, index) for i, call in d.calls]
     if m.logprobs and probs:
         if not out:
-            out.append(_chat_chunk(m, {}, None))
+            out.append(_chat_chunk(m, {}, None, index))
         out[0]["choices"][0]["logprobs"] = {"content": probs_json(probs)}
     if c is not None and out:
         m.add_timings(out[-1], c)
     return out
 
 
-def chat_stream_final(m: Meta, f: Finished, tail: str, tool_calls: bool = False) -> list[dict[str, Any]]:
+def chat_stream_final(m: Meta, f: Finished, tail: str, tool_calls: bool = False,
+                      index: int = 0) -> list[dict[str, Any]]:
+    """A choice's last chunks: the held-back tail, then an empty delta with finish_reason and the timings."""
     out = []
     if tail:
-        out.append(_chat_chunk(m, {"content": tail}, None))
+        out.append(_chat_chunk(m, {"content": tail}, None, index))
         if m.logprobs:
             out[-1]["choices"][0]["logprobs"] = {"content": probs_json(f.tail_probs)}
-    out.append(_chat_chunk(m, {}, "tool_calls" if tool_calls else finish_reason(f)))
-    if m.include_usage:
-        out.append({"choices": [], **_oai_base(m, "chat.completion.chunk"), "usage": usage(f)})
+    out.append(_chat_chunk(m, {}, "tool_calls" if tool_calls else finish_reason(f), index))
     out[-1]["timings"] = f.timings.to_json()
     return out
+
+
+def chat_usage_chunk(m: Meta, fins: list[Finished]) -> list[dict[str, Any]]:
+    """With `stream_options.include_usage`: after every choice, one chunk with empty `choices` and the summed
+    usage (OpenAI's rule), carrying the timings too when there is one choice (llama-server's last chunk)."""
+    if not m.include_usage:
+        return []
+    out = {"choices": [], **_oai_base(m, "chat.completion.chunk"), "usage": usage(fins)}
+    if len(fins) == 1:
+        out["timings"] = fins[0].timings.to_json()
+    return [out]

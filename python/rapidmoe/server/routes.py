@@ -23,12 +23,15 @@ from .config import ServerConfig
 from .engine import Chunk, Engine, Event, Failed, Finished, QueueFull, Ticket
 from .errors import ApiError, exceed_context, invalid_request, not_found, unavailable
 from .params import (
+    MAX_CHOICES,
     SEED_RANDOM,
     GenerationParams,
     SamplingParams,
     check_utf8,
+    choice_seed,
     generation_from,
     get_bool,
+    get_n,
     refuse_unsupported,
 )
 from .structured import check_grammar, grammar_from
@@ -145,123 +148,191 @@ def _check_ids(st: AppState, toks: list[Any], name: str) -> list[int]:
     return toks
 
 
-def prompt_tokens(st: AppState, prompt: Any) -> list[int]:
-    """A string, token ids, or ids mixed with strings; BOS first when the prompt starts with text."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return _tokenize(st, check_utf8(prompt, "prompt"), st.add_bos)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, int)) and not isinstance(p, bool)
-                                                   for p in prompt):
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _one_prompt(st: AppState, p: Any, name: str) -> list[int]:
+    """One prompt: a string, token ids, ids mixed with strings (BOS first when it starts with text), or
+    llama-server's `{"prompt_string": ...}` object (its `multimodal_data` is refused)."""
+    if isinstance(p, dict):
+        if p.get("multimodal_data") not in (None, []):
+            raise ApiError(501, "not_supported_error", f"\"{name}\": multimodal input is not supported by this server")
+        if "prompt_string" not in p:
+            raise invalid_request(f"\"{name}\": a prompt object needs \"prompt_string\"")
+        p, name = p["prompt_string"], f"{name}.prompt_string"
+    if isinstance(p, str):
+        return _tokenize(st, check_utf8(p, name), st.add_bos)
+    if isinstance(p, list) and p and all(isinstance(x, str) or _is_id(x) for x in p):
         out: list[int] = []
-        for i, p in enumerate(prompt):
-            if isinstance(p, str):
-                out += _tokenize(st, check_utf8(p, "prompt"), st.add_bos and i == 0)
+        for i, x in enumerate(p):
+            if isinstance(x, str):
+                out += _tokenize(st, check_utf8(x, name), st.add_bos and i == 0)
             else:
-                out += _check_ids(st, [p], "prompt")
+                out += _check_ids(st, [x], name)
         return out
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise ApiError(501, "not_supported_error", "several prompts in one request are not supported")
-    raise invalid_request("\"prompt\" must be a string, a list of tokens, or a list of mixed strings & tokens")
+    raise invalid_request(f"\"{name}\" must be a string, a list of tokens, or a list of mixed strings & tokens")
 
 
-def _gen_params(st: AppState, body: dict[str, Any], oai: bool, route: str) -> GenerationParams:
+def prompt_list(st: AppState, prompt: Any) -> list[tuple[list[int], Any]]:
+    """(tokens, the prompt as given) for each prompt of a request, by llama-server's rule
+    (`tokenize_input_prompts`), which covers OpenAI's: an array holding any integer is ONE prompt (token ids,
+    maybe mixed with strings); any other array is several prompts, each a string, token ids, mixed, or a
+    `{"prompt_string"}` object."""
+    if isinstance(prompt, list) and not any(_is_id(x) for x in prompt):
+        if not prompt:
+            raise invalid_request("\"prompt\" must not be empty")
+        return [(_one_prompt(st, p, f"prompt[{i}]"), p) for i, p in enumerate(prompt)]
+    return [(_one_prompt(st, prompt, "prompt"), prompt)]
+
+
+def _gen_params(st: AppState, body: dict[str, Any], route: str) -> GenerationParams:
     assert st.engine is not None
     c = st.config
     p = generation_from(body, n_vocab=st.engine.n_vocab, default_n_predict=c.n_predict, default_seed=c.seed,
-                        default_temp=c.temperature, oai=oai, route=route)
+                        default_temp=c.temperature, route=route)
     grammar = grammar_from(body, st.engine.llm._model.vocab)
     return dataclasses.replace(p, grammar=grammar) if grammar is not None else p
 
 
-def _submit(st: AppState, toks: list[int], params: GenerationParams) -> Ticket:
-    assert st.engine is not None
-    if not toks:
-        raise invalid_request("\"prompt\" must not be empty")
-    if len(toks) >= st.engine.n_ctx_slot:
-        raise exceed_context(len(toks), st.engine.n_ctx_slot)
-    if params.id_slot >= st.engine.n_parallel:
-        raise invalid_request(f"\"id_slot\" {params.id_slot} does not exist ({st.engine.n_parallel} slots)")
+@dataclass(frozen=True)
+class Job:
+    """One choice to generate; a request's jobs are prompt-major (choice index = prompt_i * n + j, OpenAI's)."""
+
+    toks: list[int]
+    params: GenerationParams
+    prompt: Any = None  # the prompt as the request gave it (the native route answers it)
+
+
+def jobs_for(prompts: list[tuple[list[int], Any]], params: GenerationParams, n: int) -> list[Job]:
+    """n jobs per prompt; with a fixed seed, completion j of a prompt samples with seed + j (choice_seed)."""
+    if len(prompts) * n > MAX_CHOICES:
+        raise invalid_request(f"{len(prompts)} prompts x \"n\" {n} = {len(prompts) * n} completions; at most "
+                              f"{MAX_CHOICES} per request")
+    seeded = [params if j == 0 else dataclasses.replace(params, sampling=dataclasses.replace(
+        params.sampling, seed=choice_seed(params.sampling.seed, j))) for j in range(n)]
+    return [Job(toks, seeded[j], given) for toks, given in prompts for j in range(n)]
+
+
+def _submit(st: AppState, jobs: list[Job]) -> list[Ticket]:
+    """Check every job, then queue them all (or none: 503 when the queue cannot take them)."""
+    e = st.engine
+    assert e is not None
+    for job in jobs:
+        if not job.toks:
+            raise invalid_request("\"prompt\" must not be empty")
+        if len(job.toks) >= e.n_ctx_slot:
+            raise exceed_context(len(job.toks), e.n_ctx_slot)
+        if job.params.id_slot >= e.n_parallel:
+            raise invalid_request(f"\"id_slot\" {job.params.id_slot} does not exist ({e.n_parallel} slots)")
+    cap = e.capacity
+    if cap is not None and len(jobs) > cap:
+        raise invalid_request(f"the request asks for {len(jobs)} completions; this server holds at most {cap} "
+                              f"at once (--parallel {e.n_parallel} + --queue-size {e.queue_size})")
     try:
-        return st.engine.submit(toks, params)
-    except QueueFull as e:
-        raise unavailable(f"server busy: {e}") from None
+        return e.submit_many([(job.toks, job.params) for job in jobs])
+    except QueueFull as err:
+        raise unavailable(f"server busy: {err}") from None
 
 
-def _next(st: AppState, t: Ticket, req: Request) -> Event | None:
-    """The ticket's next event; None (and the ticket cancelled) if the client went away meanwhile.
-    The socket is looked at every 250 ms even while events keep coming (a non-streaming request)."""
+def _cancel(st: AppState, ts: list[Ticket]) -> None:
+    assert st.engine is not None
+    for t in ts:
+        st.engine.cancel(t)
+
+
+def _next(st: AppState, ts: list[Ticket], req: Request) -> tuple[int, Event] | None:
+    """The next (choice index, event) of a request's tickets; None (and the tickets cancelled) if the client went
+    away meanwhile. The socket is looked at every 250 ms even while events keep coming (a non-streaming
+    request)."""
+    events = ts[0].events  # shared by all of them
     while True:
         try:
-            ev = t.events.get(timeout=0.25)
+            got: tuple[int, Event] | None = events.get(timeout=0.25)
         except queue.Empty:
-            ev = None
+            got = None
         now = time.monotonic()
-        if ev is None or now - req.checked > 0.25:
+        if got is None or now - req.checked > 0.25:
             req.checked = now
             if req.gone():
-                assert st.engine is not None
-                st.engine.cancel(t)
+                _cancel(st, ts)
                 return None
-        if ev is not None:
-            return ev
+        if got is not None:
+            return got
 
 
-def _raise_failed(ev: Failed) -> None:
+def _raise_failed(st: AppState, ts: list[Ticket], ev: Failed) -> None:
+    """One choice failed: the others are cancelled and the request answers the error (llama-server's rule)."""
+    _cancel(st, ts)
     raise ApiError(ev.status, ev.type, ev.message)
 
 
-def _collect(st: AppState, t: Ticket, req: Request) -> tuple[str, Finished] | None:
-    parts: list[str] = []
-    while True:
-        ev = _next(st, t, req)
-        if ev is None:
+def _collect(st: AppState, ts: list[Ticket], req: Request) -> list[tuple[str, Finished]] | None:
+    """Every choice's whole text and Finished event, in index order; None when the client left first."""
+    parts: list[list[str]] = [[] for _ in ts]
+    done: dict[int, Finished] = {}
+    while len(done) < len(ts):
+        got = _next(st, ts, req)
+        if got is None:
             return None
+        i, ev = got
         if isinstance(ev, Failed):
-            _raise_failed(ev)
+            _raise_failed(st, ts, ev)
         elif isinstance(ev, Chunk):
-            parts.append(ev.text)
+            parts[i].append(ev.text)
         else:
             assert isinstance(ev, Finished)
-            parts.append(ev.text)
-            return "".join(parts), ev
+            parts[i].append(ev.text)
+            done[i] = ev
+    return [("".join(parts[i]), done[i]) for i in range(len(ts))]
 
 
-def _whole(st: AppState, t: Ticket, req: Request, final: Callable[[str, Finished], Any]) -> Reply:
-    """A non-streamed answer: the whole text, shaped by `final`; 499 when the client left first."""
-    got = _collect(st, t, req)
+def _whole(st: AppState, ts: list[Ticket], req: Request,
+           final: Callable[[list[tuple[str, Finished]]], Any]) -> Reply:
+    """A non-streamed answer: every choice's text, shaped by `final`; 499 when the client left first."""
+    got = _collect(st, ts, req)
     if got is None:
         return Reply(499, b"")
-    text, fin = got
-    return json_reply(final(text, fin), n_tokens=fin.n_decoded)
+    return json_reply(final(got), n_tokens=sum(fin.n_decoded for _, fin in got))
 
 
-def _stream(st: AppState, t: Ticket, req: Request,
-            fmt: Callable[[Event, bool], list[bytes]], done: bool) -> Reply | Stream:
-    """SSE: the first event is waited for here, so an error before any output is a plain error reply."""
-    first = _next(st, t, req)
+def _stream(st: AppState, ts: list[Ticket], req: Request, fmt: Callable[[int, Event, bool], list[bytes]],
+            done: bool, end: Callable[[list[Finished]], list[bytes]] | None = None) -> Reply | Stream:
+    """SSE of all choices, interleaved as their tokens come (`fmt(index, event, first of this choice)`), then
+    `end(every Finished)` and `[DONE]`. The first event is waited for here, so an error before any output is a
+    plain error reply; one after it is an error event that ends the stream (the other choices cancelled)."""
+    first = _next(st, ts, req)
     if first is None:
         return Reply(499, b"")
-    if isinstance(first, Failed):
-        _raise_failed(first)
-    assert st.engine is not None
-    engine = st.engine
-    out = Stream(iter(()), lambda: engine.cancel(t))
+    if isinstance(first[1], Failed):
+        _raise_failed(st, ts, first[1])
+    out = Stream(iter(()), lambda: _cancel(st, ts))
 
     def chunks() -> Iterator[bytes]:
-        ev: Event | None = first
-        is_first = True
-        while ev is not None:
+        got: tuple[int, Event] | None = first
+        finished: dict[int, Finished] = {}
+        started: set[int] = set()
+        decoded = [0] * len(ts)
+        while got is not None:
+            i, ev = got
             if isinstance(ev, Failed):
+                _cancel(st, ts)
                 yield sse.error_event(ApiError(ev.status, ev.type, ev.message).body())
                 return
-            if isinstance(ev, (Chunk, Finished)):
-                out.n_tokens[0] = ev.n_decoded
-            yield from fmt(ev, is_first)
-            is_first = False
+            assert isinstance(ev, (Chunk, Finished))
+            decoded[i] = ev.n_decoded
+            out.n_tokens[0] = sum(decoded)
+            yield from fmt(i, ev, i not in started)
+            started.add(i)
             if isinstance(ev, Finished):
-                break
-            ev = _next(st, t, req)
+                finished[i] = ev
+                if len(finished) == len(ts):
+                    break
+            got = _next(st, ts, req)
+        if got is None:
+            return  # the client left: nothing more to send
+        if end is not None:
+            yield from end([finished[i] for i in range(len(ts))])
         if done:
             yield sse.DONE
 
@@ -302,67 +373,81 @@ def _response_fields(body: dict[str, Any]) -> list[str]:
 
 
 def completion(st: AppState, req: Request) -> Reply | Stream:
-    """POST /completion: llama-server's native endpoint."""
+    """POST /completion: llama-server's native endpoint. Several prompts (or `n` > 1) answer a list of results,
+    one per choice, each with its `index`; one answers the object itself."""
     body = req.json()
     assert st.engine is not None
+    engine = st.engine
     model = st.check_model(body)
     if "prompt" not in body:
         raise invalid_request("\"prompt\" is required")
     refuse_unsupported(body)
-    toks = prompt_tokens(st, body["prompt"])
-    params = _gen_params(st, body, oai=False, route="native")
+    params = _gen_params(st, body, route="native")
+    jobs = jobs_for(prompt_list(st, body["prompt"]), params, get_n(body))
     stream = get_bool(body, "stream", False)
     fields = _response_fields(body)
     meta = responses.Meta.new(model, st.fingerprint, return_tokens=get_bool(body, "return_tokens", False),
                               timings_per_token=get_bool(body, "timings_per_token", False),
                               logprobs=params.n_probs >= 0)
-    settings = _settings(st, params, st.engine.n_ctx_slot, model, stream)
-    prompt_text = body["prompt"] if isinstance(body["prompt"], str) else st.engine.llm.detokenize(
-        toks).decode("utf-8", "replace")
-    t = _submit(st, toks, params)
-    if not stream:
-        return _whole(st, t, req, lambda text, fin: responses.pick_fields(
-            responses.native_final(meta, fin, text, prompt_text, settings, False), fields))
 
-    def fmt(ev: Event, first: bool) -> list[bytes]:
+    def prompt_text(job: Job) -> str:
+        if isinstance(job.prompt, str):
+            return job.prompt
+        return engine.llm.detokenize(job.toks).decode("utf-8", "replace")
+
+    def final(i: int, fin: Finished, text: str, streamed: bool) -> dict[str, Any]:
+        settings = _settings(st, jobs[i].params, engine.n_ctx_slot, model, streamed)
+        return responses.native_final(meta, fin, text, prompt_text(jobs[i]), settings, streamed, i)
+
+    ts = _submit(st, jobs)
+    if not stream:
+        def whole(got: list[tuple[str, Finished]]) -> Any:
+            out = [responses.pick_fields(final(i, fin, text, False), fields) for i, (text, fin) in enumerate(got)]
+            return out[0] if len(out) == 1 else out
+        return _whole(st, ts, req, whole)
+
+    def fmt(i: int, ev: Event, first: bool) -> list[bytes]:
+        n_prompt = len(jobs[i].toks)
         if isinstance(ev, Chunk):
-            return [sse.event(responses.native_partial(meta, ev, len(toks), -1))]
+            return [sse.event(responses.native_partial(meta, ev, n_prompt, -1, i))]
         assert isinstance(ev, Finished)
         out = []
         if ev.text:
             out.append(sse.event(responses.native_partial(meta, Chunk(ev.text, [], ev.n_decoded,
-                                                                      probs=ev.tail_probs), len(toks), ev.id_slot)))
-        out.append(sse.event(responses.native_final(meta, ev, "", prompt_text, settings, True)))
+                                                                      probs=ev.tail_probs), n_prompt, ev.id_slot, i)))
+        out.append(sse.event(final(i, ev, "", True)))
         return out
 
-    return _stream(st, t, req, fmt, done=False)
+    return _stream(st, ts, req, fmt, done=False)
 
 
 def oai_completions(st: AppState, req: Request) -> Reply | Stream:
-    """POST /v1/completions."""
+    """POST /v1/completions: one choice per prompt and per `n`, prompt-major."""
     body = req.json()
     model = st.check_model(body)
     if "prompt" not in body:
         raise invalid_request("\"prompt\" is required")
     refuse_unsupported(body)
-    toks = prompt_tokens(st, body["prompt"])
-    params = _gen_params(st, body, oai=True, route="oai")
+    params = _gen_params(st, body, route="oai")
+    jobs = jobs_for(prompt_list(st, body["prompt"]), params, get_n(body))
     stream = get_bool(body, "stream", False)
     meta = responses.Meta.new(model, st.fingerprint, timings_per_token=get_bool(body, "timings_per_token", False),
                               logprobs=params.n_probs >= 0)
-    t = _submit(st, toks, params)
+    ts = _submit(st, jobs)
     if not stream:
-        return _whole(st, t, req, lambda text, fin: responses.oai_cmpl_final(meta, fin, text))
+        return _whole(st, ts, req, lambda got: responses.merged(
+            [responses.oai_cmpl_final(meta, fin, text, index=i) for i, (text, fin) in enumerate(got)],
+            [fin for _, fin in got]))
 
-    def fmt(ev: Event, first: bool) -> list[bytes]:
+    def fmt(i: int, ev: Event, first: bool) -> list[bytes]:
         if isinstance(ev, Chunk):
-            return [sse.event(responses.oai_cmpl_partial(meta, ev))]
+            return [sse.event(responses.oai_cmpl_partial(meta, ev, i))]
         assert isinstance(ev, Finished)
         tail = Chunk(ev.text, [], ev.n_decoded, probs=ev.tail_probs)
-        out = [sse.event(responses.oai_cmpl_partial(meta, tail))] if ev.text else []
-        return [*out, sse.event(responses.oai_cmpl_final(meta, ev, "", stream=True))]
+        out = [sse.event(responses.oai_cmpl_partial(meta, tail, i))] if ev.text else []
+        return [*out, sse.event(responses.oai_cmpl_final(meta, ev, "", stream=True, index=i))]
 
-    return _stream(st, t, req, fmt, done=True)
+    return _stream(st, ts, req, fmt, done=True)
 
 
 def _chat_prompt(st: AppState, body: dict[str, Any]) -> tuple[str, toolcalls.ToolRequest | None]:
@@ -371,16 +456,33 @@ def _chat_prompt(st: AppState, body: dict[str, Any]) -> tuple[str, toolcalls.Too
     return st.template.render(check_messages(body), body, body.get("tools") if treq else None), treq
 
 
+def _chat_meta(st: AppState, body: dict[str, Any], model: str, params: GenerationParams) -> responses.Meta:
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise invalid_request("\"stream_options\" must be an object")
+    return responses.Meta.new(model, st.fingerprint, include_usage=get_bool(opts, "include_usage", False),
+                              timings_per_token=get_bool(body, "timings_per_token", False),
+                              logprobs=params.n_probs >= 0)
+
+
+def _usage_end(meta: responses.Meta) -> Callable[[list[Finished]], list[bytes]]:
+    def end(fins: list[Finished]) -> list[bytes]:
+        chunk = responses.chat_usage_chunk(meta, fins)
+        return [sse.event(chunk)] if chunk else []
+    return end
+
+
 def chat_completions(st: AppState, req: Request) -> Reply | Stream:
-    """POST /v1/chat/completions: the GGUF's chat template, then generation as for completions; with tools or a
-    thinking template, the answer is split into reasoning, content and tool calls (toolcalls.py)."""
+    """POST /v1/chat/completions: the GGUF's chat template, then generation as for completions (`n` choices of the
+    one conversation); with tools or a thinking template, each answer is split into reasoning, content and tool
+    calls (toolcalls.py)."""
     body = req.json()
     model = st.check_model(body)
     refuse_unsupported(body)
     assert st.template is not None and st.engine is not None
     prompt, treq = _chat_prompt(st, body)
     toks = _tokenize(st, prompt, add_special=True)
-    params = _gen_params(st, body, oai=True, route="chat")
+    params = _gen_params(st, body, route="chat")
     open_think = prompt.rstrip().endswith(toolcalls.THINK_OPEN)
     if treq is not None and treq.choice in ("required", "named"):
         if params.grammar is not None:
@@ -388,66 +490,64 @@ def chat_completions(st: AppState, req: Request) -> Reply | Stream:
         g = toolcalls.tool_grammar(treq, open_think)
         check_grammar(st.engine.llm._model.vocab, g, "tools")
         params = dataclasses.replace(params, grammar=g)
+    jobs = jobs_for([(toks, prompt)], params, get_n(body))
     reasoning = body.get("reasoning_format", "auto") != "none" and toolcalls.template_thinks(st.template.source)
     if (treq is not None and treq.parse) or reasoning:
-        return _chat_parsed(st, req, body, model, toks, params, toolcalls.OutputParser(
-            family=treq.family if treq else None, parse_tools=treq is not None and treq.parse,
-            reasoning=reasoning, starts_in_thinking=open_think))
+        parsers = [toolcalls.OutputParser(family=treq.family if treq else None,
+                                          parse_tools=treq is not None and treq.parse, reasoning=reasoning,
+                                          starts_in_thinking=open_think) for _ in jobs]
+        return _chat_parsed(st, req, body, model, jobs, parsers)
     stream = get_bool(body, "stream", False)
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise invalid_request("\"stream_options\" must be an object")
-    meta = responses.Meta.new(model, st.fingerprint, include_usage=get_bool(opts, "include_usage", False),
-                              timings_per_token=get_bool(body, "timings_per_token", False),
-                              logprobs=params.n_probs >= 0)
-    t = _submit(st, toks, params)
+    meta = _chat_meta(st, body, model, params)
+    ts = _submit(st, jobs)
     if not stream:
-        return _whole(st, t, req, lambda text, fin: responses.chat_final(meta, fin, text))
+        return _whole(st, ts, req, lambda got: responses.merged(
+            [responses.chat_final(meta, fin, text, index=i) for i, (text, fin) in enumerate(got)],
+            [fin for _, fin in got]))
 
-    def fmt(ev: Event, first: bool) -> list[bytes]:
+    def fmt(i: int, ev: Event, first: bool) -> list[bytes]:
         if isinstance(ev, Chunk):
-            return [sse.event(responses.chat_partial(meta, ev, first))]
+            return [sse.event(responses.chat_partial(meta, ev, first, i))]
         assert isinstance(ev, Finished)
-        head = [sse.event(responses.chat_partial(meta, Chunk("", [], 0), True))] if first else []
-        return [*head, sse.event(responses.chat_stream_final(meta, ev, ev.text))]
+        head = [responses.chat_role_chunk(meta, i)] if first else []
+        return [sse.event([*head, *responses.chat_stream_final(meta, ev, ev.text, index=i)])]
 
-    return _stream(st, t, req, fmt, done=True)
+    return _stream(st, ts, req, fmt, done=True, end=_usage_end(meta))
 
 
-def _chat_parsed(st: AppState, req: Request, body: dict[str, Any], model: str, toks: list[int],
-                 params: GenerationParams, parser: toolcalls.OutputParser) -> Reply | Stream:
-    """A chat answer split by `parser` into reasoning_content, content and tool_calls."""
+def _chat_parsed(st: AppState, req: Request, body: dict[str, Any], model: str, jobs: list[Job],
+                 parsers: list[toolcalls.OutputParser]) -> Reply | Stream:
+    """Chat answers each split by its own parser into reasoning_content, content and tool_calls."""
     stream = get_bool(body, "stream", False)
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise invalid_request("\"stream_options\" must be an object")
-    meta = responses.Meta.new(model, st.fingerprint, include_usage=get_bool(opts, "include_usage", False),
-                              timings_per_token=get_bool(body, "timings_per_token", False),
-                              logprobs=params.n_probs >= 0)
-    t = _submit(st, toks, params)
+    meta = _chat_meta(st, body, model, jobs[0].params)
+    ts = _submit(st, jobs)
     if not stream:
-        def final(text: str, fin: Finished) -> dict[str, Any]:
-            d = parser.feed(text)
-            d2 = parser.finish()
-            del d, d2
-            return responses.chat_final(meta, fin, parser.final_content, reasoning=parser.final_reasoning,
-                                        calls=parser.calls)
-        return _whole(st, t, req, final)
+        def final(got: list[tuple[str, Finished]]) -> dict[str, Any]:
+            answers = []
+            for i, (text, fin) in enumerate(got):
+                p = parsers[i]
+                p.feed(text)
+                p.finish()
+                answers.append(responses.chat_final(meta, fin, p.final_content, reasoning=p.final_reasoning,
+                                                    calls=p.calls, index=i))
+            return responses.merged(answers, [fin for _, fin in got])
+        return _whole(st, ts, req, final)
 
-    def fmt(ev: Event, first: bool) -> list[bytes]:
-        out = [responses.chat_role_chunk(meta)] if first else []
+    def fmt(i: int, ev: Event, first: bool) -> list[bytes]:
+        parser = parsers[i]
+        out = [responses.chat_role_chunk(meta, i)] if first else []
         if isinstance(ev, Chunk):
-            out += responses.chat_delta_chunks(meta, parser.feed(ev.text), ev.probs, ev)
+            out += responses.chat_delta_chunks(meta, parser.feed(ev.text), ev.probs, ev, i)
             return [sse.event(out)] if out else []
         assert isinstance(ev, Finished)
         d = parser.feed(ev.text)
         d2 = parser.finish()
         d.reasoning, d.content, d.calls = d.reasoning + d2.reasoning, d.content + d2.content, d.calls + d2.calls
-        out += responses.chat_delta_chunks(meta, d, ev.tail_probs, None)
-        out += responses.chat_stream_final(meta, ev, "", tool_calls=bool(parser.calls))
+        out += responses.chat_delta_chunks(meta, d, ev.tail_probs, None, i)
+        out += responses.chat_stream_final(meta, ev, "", tool_calls=bool(parser.calls), index=i)
         return [sse.event(out)]
 
-    return _stream(st, t, req, fmt, done=True)
+    return _stream(st, ts, req, fmt, done=True, end=_usage_end(meta))
 
 
 def apply_template(st: AppState, req: Request) -> Reply:

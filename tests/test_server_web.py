@@ -85,7 +85,7 @@ def _open(driver: Any, srv: ServerProc) -> None:
 def _chat(driver: Any) -> list[dict[str, Any]]:
     """The current conversation's messages as the page stored them."""
     state = json.loads(driver.execute_script("return localStorage.getItem('rapidmoe.chats')"))
-    return next(c for c in state["chats"] if c["id"] == state["current"])["messages"]  # type: ignore[no-any-return]
+    return next(c for c in state["chats"] if c["id"] == state["current"])["messages"]
 
 
 def _idle(driver: Any) -> None:
@@ -121,7 +121,7 @@ window.fetch = (url, opts) => {
 
 def _bodies(driver: Any) -> list[dict[str, Any]]:
     """The bodies of the page's /v1/chat/completions requests since RECORD_REQUESTS ran."""
-    return driver.execute_script("return window.__bodies")  # type: ignore[no-any-return]
+    return driver.execute_script("return window.__bodies")
 
 
 def _click(driver: Any, msg: int, action: str) -> None:
@@ -331,7 +331,8 @@ def test_markdown_renders_and_model_html_stays_text(srv: ServerProc, browser: An
     assert browser.execute_script("return window.__pwned") is None
 
 
-MARKDOWN_CASES = [  # (markdown, the HTML that markdown.js builds for it, as CommonMark with line breaks renders it)
+MARKDOWN_CASES = [  # (markdown, the HTML markdown.js must build for it), written by hand: CommonMark/GFM's output
+    # where the page agrees with it (a newline is a <br>, code blocks have a bar, non-http(s) links are text)
     ("a *b* **c** ***d*** ~~e~~ `f`", "<p>a <em>b</em> <strong>c</strong> <strong><em>d</em></strong> <del>e</del> "
      "<code>f</code></p>"),
     ("2 * 3 * 4 and snake_case_name", "<p>2 * 3 * 4 and snake_case_name</p>"),

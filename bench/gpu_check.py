@@ -23,6 +23,9 @@ signature), append to ctx.checks / ctx.runs with the same keys as the other sect
 in tests/test_gpu_check.py. Sections run in order within --budget-s: once the budget is spent the rest are recorded
 as "skipped (time budget)". Writes gpu_check.md and gpu_check.json (checks, runs, sections, meta); exit status 1
 when an exactness check fails its tolerance. `--cpu` runs the same steps with -ngl 0 (tiny sizes, no GPU): the test.
+`--site DIR` imports rapidmoe from the CUDA build installed there (tools/cuda_build_check.sh's build/cuda/site) ahead
+of the interpreter's own install, normal or editable (tools/cuda_import_check.py's use_site), and without --cpu
+requires a CUDA device; meta.rapidmoe records which package ran.
 """
 from __future__ import annotations
 
@@ -419,6 +422,26 @@ def write_report(ctx: Ctx | None, args: argparse.Namespace, sections: list[dict[
     return out
 
 
+def use_package(site: Path | None, need_cuda: bool) -> str:
+    """Import rapidmoe (from site when given: tools/cuda_import_check.py's use_site) and return its folder;
+    SystemExit when it is not the one asked for or, with need_cuda, when it sees no CUDA device."""
+    if site is not None:
+        sys.path.insert(0, str(ROOT / "tools"))
+        from cuda_import_check import under, use_site
+
+        use_site(site)
+    import rapidmoe
+    from rapidmoe._runtime import _core
+
+    where = Path(rapidmoe.__file__ or "?").resolve().parent
+    if site is not None and not under(where, site.resolve()):
+        raise SystemExit(f"gpu_check: imported rapidmoe from {where}, not from {site}")
+    if need_cuda and not any(r == "CUDA" for _, _, _, r, _ in _core.devices()):
+        raise SystemExit(f"gpu_check: the rapidmoe in {where} sees no CUDA device (is it the CUDA build?)")
+    print(f"gpu_check: rapidmoe from {where}", file=sys.stderr, flush=True)
+    return str(where)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=ROOT / "bench" / "out" / "gpu-check")
@@ -434,6 +457,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="seconds for all sections together (those not started in time are skipped)")
     ap.add_argument("--build-info", type=Path, default=None, help="tools/cuda_build_check.sh's build_check.json")
+    ap.add_argument("--site", type=Path, default=None,
+                    help="import rapidmoe from this install prefix (the CUDA build's build/cuda/site), ahead of the "
+                         "interpreter's own install")
     ap.add_argument("--out", type=Path, default=None, help="markdown table (default: WORKDIR/gpu_check.md)")
     args = ap.parse_args()
     known = dict(SECTIONS)
@@ -441,6 +467,8 @@ def main() -> int:
     bad = [s for s in wanted if s not in known]
     if bad:
         ap.error(f"unknown section {bad[0]!r} (known: {', '.join(known)})")
+
+    package = use_package(args.site, need_cuda=not args.cpu)
 
     from common import ensure_synthetic
 
@@ -451,7 +479,7 @@ def main() -> int:
     t_start = time.time()
     meta: dict[str, Any] = {"gpu": "none (dry run)" if args.cpu else gpu_name(), "host": platform.node(),
                             "cores": os.cpu_count(), "threads": args.threads, "python": platform.python_version(),
-                            "argv": sys.argv[1:]}
+                            "argv": sys.argv[1:], "rapidmoe": package}
     try:
         meta["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True, timeout=10).stdout.strip()

@@ -3,14 +3,15 @@
 #   1. CUDA build of the patched tree for this GPU's architecture only (tools/cuda_build_check.sh: cuBLAS from the
 #      toolkit or the installed nvidia-cublas wheel; build dir build/cuda is reused when it is still there, so a
 #      second call on a warm machine only relinks what changed); its import check runs on the GPU;
-#   2. bench/gpu_check.py with that build (PYTHONPATH from build/cuda/env.sh): exactness GPU path vs CPU path,
+#   2. bench/gpu_check.py with that build (--site build/cuda/site: ahead of an installed rapidmoe, normal or
+#      editable; it refuses a build that sees no CUDA device): exactness GPU path vs CPU path,
 #      prefill/decode tok/s of stock -ngl 99 -ot exps=CPU vs ours (all WQ on the GPU at r and UMIA, overlap off/on;
 #      the static half-WQ per-expert cache and its rapidmoe/lru policies), then the hook sections (concurrent cached
 #      layers, prefill streaming, GPU-calibrated UMIA) as they land; one Markdown + JSON report in $OUT.
 #
 # Usage: bench/gpu_check.sh [--build-only | --no-build] [gpu_check.py options, e.g. --sections exactness,stock]
-#        bench/gpu_check.sh --cpu     the dry run without a GPU: same driver, -ngl 0, tiny sizes, the installed
-#                                     package (tests/test_gpu_check.py)
+#        bench/gpu_check.sh --cpu [--site DIR]   the dry run without a GPU: same driver, -ngl 0, tiny sizes, the
+#                                     installed package or the build in DIR (tests/test_gpu_check.py)
 # On the lent machine (nothing can be fetched there): carry the Python packages its image lacks as wheels in .whl/
 # (bench/gpu_check_wheels.sh makes them here); this script installs them into a private folder. The build takes
 # a few minutes on 16 cores (docs/execution.md): with the 10-minute limit per call, run `--build-only` first
@@ -72,15 +73,12 @@ if [ "$mode" != bench ]; then
 fi
 [ -f build/cuda/env.sh ] || { echo "gpu_check: no CUDA build in build/cuda (run without --no-build)" >&2; exit 1; }
 # shellcheck disable=SC1091
-. build/cuda/env.sh
-"$PY" -c "import rapidmoe, sys; from rapidmoe._runtime import _core; \
-assert any(r == 'CUDA' for _, _, _, r, _ in _core.devices()), 'the CUDA build sees no GPU'; \
-print('gpu_check: rapidmoe from', rapidmoe.__file__)"
+. build/cuda/env.sh  # cuBLAS's folder on LD_LIBRARY_PATH; --site makes the CUDA build win over any installed rapidmoe
 
 # 2. correctness and speed (12-layer bench qwen3moe, 4 GB F16; the sections' budget keeps it within the call)
 rc=0
 WORK="${GPU_CHECK_WORK:-$ROOT/bench/out/gpu-check-work}"  # the models (GBs): not in $OUT, which comes back
-"$PY" bench/gpu_check.py --workdir "$WORK" --out "$RESULTS/gpu_check.md" --threads "$JOBS" \
+"$PY" bench/gpu_check.py --site build/cuda/site --workdir "$WORK" --out "$RESULTS/gpu_check.md" --threads "$JOBS" \
     --build-info build/cuda/build_check.json "$@" || rc=$?
 echo "gpu_check: total $(( $(date +%s) - start )) s; report: $RESULTS/gpu_check.md, $RESULTS/gpu_check.json"
 exit $rc

@@ -1,16 +1,112 @@
 """bench/gpu_check.sh without a GPU: it refuses clearly, and its driver's CPU dry run (same steps, -ngl 0, tiny
-sizes) runs end to end and writes its table, with the "GPU" path equal to the CPU path."""
+sizes) runs end to end and writes its table, with the "GPU" path equal to the CPU path. The CUDA build's import
+check (tools/cuda_import_check.py) and gpu_check's --site, with a CPU-only build installed in a folder of its own
+standing in for the CUDA build, next to each kind of install: this interpreter's own (editable in development), a
+normal one (the package in site-packages beside numpy), and none (the comparison skipped, and said so)."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import site
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _stage_site(dst: Path) -> Path:
+    """This interpreter's rapidmoe (its compiled parts over its Python sources) installed into dst/rapidmoe, as
+    tools/cuda_build_check.sh installs the CUDA build into build/cuda/site: the CUDA build's stand-in."""
+    import rapidmoe
+    from rapidmoe._runtime import _core
+
+    for src in (Path(rapidmoe.__file__).parent, Path(_core.__file__).parent):
+        shutil.copytree(src, dst / "rapidmoe", symlinks=True, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
+def _venv(dst: Path, package: Path | None) -> Path:
+    """A venv with this interpreter's packages (linked) but not its rapidmoe; `package` copied into its
+    site-packages as `pip install .` puts it. Returns its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dst)], check=True, timeout=120)
+    py = dst / "bin" / "python"
+    sp = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip())
+    for d in [*site.getsitepackages(), site.getusersitepackages()]:
+        for e in Path(d).glob("*") if Path(d).is_dir() else []:
+            if "rapidmoe" not in e.name and not (sp / e.name).exists():
+                (sp / e.name).symlink_to(e)
+    if package is not None:
+        shutil.copytree(package, sp / "rapidmoe", symlinks=True)
+    return py
+
+
+@pytest.fixture(scope="module")
+def setups(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    """(the stand-in's install prefix, {set-up: python}) for the three kinds of install."""
+    tmp = tmp_path_factory.mktemp("cuda-site")
+    stand_in = _stage_site(tmp / "site")
+    return stand_in, {"own": Path(sys.executable), "normal": _venv(tmp / "venv-normal", stand_in / "rapidmoe"),
+                      "none": _venv(tmp / "venv-none", None)}
+
+
+def _env(stand_in: Path) -> dict[str, str]:
+    """What build/cuda/env.sh sets: the build first on PYTHONPATH."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(stand_in), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+@pytest.mark.native
+@pytest.mark.slow
+def test_import_check_from_each_kind_of_install(setups: tuple[Path, dict[str, Path]], tmp_path: Path) -> None:
+    """The build in --site is the one imported; the reference run gets the interpreter's own install (equal logits:
+    the stand-in is the same build) and never the build, or says there is none."""
+    stand_in, pythons = setups
+    for kind, py in pythons.items():
+        out = tmp_path / f"{kind}.json"
+        p = subprocess.run([str(py), str(ROOT / "tools" / "cuda_import_check.py"), "--site", str(stand_in),
+                            "--expect-backend", "CPU", "--json", str(out)], capture_output=True, text=True,
+                           env=_env(stand_in), timeout=600)
+        assert p.returncode == 0, (kind, p.stdout[-2000:], p.stderr[-2000:])
+        res = json.loads(out.read_text())
+        assert Path(res["module"]).parent == stand_in / "rapidmoe", (kind, res["module"])
+        assert res["backends"]["CPU"] == 1 and res["expect_backend"] == "CPU"
+        ref = res["reference"]
+        if kind == "none":
+            assert "no install of rapidmoe" in ref["skipped"], ref
+            assert "comparison skipped: " in p.stdout.splitlines()[-1]
+        else:
+            assert ref["equal"] is True and ref["max_abs_diff"] == 0.0, (kind, ref)
+            assert stand_in not in Path(ref["module"]).resolve().parents, (kind, ref)
+            assert "equal to the CPU-only install" in p.stdout.splitlines()[-1]
+        if kind == "normal":
+            assert py.parent.parent in Path(ref["module"]).parents, ref  # the copy in the venv's site-packages
+    # the CUDA check proper (the default) refuses the CPU-only stand-in, naming what is missing
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "cuda_import_check.py"), "--site", str(stand_in)],
+                       capture_output=True, text=True, env=_env(stand_in), timeout=300)
+    assert p.returncode == 1 and "libggml-cuda.so from" in p.stderr and "is not loaded" in p.stderr, p.stderr[-500:]
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "cuda_import_check.py"), "--site", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "holds no rapidmoe package" in p.stderr
+
+
+@pytest.mark.native
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["own", "none"])
+def test_gpu_check_runs_the_build_in_site(setups: tuple[Path, dict[str, Path]], kind: str, tmp_path: Path) -> None:
+    """gpu_check --site imports the build there, also ahead of an editable install's import hook (which PYTHONPATH
+    alone does not beat), and records it."""
+    stand_in, pythons = setups
+    p = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--cpu", "--site", str(stand_in),
+                        "--sections", "stock", "--budget-s", "0"], capture_output=True, text=True,
+                       env=dict(_env(stand_in), OUT=str(tmp_path), PYTHON=str(pythons[kind])), timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    meta = json.loads((tmp_path / "gpu_check.json").read_text())["meta"]
+    assert Path(meta["rapidmoe"]) == stand_in / "rapidmoe"
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU may be present")

@@ -3,8 +3,10 @@
 # development machines). It builds what `CMAKE_ARGS="-DGGML_CUDA=on" pip install .` builds -- the root CMakeLists
 # (vendor/llama.cpp with our patches applied by src/rapidmoe_ggml/fetch_upstream.py, our code inside libllama, the
 # nanobind module rapidmoe._core, rpc-server) -- with -DGGML_CUDA=ON for one GPU architecture, links it, installs
-# it next to the Python sources into $BUILD_DIR/site and imports it there: on a machine without a GPU the CUDA
-# backend must load, report no device, and leave the CPU backend working (a short generation runs).
+# it next to the Python sources into $BUILD_DIR/site and imports it there (tools/cuda_import_check.py --site): on a
+# machine without a GPU the CUDA backend must load, report no device, and leave the CPU backend working (a short
+# generation runs, compared with the interpreter's own CPU-only install of rapidmoe -- normal or editable -- when it
+# has one; without one the comparison is skipped and the summary says so).
 #
 # Usage: tools/cuda_build_check.sh            (build dir kept: a second run only rebuilds what changed)
 # Env:
@@ -140,7 +142,8 @@ rm -rf "$BUILD_DIR/site"
 cmake --install "$BUILD_DIR/build" --component rapidmoe > "$LOGS/install.log" 2>&1 || die "install (see $LOGS/install.log)"
 tar -C "$ROOT/python" --exclude=__pycache__ -cf - rapidmoe | tar -C "$BUILD_DIR/site" -xf -
 [ -x "$BUILD_DIR/site/rapidmoe/bin/rpc-server" ] || die "rpc-server missing from the install"
-(. "$BUILD_DIR/env.sh" && RAPIDMOE_CUDA_SITE="$BUILD_DIR/site" exec "$PY" "$ROOT/tools/cuda_import_check.py" --json "$BUILD_DIR/import_check.json") \
+(. "$BUILD_DIR/env.sh" && exec "$PY" "$ROOT/tools/cuda_import_check.py" --site "$BUILD_DIR/site" \
+    --json "$BUILD_DIR/import_check.json") \
     > "$LOGS/import.log" 2>&1 || { tail -30 "$LOGS/import.log" >&2; die "import (see $LOGS/import.log)"; }
 t_end=$(date +%s)
 phase_t+=("import=$(( t_end - t0 ))")

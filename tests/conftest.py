@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -53,6 +53,14 @@ def _live_descendants(root: int) -> dict[int, str]:
     return found
 
 
+def _signal(pids: Iterable[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_processes() -> Iterator[None]:
     """Torn down last: a process a test started and never ended (an RPCServer or a serve without stop(), say) is
@@ -60,16 +68,14 @@ def no_leaked_processes() -> Iterator[None]:
     yield
     if not sys.platform.startswith("linux"):
         return
-    left = _live_descendants(os.getpid())
+    # multiprocessing's resource tracker and forkserver stay until this process ends (they wait for EOF on a pipe)
+    left = {pid: cmd for pid, cmd in _live_descendants(os.getpid()).items()
+            if "multiprocessing.resource_tracker" not in cmd and "multiprocessing.forkserver" not in cmd}
     if not left:
         return
-    for sig, pids in ((signal.SIGTERM, left), (signal.SIGKILL, None)):
-        for pid in pids if pids is not None else _live_descendants(os.getpid()):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        time.sleep(1.0 if sig == signal.SIGTERM else 0)
+    _signal(left, signal.SIGTERM)
+    time.sleep(1.0)
+    _signal(left.keys() & _live_descendants(os.getpid()).keys(), signal.SIGKILL)
     pytest.fail("processes left running by the tests (now ended): "
                 + "; ".join(f"{pid} {cmd[:200]}" for pid, cmd in sorted(left.items())), pytrace=False)
 

@@ -363,6 +363,39 @@ def test_markdown_renderer_cases(srv: ServerProc, browser: Any) -> None:
     assert got == [html for _, html in MARKDOWN_CASES]
 
 
+FUZZ = r"""const pieces = ['<', '>', 'img', ' src=x onerror=window.__pwned=1', '<script>', '</script>', '*', '**', '_',
+  '`', '```', '~~', '[', ']', '(', ')', 'javascript:', 'http://a.b/', 'https://x.y/(z)', '\n', '\n\n', ' ', '    ',
+  '- ', '1. ', '> ', '# ', '|', '---', '\\', '&amp;', '"', "'", 'a', 'b c', '<a href=x>', 'data:', '<b>', '\t',
+  '[l](', '](', 'javascript:x', '<javascript:x>', '[l](javascript:x)', '[l](https://ok.example/)', 'vbscript:'];
+const tags = new Set(['P', 'BR', 'EM', 'STRONG', 'DEL', 'CODE', 'PRE', 'A', 'H1', 'H2', 'H3', 'H4', 'H5', 'H6', 'UL',
+  'OL', 'LI', 'BLOCKQUOTE', 'HR', 'TABLE', 'THEAD', 'TBODY', 'TR', 'TH', 'TD', 'DIV', 'SPAN', 'BUTTON']);
+const attrs = new Set(['href', 'target', 'rel', 'class', 'style', 'start', 'type']);
+let seed = 7;
+const rnd = (n) => { seed = (seed * 1103515245 + 12345) % 2147483648; return seed % n; };
+const bad = [];
+let links = 0;
+for (let t = 0; t < 3000 && bad.length < 5; t++) {
+  let text = '';
+  for (let k = rnd(40); k >= 0; k--) text += pieces[rnd(pieces.length)];
+  const div = document.createElement('div');
+  try { div.appendChild(Markdown.render(text)); } catch (e) { bad.push([text, String(e)]); continue; }
+  links += div.querySelectorAll('a').length;
+  for (const node of div.querySelectorAll('*')) {
+    const names = node.getAttributeNames().filter((a) => !attrs.has(a));
+    if (!tags.has(node.nodeName) || names.length || (node.nodeName === 'A' && !/^https?:$/.test(node.protocol)))
+      bad.push([text, node.outerHTML]);
+  }
+}
+return [links > 100, bad];"""
+
+
+def test_markdown_of_random_hostile_text_builds_only_safe_nodes(srv: ServerProc, browser: Any) -> None:
+    _open(browser, srv)
+    # no exception, no element or attribute outside the renderer's own, only http(s) links (and some links made)
+    assert browser.execute_script(FUZZ) == [True, []]
+    assert browser.execute_script("return window.__pwned") is None
+
+
 def test_split_panel_shows_critical_share_and_histogram(make_split, tmp_path: Path, browser: Any) -> None:  # type: ignore[no-untyped-def]
     _, wq, wr = make_split("qwen3moe")
     s = ServerProc(wq, "--residual", str(wr), "-r", "1", "-t", "1", "-c", "1024", log_path=tmp_path / "split.log")

@@ -182,7 +182,12 @@ function contentNode(m) {
   c.className = "content";
   if (m.role === "assistant") {
     c.classList.add("markdown");
-    c.appendChild(Markdown.render(m.content || ""));
+    try {
+      c.appendChild(Markdown.render(m.content || ""));
+    } catch (e) {  // a renderer bug must not hide the answer or break the page: show it as plain text
+      c.classList.remove("markdown");
+      c.textContent = m.content || "";
+    }
   } else {
     c.textContent = m.content || "";
   }

@@ -252,6 +252,16 @@ def test_cleared_fields_are_left_out_of_the_request(srv: ServerProc, browser: An
     assert browser.find_element("id", "max_tokens").get_attribute("value") == ""
 
 
+def test_a_field_that_is_not_a_number_fails_the_turn_without_a_request(srv: ServerProc, browser: Any) -> None:
+    _open(browser, srv)
+    browser.execute_script(RECORD_REQUESTS)
+    _set(browser, "temperature", "1e")  # the browser's number field reads this as no value (badInput)
+    _type(browser, "Hi")
+    _idle(browser)
+    assert browser.find_element("css selector", ".msg.assistant.failed .error").text == "Temperature is not a number"
+    assert _bodies(browser) == []
+
+
 def test_edit_regenerate_and_delete(srv: ServerProc, browser: Any) -> None:
     _open(browser, srv)
     browser.execute_script(RECORD_REQUESTS)

@@ -28,9 +28,10 @@ class ServerProc:
                  cmd: list[str] | None = None, ready_timeout: float = 60.0) -> None:
         self.port = port or free_port()
         self.log_path = log_path
+        self.last_headers: dict[str, str] = {}
         argv = cmd or [sys.executable, "-m", "rapidmoe.cli", "serve", str(model)]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), *args]
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self._log = open(log_path, "w")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.wait_ready(ready_timeout)
@@ -62,6 +63,7 @@ class ServerProc:
         r = conn.getresponse()
         text = r.read()
         conn.close()
+        self.last_headers = {k.lower(): v for k, v in r.getheaders()}  # of this answer, names in lower case
         try:
             return r.status, json.loads(text)
         except ValueError:

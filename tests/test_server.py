@@ -35,10 +35,10 @@ def templated_model(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="module")
 def server(templated_model: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """4 slots of 512 tokens, a small body limit, the model also known as "tiny"."""
+    """4 slots of 512 tokens, a small body limit, 2 s for a body to arrive, the model also known as "tiny"."""
     log = tmp_path_factory.mktemp("server") / "main.log"
     s = ServerProc(templated_model, "--parallel", "4", "--queue-size", "8", "-c", "2048", "--alias", "tiny,zz-other",
-                   "--max-body", "65536", "--timeout", "3", "-t", "1", log_path=log)
+                   "--max-body", "65536", "--timeout", "600", "--body-timeout", "2", "-t", "1", log_path=log)
     yield s
     s.stop()
 
@@ -117,7 +117,7 @@ def test_openai_chat_uses_gguf_template(server: ServerProc) -> None:
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     rendered = "<<system>>Be brief.\n<<user>>Hi there\n<<assistant>>"
     assert server.request("POST", "/apply-template", {"messages": msgs}) == (200, {"prompt": rendered})
-    status, tok = server.request("POST", "/tokenize", {"content": rendered, "add_special": True})
+    _, tok = server.request("POST", "/tokenize", {"content": rendered, "add_special": True})
     assert r.usage.prompt_tokens == len(tok["tokens"])
     stream = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, stream=True,
                                             stream_options={"include_usage": True}, **GREEDY))
@@ -125,6 +125,27 @@ def test_openai_chat_uses_gguf_template(server: ServerProc) -> None:
     text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
     assert text == r.choices[0].message.content
     assert stream[-1].choices == [] and stream[-1].usage.completion_tokens == 10
+
+
+def test_chat_roles(server: ServerProc) -> None:
+    """OpenAI's roles only: an unknown one (the chat page once sent its error bubbles back as role "error") is a
+    400 naming it, before anything is rendered or generated; "developer" renders as "system" (llama.cpp's rule);
+    the legacy "function" role is refused by name (501), as `functions` is."""
+    ok = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+          {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"}]
+    bad = [*ok, {"role": "error", "content": "Invalid API Key"}, {"role": "user", "content": "again"}]
+    for path in ("/v1/chat/completions", "/apply-template"):
+        status, r = server.request("POST", path, {"messages": bad, "max_tokens": 1})
+        assert status == 400 and r["error"]["type"] == "invalid_request_error", r
+        assert r["error"]["message"].startswith("messages[4]: invalid role 'error'"), r
+    with pytest.raises(openai.BadRequestError, match="invalid role"):
+        client(server).chat.completions.create(model="tiny", messages=bad, max_tokens=1)  # type: ignore[arg-type]
+    status, r = server.request("POST", "/apply-template", {"messages": [{"role": "developer", "content": "d"}, *ok]})
+    assert r == {"prompt": "<<system>>d\n<<system>>s\n<<user>>u\n<<assistant>>a\n<<tool>>t\n<<assistant>>"}, r
+    status, r = server.request("POST", "/v1/chat/completions",
+                               {"messages": [*ok, {"role": "function", "name": "f", "content": "1"}]})
+    assert status == 501 and "role 'function'" in r["error"]["message"], r
+    good(server)
 
 
 def test_native_completion_and_sse_framing(server: ServerProc) -> None:
@@ -190,7 +211,7 @@ def test_parallel_streams_are_complete_and_independent(server: ServerProc) -> No
     alone = {p: _stream_text(server, p, 24) for p in prompts}
     _, before = server.request("GET", "/metrics")
     with ThreadPoolExecutor(len(prompts)) as ex:
-        together = dict(zip(prompts, ex.map(lambda p: _stream_text(server, p, 24), prompts)))
+        together = dict(zip(prompts, ex.map(lambda p: _stream_text(server, p, 24), prompts), strict=True))
     assert together == alone  # greedy: each stream gets exactly its own answer
     assert len(set(together.values())) == len(prompts)
     _, after = server.request("GET", "/metrics")
@@ -226,6 +247,7 @@ def test_queue_full_answers_503_fast(tight: ServerProc) -> None:
     t0 = time.monotonic()
     status, body = tight.request("POST", "/completion", {"prompt": "x", "n_predict": 2}, headers=KEY)
     assert status == 503 and body["error"]["type"] == "unavailable_error", body
+    assert tight.last_headers["retry-after"] == "1"
     assert time.monotonic() - t0 < 1.0
     _, text = tight.request("GET", "/metrics", headers=KEY)
     assert "rapidmoe:requests_rejected_total 1" in text
@@ -260,12 +282,18 @@ def test_disconnect_without_streaming_frees_the_slot(tight: ServerProc) -> None:
 
 
 def test_slow_client_times_out(server: ServerProc) -> None:
+    """A body cut short is answered 408 (JSON) at --body-timeout (2 s), not at --timeout (600 s, for writes)."""
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
     sock.settimeout(10)
     t0 = time.monotonic()
-    data = sock.recv(4096)
-    assert b" 408 " in data.split(b"\r\n")[0] and 2.5 < time.monotonic() - t0 < 6
+    data = b""
+    while chunk := sock.recv(4096):  # the server closes the connection after its answer
+        data += chunk
+    assert 1.8 < time.monotonic() - t0 < 5
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert b" 408 " in head.split(b"\r\n")[0] and b"Connection: close" in head, data
+    assert json.loads(body)["error"]["message"] == "timed out reading the request body (1 of 100 bytes in 2 s)"
     sock.close()
     good(server)
 
@@ -329,7 +357,7 @@ def test_api_key(tight: ServerProc) -> None:
 # ---- split routing and UMIA policy: what /metrics reports comes from the engine's counters ----
 
 def test_split_policy_metrics(make_split, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from rapidmoe.umia.policy import Policy
+    from rapidmoe.umia.policy import Policy  # noqa: PLC0415 - only this test needs it
 
     _, wq, wr = make_split("qwen3moe")
     policy = Policy.fixed(1).save(tmp_path / "r1.json")

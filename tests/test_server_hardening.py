@@ -1,6 +1,7 @@
 """`rapidmoe-cli serve` under hostile or heavy clients, against real server processes: the connection cap, the
-header deadline and keep-alive idle timeout, deeply nested JSON, a shutdown that aborts a running decode, no second
-status line after an error mid-stream, and many concurrent streaming clients.
+header and body deadlines and keep-alive idle timeout, malformed requests answered in JSON, deeply nested JSON, a
+shutdown that aborts a running decode, no second status line after an error mid-stream, and many concurrent
+streaming clients (a burst beyond the slots waits in the queue, as in llama-server).
 """
 from __future__ import annotations
 
@@ -13,19 +14,24 @@ import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPMessage
 from pathlib import Path
 from typing import Any
 
 import pytest
 from server_proc import ServerProc, sse_json
 
+from rapidmoe.server import app, routes
+from rapidmoe.server.config import ServerConfig
+
 
 @pytest.fixture(scope="module")
 def srv(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    """3 connections at most, 1 s for headers, 0.5 s keep-alive idle."""
+    """3 connections at most, 1 s for headers, 3 s for a body, 0.5 s keep-alive idle."""
     log = tmp_path_factory.mktemp("server") / "hard.log"
     s = ServerProc(tiny_qwen, "--parallel", "4", "--queue-size", "16", "-c", "4096", "-t", "1",
-                   "--max-connections", "3", "--header-timeout", "1", "--keepalive-timeout", "0.5", log_path=log)
+                   "--max-connections", "3", "--header-timeout", "1", "--body-timeout", "3",
+                   "--keepalive-timeout", "0.5", log_path=log)
     yield s
     s.stop()
 
@@ -66,6 +72,7 @@ def test_connection_cap_answers_503(srv: ServerProc) -> None:
     assert time.monotonic() - t0 < 2.0  # at once (no thread, no waiting for the idle ones)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503 ") and b"Connection: close" in head, answer
+    assert b"\r\nRetry-After: 1\r\n" in head, answer
     assert "too many connections" in json.loads(body)["error"]["message"]
     for sock in idle:
         sock.close()
@@ -128,6 +135,83 @@ def test_header_deadline_ends_with_the_headers(srv: ServerProc) -> None:
     sock.close()
 
 
+def _answer(raw: bytes, port: int) -> tuple[int, dict[str, Any], float]:
+    """(status, JSON body, seconds until the server closed) for raw bytes sent on a fresh connection."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    t0 = time.monotonic()
+    sock.sendall(raw)
+    data = _read_all(sock, 10.0)
+    elapsed = time.monotonic() - t0
+    sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 ") and b"application/json" in head, data
+    return int(head.split()[1]), json.loads(body), elapsed
+
+
+MALFORMED = [
+    ("garbage", b"hello there\r\n\r\n", 400),
+    ("no version (HTTP/0.9)", b"GET /\r\n", 400),
+    ("TLS hello", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400),
+    ("four words", b"GET / HTTP/1.1 extra\r\n\r\n", 400),
+    ("bad version", b"GET /health HTTP/7.0\r\n\r\n", 505),
+    ("line too long", b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414),
+    ("header too long", b"GET /health HTTP/1.1\r\nX-A: " + b"a" * 70000 + b"\r\n\r\n", 431),
+    ("unknown method", b"PUT /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 501),
+]
+
+
+@pytest.mark.parametrize("raw,status", [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED])
+def test_malformed_requests_get_json_errors(srv: ServerProc, raw: bytes, status: int) -> None:
+    """http.server answers these itself, with an HTML page (and HTTP/0.9 without a status line after waiting for
+    headers): here each is llama-server's JSON error body, at once, and the connection is closed."""
+    _wait_connections_closed(srv)
+    got, body, elapsed = _answer(raw, srv.port)
+    assert got == status and body["error"]["code"] == status and body["error"]["message"], body
+    assert elapsed < 1.0  # answered and closed at once (not at the keep-alive or header deadline)
+    good(srv)
+
+
+def test_body_deadline(srv: ServerProc) -> None:
+    """A body must arrive whole within --body-timeout (3 s) of its headers: one trickling a byte every 0.4 s (a
+    per-read timeout would never fire) gets a JSON 408 at 3 s, not at --timeout (600 s); one whose sender closes
+    early gets 400 at once."""
+    _wait_connections_closed(srv)
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+    t0 = time.monotonic()
+    sock.settimeout(0.4)
+    data = b""
+    for _ in range(25):
+        try:
+            sock.sendall(b" ")
+            data += sock.recv(4096)
+        except TimeoutError:
+            continue
+        except OSError:
+            break
+        if data:
+            break
+    data += _read_all(sock, 2.0)
+    elapsed = time.monotonic() - t0
+    sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and 2.9 < elapsed < 4.5, (data, elapsed)
+    assert json.loads(body)["error"]["message"].startswith("timed out reading the request body (")
+    _wait_connections_closed(srv)
+    got, r, elapsed = _answer(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro",
+                              srv.port)
+    assert (got, r["error"]["message"]) == (408, "timed out reading the request body (5 of 100 bytes in 3 s)")
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
+    sock.shutdown(socket.SHUT_WR)
+    t0 = time.monotonic()
+    head, _, body = _read_all(sock).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and time.monotonic() - t0 < 1.0, head
+    assert "shorter than Content-Length (5 of 100 bytes)" in json.loads(body)["error"]["message"]
+    sock.close()
+    good(srv)
+
+
 @pytest.mark.parametrize("depth", [65, 5000, 200_000])
 def test_deep_json_is_400(srv: ServerProc, depth: int) -> None:
     raw = b'{"prompt": "a", "x": ' + b"[" * depth + b"]" * depth + b"}"
@@ -175,6 +259,26 @@ def test_many_concurrent_streams_all_complete(tiny_qwen: Path, tmp_path: Path) -
         s.stop()
 
 
+def test_burst_beyond_the_slots_waits_in_the_queue(tiny_qwen: Path, tmp_path: Path) -> None:
+    """llama-server's default: with -np 2 and no --queue-size, 24 streams at once all wait for a slot and complete
+    (the old default of 16 waiting places answered six of them 503 at once)."""
+    s = ServerProc(tiny_qwen, "--parallel", "2", "-c", "2048", "-t", "1", log_path=tmp_path / "burst.log")
+
+    def client(i: int) -> int:
+        events = sse_json(s.stream("/v1/completions", {"prompt": f"Client {i} says", "max_tokens": 8,
+                                                       "ignore_eos": True, "stream": True}))
+        assert events[-1] == "[DONE]"
+        return int(events[-2]["usage"]["completion_tokens"])
+
+    try:
+        with ThreadPoolExecutor(24) as ex:
+            assert list(ex.map(client, range(24))) == [8] * 24
+        _, m = s.request("GET", "/metrics")
+        assert "rapidmoe:requests_rejected_total 0" in m and "rapidmoe:requests_finished_total 24" in m, m
+    finally:
+        s.stop()
+
+
 # ---- shutdown ----
 
 def test_shutdown_aborts_a_running_decode(tiny_qwen: Path, tmp_path: Path) -> None:
@@ -197,6 +301,7 @@ def test_shutdown_aborts_a_running_decode(tiny_qwen: Path, tmp_path: Path) -> No
     log = s.log()
     s.stop()
     assert status == 503 and "shutting down" in body["error"]["message"], body
+    assert s.last_headers["retry-after"] == "1"
     assert "llama_decode aborted" in log, log
     assert time.monotonic() - t_kill < 10
 
@@ -205,9 +310,6 @@ def test_shutdown_aborts_a_running_decode(tiny_qwen: Path, tmp_path: Path) -> No
 
 class _FakeServer:
     def __init__(self) -> None:
-        from rapidmoe.server import routes
-        from rapidmoe.server.config import ServerConfig
-
         self.state = routes.AppState(ServerConfig(model=Path("m.gguf")))
 
     def active(self, delta: int) -> None:
@@ -215,10 +317,6 @@ class _FakeServer:
 
 
 def _handler() -> Any:
-    from http.client import HTTPMessage
-
-    from rapidmoe.server import app
-
     h = app.Handler.__new__(app.Handler)
     h.wfile, h.server = io.BytesIO(), _FakeServer()
     h.request_version, h.command, h.path, h.requestline = "HTTP/1.1", "POST", "/completion", "POST /completion"
@@ -227,8 +325,6 @@ def _handler() -> Any:
 
 
 def test_error_mid_stream_ends_the_stream_without_a_second_status_line() -> None:
-    from rapidmoe.server import routes
-
     def chunks() -> Iterator[bytes]:
         yield b"data: {}\n\n"
         raise ValueError("a bug")

@@ -21,7 +21,7 @@ def serve(
     tags: Annotated[Optional[str], typer.Option("--tags", help="Model tags, comma-separated (informational, in /v1/models).")] = None,
     any_model: Annotated[bool, typer.Option("--any-model", help="Accept any \"model\" in requests, as llama-server does with one model (default: unknown names get 404).")] = False,
     parallel: Annotated[int, typer.Option("--parallel", "-np", help="Slots decoded together (continuous batching).", min=1, max=64)] = 2,
-    queue_size: Annotated[int, typer.Option("--queue-size", help="Requests that may wait for a slot; beyond that 503.", min=0)] = 16,
+    queue_size: Annotated[int, typer.Option("--queue-size", help="Generations that may wait for a free slot (each choice of a request is one); beyond that 503 with Retry-After. -1: no limit, as llama-server.", min=-1)] = -1,
     ctx_size: options.CtxSize = 4096,
     n_batch: Annotated[int, typer.Option("--batch-size", "-b", help="Tokens per llama_decode call.", min=1)] = 512,
     n_predict: Annotated[int, typer.Option("--n-predict", "-n", help="Default tokens to generate (-1: until the context is full).", min=-1)] = -1,
@@ -39,11 +39,12 @@ def serve(
     policy: options.PolicyOpt = None,
     overlap: options.OverlapOpt = options.OverlapMode.auto,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="API keys, comma-separated; requests need 'Authorization: Bearer KEY'.", envvar="LLAMA_API_KEY")] = None,
-    timeout: Annotated[float, typer.Option("--timeout", "-to", help="Socket read/write timeout, seconds.", min=0.1)] = 600.0,
+    timeout: Annotated[float, typer.Option("--timeout", "-to", help="Socket write timeout while answering (a client that stops reading), seconds.", min=0.1)] = 600.0,
     queue_timeout: Annotated[float, typer.Option("--queue-timeout", help="Longest wait for a free slot before 503, seconds.", min=0.0)] = 600.0,
     max_body: Annotated[int, typer.Option("--max-body", help="Largest request body, bytes (larger: 413).", min=1)] = 1 << 20,
     max_connections: Annotated[int, typer.Option("--max-connections", help="Open connections (a thread each); more get 503 at once.", min=1)] = 128,
     header_timeout: Annotated[float, typer.Option("--header-timeout", help="A request's line and headers must arrive within this, seconds (else 408).", min=0.1)] = 10.0,
+    body_timeout: Annotated[float, typer.Option("--body-timeout", help="A request's body must arrive within this after its headers, seconds (else 408).", min=0.1)] = 10.0,
     keepalive_timeout: Annotated[float, typer.Option("--keepalive-timeout", help="Idle keep-alive connections are closed after this, seconds.", min=0.1)] = 5.0,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="Jinja chat template instead of the GGUF's.")] = None,
     chat_template_file: Annotated[Optional[Path], typer.Option("--chat-template-file", help="File with a Jinja chat template.")] = None,
@@ -91,7 +92,7 @@ def serve(
         expert_cache_policy=cache_policy_name, expert_cache_moepic=cache_kw.get("expert_cache_moepic"),
         residual=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, trace=trace, api_keys=keys, timeout=timeout,
         queue_timeout=queue_timeout, max_body=max_body, max_connections=max_connections,
-        header_timeout=header_timeout, keepalive_timeout=keepalive_timeout, chat_template=chat_template, seed=seed, temperature=temp,
+        header_timeout=header_timeout, body_timeout=body_timeout, keepalive_timeout=keepalive_timeout, chat_template=chat_template, seed=seed, temperature=temp,
         metrics=metrics, slots=slots, ui=ui, verbose=verbose)
     logging.getLogger("rapidmoe.server").setLevel(logging.INFO)
     run_server(config)

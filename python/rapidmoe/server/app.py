@@ -1,8 +1,9 @@
 """The HTTP layer: stdlib ThreadingHTTPServer, one thread per connection, talking to the one engine thread.
 
-Here: binding, a cap on open connections, a deadline for a request's headers and a keep-alive idle timeout, body
-size limit, socket timeouts, API key (constant-time), 503 while loading, CORS, chunked SSE writes, disconnect
-detection, one log line per request. Endpoint logic is in routes.py; inference in engine.py.
+Here: binding, a cap on open connections, deadlines for a request's headers and for its body, a keep-alive idle
+timeout, body size limit, JSON errors for malformed requests (never http.server's HTML page), `Retry-After` on
+every 503, API key (constant-time), 503 while loading, CORS, chunked SSE writes, disconnect detection, one log line
+per request. Endpoint logic is in routes.py; inference in engine.py.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
@@ -29,8 +31,9 @@ PUBLIC = {"/health", "/v1/health", *routes.WEB_FILES}  # no API key
 # needed (as in llama-server): health and the chat page, which asks for the key itself
 
 
+RETRY_AFTER = "1"  # seconds, on every 503 (busy, loading, shutting down)
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
-         b"Connection: close\r\nContent-Length: %d\r\n\r\n%b")
+         b"Retry-After: " + RETRY_AFTER.encode() + b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b")
 _SLOW = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json; charset=utf-8\r\n"
          b"Connection: close\r\nContent-Length: %d\r\n\r\n%b")
 
@@ -167,12 +170,45 @@ class Handler(BaseHTTPRequestHandler):
             self.server.deadlines.disarm(self.connection)
 
     def parse_request(self) -> bool:
+        if len(str(self.raw_requestline, "iso-8859-1").split()) == 2:  # no version: HTTP/0.9, which http.server
+            # would serve without a status line (after waiting for headers that never come)
+            self.command, self.request_version = "", "HTTP/1.1"
+            self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
+            if self.server.deadlines.disarm(self.connection):
+                self.send_error(400, "bad request line: no HTTP version (HTTP/0.9 is not supported)")
+            self.close_connection = True
+            return False
         ok = super().parse_request()
         if not self.server.deadlines.disarm(self.connection):
             self.close_connection = True  # the deadline fired while the headers came in: already answered 408
             return False
         self.connection.settimeout(self.timeout)
         return ok
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own errors (a garbage request line, bad headers, a line or headers too long, an unknown
+        method) answered with llama-server's JSON error body instead of an HTML page; the connection is closed."""
+        self.close_connection = True
+        if self.request_version not in ("HTTP/1.0", "HTTP/1.1"):  # unparsed or 0.9: still a status line
+            self.request_version = "HTTP/1.1"
+        try:
+            phrase = HTTPStatus(code).phrase
+        except ValueError:
+            phrase = "error"
+        type_ = "not_supported_error" if code == 501 else "server_error" if code >= 500 else "invalid_request_error"
+        body = ApiError(code, type_, message or phrase).to_bytes()
+        log.info("bad request from %s: %d %s", self.client_address[0], code, message or phrase)
+        self.server.state.requests.add("other", code)
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        if code == 503:
+            self.send_header("Retry-After", RETRY_AFTER)
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self._sent = True
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     # ---- one request ----
 
@@ -255,15 +291,31 @@ class Handler(BaseHTTPRequestHandler):
         if n > st.config.max_body:
             self.close_connection = True  # the unread body must not be taken for the next request
             raise payload_too_large(st.config.max_body)
+        return self._read_exactly(n, st.config.body_timeout)
+
+    def _read_exactly(self, n: int, seconds: float) -> bytes:
+        """The body, which must arrive whole within `seconds` (a deadline, not a timeout each read resets: a
+        client trickling bytes cannot hold the connection); 408 and close otherwise, 400 if it ends early."""
+        deadline = time.monotonic() + seconds
+        parts, got = [], 0
         try:
-            data = self.rfile.read(n)
+            while got < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self.connection.settimeout(left)
+                data = self.rfile.read1(min(n - got, 1 << 16))
+                if not data:
+                    self.close_connection = True
+                    raise invalid_request(f"request body shorter than Content-Length ({got} of {n} bytes)")
+                parts.append(data)
+                got += len(data)
         except TimeoutError:
             self.close_connection = True
-            raise ApiError(408, "invalid_request_error", "timed out reading the request body") from None
-        if len(data) != n:
-            self.close_connection = True
-            raise invalid_request("request body shorter than Content-Length")
-        return data
+            raise ApiError(408, "invalid_request_error",
+                           f"timed out reading the request body ({got} of {n} bytes in {seconds:g} s)") from None
+        self.connection.settimeout(self.timeout)
+        return b"".join(parts)
 
     def _check_key(self, keys: tuple[str, ...]) -> None:
         given = self.headers.get("Authorization") or self.headers.get("X-Api-Key") or ""
@@ -302,6 +354,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(r.body)))
         for k, v in r.headers.items():
             self.send_header(k, v)
+        if r.status == 503 and "Retry-After" not in r.headers:
+            self.send_header("Retry-After", RETRY_AFTER)
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()

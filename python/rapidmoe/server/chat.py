@@ -10,10 +10,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from .._runtime import llama_cpp
-from .errors import invalid_request
+from .errors import ApiError, invalid_request
 from .params import check_utf8
 
 CHATML = llama_cpp.llama_chat_format.CHATML_CHAT_TEMPLATE
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's, less the legacy "function"
 
 
 def _jsonable(obj: Any) -> Any:
@@ -41,6 +42,8 @@ class ChatTemplate:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise invalid_request("\"chat_template_kwargs\" must be an object")
+        if "<|channel|>" not in self.source:  # llama.cpp maps "developer" to "system" for all but GPT-OSS
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         try:
             return self._fmt(messages=messages, tools=tools or None, **kwargs).prompt  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - a template error is the request's (raise_exception in the template)
@@ -48,7 +51,9 @@ class ChatTemplate:
 
 
 def check_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """llama-server's checks: an array of {role, content}; content a string or [{type: text, text}]."""
+    """llama-server's checks: an array of {role, content}; content a string or [{type: text, text}]. The role must
+    be one of OpenAI's (ROLES; an unknown one is a 400, as OpenAI answers; "function" messages of the legacy
+    function calling are refused with 501, as `functions` is)."""
     if "messages" not in body:
         raise invalid_request("'messages' is required")
     msgs = body["messages"]
@@ -60,6 +65,12 @@ def check_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise invalid_request(f"messages[{i}] must be an object with a string 'role'")
+        if m["role"] == "function":
+            raise ApiError(501, "not_supported_error", f"messages[{i}]: role 'function' (legacy function calling) "
+                           "is not supported by this server; use 'tool' messages")
+        if m["role"] not in ROLES:
+            raise invalid_request(f"messages[{i}]: invalid role {m['role']!r}; expected one of "
+                                  + ", ".join(f"'{r}'" for r in ROLES))
         content = m.get("content")
         if content is None and m["role"] != "assistant":
             raise invalid_request("All non-assistant messages must contain 'content'")

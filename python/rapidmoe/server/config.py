@@ -15,7 +15,8 @@ class ServerConfig:
     tags: tuple[str, ...] = ()  # informational, listed in /v1/models
     any_model: bool = False  # accept any "model" in requests (llama-server's single-model behaviour)
     parallel: int = 2  # slots decoded together, one llama sequence each
-    queue_size: int = 16  # requests waiting for a slot beyond `parallel`; more get 503 at once
+    queue_size: int = -1  # generations waiting for a slot beyond `parallel`; more get 503 at once; -1: no limit
+    # (llama-server's queue)
     ctx_size: int = 4096  # total KV cells; each slot gets ctx_size / parallel (llama.cpp rounds up to 256)
     n_batch: int = 512  # tokens per llama_decode (prompt chunks + one per generating slot)
     n_predict: int = -1  # server default when a request gives none; -1: until the slot's context is full
@@ -35,9 +36,10 @@ class ServerConfig:
     overlap: str = "auto"  # rapidmoe.Llama's overlap mode for split layers
     trace: Path | None = None  # routing trace file (rapidmoe.trace), written as batches are decoded
     api_keys: tuple[str, ...] = ()
-    timeout: float = 600.0  # socket read/write timeout, seconds (llama-server's --timeout)
+    timeout: float = 600.0  # socket write timeout while answering, seconds (llama-server's --timeout)
     max_connections: int = 128  # open connections (one thread each); more get 503 at once
     header_timeout: float = 10.0  # a request's line and headers must arrive within this, seconds (else 408)
+    body_timeout: float = 10.0  # its body must arrive within this after the headers, seconds (else 408)
     keepalive_timeout: float = 5.0  # an idle keep-alive connection is closed after this, seconds
     queue_timeout: float = 600.0  # longest wait for a slot before 503, seconds
     max_body: int = 1 << 20  # request body limit, bytes

@@ -138,6 +138,7 @@ class _Server(ThreadingHTTPServer):
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
+    raw_requestline: bytes  # set by http.server before parse_request
     server_version = "rapidmoe"
     sys_version = ""
 

@@ -282,6 +282,7 @@ def test_edit_regenerate_and_delete(srv: ServerProc, browser: Any) -> None:
     assert _answer(browser) == _reference(srv, hello, max_tokens=8)
     assert _bodies(browser)[-1]["messages"] == hello
     assert [m["content"] for m in _chat(browser)][:1] == ["Hello there"] and len(_chat(browser)) == 2
+    assert browser.find_element("css selector", "#conversations li.active span").text == "Hello there"
 
     _click(browser, 1, "edit")  # an answer: changed in place, nothing sent
     editor = browser.find_element("css selector", ".msg.assistant .editor textarea")

@@ -12,7 +12,7 @@ const SETTINGS = [...NUMBERS.map(([id]) => id), "system", "api_key"];
 let state = load();
 let controller = null;  // the AbortController of the answer being generated
 let streaming = null;   // {answer, node} while an answer streams in
-let editing = null;     // {chat, index} of the message being edited
+let editing = null;     // {chat, index, draft, fresh} of the message being edited (fresh: focus it once)
 
 /** The stored conversations; an "error" message of an older page becomes the error of the answer it ended. */
 function load() {
@@ -120,12 +120,14 @@ function editorNode(chat, i) {
   const box = document.createElement("div");
   box.className = "editor";
   const area = document.createElement("textarea");
-  area.value = m.content || "";
+  area.value = editing.draft ?? (m.content || "");
+  area.oninput = () => { editing.draft = area.value; };
   area.rows = Math.min(16, Math.max(3, area.value.split("\n").length + 1));
   const saveLabel = m.role === "user" ? "Save and send" : "Save";
   const done = () => {
     editing = null;
     m.content = area.value;
+    if (i === 0 && m.role === "user") chat.title = m.content.slice(0, 40) || chat.title;
     if (m.role === "user") {  // the conversation goes on from the edited message: a new answer replaces what followed
       chat.messages.splice(i + 1);
       generate(chat);
@@ -143,7 +145,10 @@ function editorNode(chat, i) {
   bar.append(button("save", saveLabel, "Ctrl+Enter", done),
              button("cancel", "Cancel", "Esc", () => { editing = null; render(); }));
   box.append(area, bar);
-  setTimeout(() => area.focus(), 0);
+  if (editing.fresh) {
+    editing.fresh = false;
+    setTimeout(() => area.focus(), 0);
+  }
   return box;
 }
 
@@ -152,8 +157,13 @@ function actionsNode(chat, i) {
   const bar = document.createElement("div");
   bar.className = "actions";
   if (m.error) {  // a failed turn: send it again, or take it (the answer and its user message) out of the page
-    bar.append(button("retry", "Retry", "Send this turn again", () => { chat.messages.splice(i); generate(chat); }),
+    bar.append(button("retry", "Retry", "Send this turn again", () => {
+                 editing = null;
+                 chat.messages.splice(i);
+                 generate(chat);
+               }),
                button("remove", "Remove turn", "Delete this failed turn", () => {
+                 editing = null;
                  if (i > 0 && chat.messages[i - 1].role === "user") chat.messages.splice(i - 1, 2);
                  else chat.messages.splice(i, 1);
                  save();
@@ -161,9 +171,13 @@ function actionsNode(chat, i) {
                }));
     return bar;
   }
-  bar.append(button("edit", "Edit", "Edit this message", () => { editing = { chat: chat.id, index: i }; render(); }));
+  bar.append(button("edit", "Edit", "Edit this message", () => {
+    editing = { chat: chat.id, index: i, draft: null, fresh: true };
+    render();
+  }));
   if (m.role === "assistant") {
     bar.append(button("regenerate", "Regenerate", "Answer again from here", () => {
+      editing = null;
       chat.messages.splice(i);
       generate(chat);
     }));

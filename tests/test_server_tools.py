@@ -1,5 +1,6 @@
 """Tool calls and reasoning with the `openai` SDK, on the tiny model carrying the real chat templates of Qwen3
-(Hermes `<tool_call>`) and DeepSeek-R1 (llama.cpp's R1 template with tool calls). The tiny model's own text is
+(Hermes `<tool_call>`) and DeepSeek-R1 (llama.cpp's R1 template with tool calls, which the tiny model, like the
+default model, carries as made: its tokenizer is DeepSeek's). The tiny model's own text is
 random, so the answers whose parsing is checked are forced to exact strings with a grammar; `tool_choice`
 "required" and named tools are enforced by the server's own grammar and checked against the tools' schemas.
 """
@@ -49,9 +50,9 @@ def qwen3(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @pytest.fixture(scope="module")
 def r1(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """The tiny model as make-model writes it (the default model's spec): tools and reasoning out of the box."""
     d = tmp_path_factory.mktemp("tools")
-    path = _with_template(tiny_qwen, "llama-cpp-deepseek-r1.jinja", d / "r1.gguf")
-    s = ServerProc(path, "--parallel", "2", "-c", "4096", "-t", "1", "--any-model", log_path=d / "r1.log")
+    s = ServerProc(tiny_qwen, "--parallel", "2", "-c", "4096", "-t", "1", "--any-model", log_path=d / "r1.log")
     yield s
     s.stop()
 
@@ -180,8 +181,11 @@ def test_bad_tools_are_refused(qwen3: ServerProc, extra: dict, status: int, msg:
     assert got == status and msg in r["error"]["message"], r
 
 
-def test_tools_need_a_template_that_writes_them(tiny_qwen: Path, tmp_path: Path) -> None:
-    s = ServerProc(tiny_qwen, "-t", "1", "-c", "1024", log_path=tmp_path / "plain.log")
+def test_tools_need_a_template_that_writes_them(vocab_dir: Path, tmp_path: Path) -> None:
+    from rapidmoe.synthetic import spec_for, write_model
+
+    plain = write_model(spec_for("qwen3moe", "tiny", chat_template="none"), tmp_path / "plain.gguf", vocab_dir)
+    s = ServerProc(plain, "-t", "1", "-c", "1024", log_path=tmp_path / "plain.log")
     try:
         status, r = s.request("POST", "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS, "max_tokens": 2})
         assert status == 501 and '"tools"' in r["error"]["message"], r

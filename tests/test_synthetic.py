@@ -177,11 +177,12 @@ def test_metadata_and_tensors_match_llama_cpp_layout(arch: str, tiny_files: dict
     assert hp("expert_count") == spec.n_expert and hp("expert_used_count") == spec.n_expert_used
     assert hp("expert_feed_forward_length") == spec.n_ff_exp
 
-    # the tokenizer is copied whole, with its GGUF types
+    # the tokenizer is copied whole, with its GGUF types, but for the chat template (see below)
     src_tok = {kv.key: ([kv.vtype] + ([kv.sub_type] if kv.sub_type is not None else []), kv.value)
                for kv in syn.read_tokenizer(vocab_dir / f"ggml-vocab-{spec.vocab}.gguf")}
     assert len(src_tok) >= 5
-    assert src_tok == {k: (f.types, f.contents()) for k, f in r.fields.items() if k.startswith("tokenizer.")}
+    assert src_tok == {k: (f.types, f.contents()) for k, f in r.fields.items()
+                       if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
     n_vocab = len(src_tok["tokenizer.ggml.tokens"][1])
     assert hp("vocab_size") == n_vocab
 
@@ -225,6 +226,51 @@ def test_metadata_and_tensors_match_llama_cpp_layout(arch: str, tiny_files: dict
         assert {"blk.1.exp_probs_b.bias", "blk.1.ffn_gate_shexp.weight", "blk.1.attn_q_a.weight"} <= names
     assert syn.SyntheticSpec(**json.loads(kv["rapidmoe.synthetic.spec"])) == spec
     assert kv["rapidmoe.synthetic.generator_version"] == syn.GENERATOR_VERSION
+
+
+# The template each vocab's model must carry, read from llama.cpp's own folder (independent of the shipped copy);
+# the server parses tool calls and reasoning from exactly these two (python/rapidmoe/server/toolcalls.py).
+EXPECTED_TEMPLATE = {"qwen2": "Qwen-Qwen3-0.6B.jinja", "deepseek-coder": "llama-cpp-deepseek-r1.jinja",
+                     "deepseek-llm": "llama-cpp-deepseek-r1.jinja"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_models_carry_a_chat_template_that_fits_their_tokenizer(arch: str, tiny_files: dict[str, Path],
+                                                                 vocab_dir: Path) -> None:
+    kv = {k: f.contents() for k, f in gguf.GGUFReader(tiny_files[arch]).fields.items()}
+    vocab = syn.spec_for(arch, "tiny").vocab
+    expected = (vocab_dir / "templates" / EXPECTED_TEMPLATE[vocab]).read_text(encoding="utf-8")
+    assert kv["tokenizer.chat_template"] == expected
+    # R1's template opens with the tokenizer's BOS, DeepSeek's own <｜begin▁of▁sentence｜>
+    assert "bos_token" in expected
+    assert kv["tokenizer.ggml.tokens"][kv["tokenizer.ggml.bos_token_id"]] == "<｜begin▁of▁sentence｜>"
+
+
+def test_chat_template_choice(vocab_dir: Path, tmp_path: Path) -> None:
+    small = dict(n_layer=1, n_embd=64, n_head=2, n_expert=4, n_expert_used=2, n_ff_exp=32)
+    spec = syn.spec_for("qwen3moe", "tiny", **small)
+
+    def template_of(**changes: object) -> object:
+        path = syn.write_model(spec.replace(**changes), tmp_path / "m.gguf", vocab_dir)
+        field = gguf.GGUFReader(path).fields.get("tokenizer.chat_template")
+        return None if field is None else field.contents()
+
+    qwen3 = (vocab_dir / "templates" / EXPECTED_TEMPLATE["qwen2"]).read_text(encoding="utf-8")
+    r1 = (vocab_dir / "templates" / EXPECTED_TEMPLATE["deepseek-llm"]).read_text(encoding="utf-8")
+    assert template_of(vocab="qwen2") == qwen3  # "auto" follows the tokenizer, not the architecture
+    qwen2_tokens = gguf.GGUFReader(vocab_dir / "ggml-vocab-qwen2.gguf").fields["tokenizer.ggml.tokens"].contents()
+    assert "<|im_start|>" in qwen3 and "<|im_start|>" in qwen2_tokens
+    assert template_of(vocab="deepseek-llm") == r1
+    assert template_of(vocab="gpt-2") is None  # no template fits it: the server falls back to ChatML
+    assert template_of(chat_template="none") is None
+    assert template_of(vocab="qwen2", chat_template="none") is None  # not even the vocab file's own (Qwen2.5's)
+    assert template_of(vocab="gpt-2", chat_template="llama-cpp-deepseek-r1") == r1
+    with pytest.raises(FileNotFoundError, match="no-such-template.jinja not found"):
+        syn.write_model(spec.replace(chat_template="no-such-template"), tmp_path / "x.gguf", vocab_dir)
+    assert not (tmp_path / "x.gguf").exists()
+    for bad in ("", "../Qwen-Qwen3-0.6B", "Qwen-Qwen3-0.6B.jinja"):
+        with pytest.raises(ValueError, match="chat_template must be"):
+            spec.replace(chat_template=bad)
 
 
 def test_weight_statistics_look_trained() -> None:

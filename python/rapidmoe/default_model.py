@@ -14,12 +14,14 @@ log = logging.getLogger(__name__)
 DEFAULT_ARCH = "qwen3moe"
 DEFAULT_SIZE = "tiny"
 DEFAULT_SEED = 0
+FILE_VERSION = 2  # 2: carries a chat template (a cached file of an earlier version is not reused)
 
 
 def default_model_path() -> Path:
     from .synthetic import GENERATOR_VERSION  # noqa: PLC0415
 
-    return cache_dir() / f"synthetic-{DEFAULT_ARCH}-{DEFAULT_SIZE}-s{DEFAULT_SEED}-g{GENERATOR_VERSION}.gguf"
+    name = f"synthetic-{DEFAULT_ARCH}-{DEFAULT_SIZE}-s{DEFAULT_SEED}-g{GENERATOR_VERSION}-v{FILE_VERSION}.gguf"
+    return cache_dir() / name
 
 
 def ensure_default_model(progress: bool = True) -> Path:

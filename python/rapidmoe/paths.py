@@ -31,19 +31,31 @@ def _installed_dir() -> Path | None:
     return Path(spec.origin).resolve().parent
 
 
-def vocab_dir() -> Path:
-    """Folder with llama.cpp's vocab-only GGUFs (shipped in the wheel; the vendor tree in a checkout)."""
+def _shipped_dir(env: str, sub: str, upstream: str, probe: str) -> Path:
+    """The first of: $ENV, the package's data/SUB (wheel; editable installs keep it beside the compiled parts),
+    the vendor tree's UPSTREAM folder (source checkouts) that holds PROBE."""
     candidates: list[Path] = []
-    if os.environ.get("RAPIDMOE_VOCAB_DIR"):
-        candidates.append(Path(os.environ["RAPIDMOE_VOCAB_DIR"]))
-    candidates.append(_PKG_DIR / "data" / "vocab")
+    if os.environ.get(env):
+        candidates.append(Path(os.environ[env]))
+    candidates.append(_PKG_DIR / "data" / sub)
     installed = _installed_dir()
     if installed is not None:
-        candidates.append(installed / "data" / "vocab")
-    candidates.append(_REPO_ROOT / "vendor" / "llama.cpp" / "models")
+        candidates.append(installed / "data" / sub)
+    candidates.append(_REPO_ROOT / "vendor" / "llama.cpp" / upstream)
     for c in candidates:
-        if (c / "ggml-vocab-qwen2.gguf").exists():
+        if (c / probe).exists():
             return c
     raise FileNotFoundError(
-        "no vocab-only GGUFs found (looked in: " + ", ".join(str(c) for c in candidates)
-        + "); reinstall rapidmoe or set RAPIDMOE_VOCAB_DIR")
+        f"no {probe} found (looked in: " + ", ".join(str(c) for c in candidates)
+        + f"); reinstall rapidmoe or set {env}")
+
+
+def vocab_dir() -> Path:
+    """Folder with llama.cpp's vocab-only GGUFs (shipped in the wheel; the vendor tree in a checkout)."""
+    return _shipped_dir("RAPIDMOE_VOCAB_DIR", "vocab", "models", "ggml-vocab-qwen2.gguf")
+
+
+def templates_dir() -> Path:
+    """Folder with the chat templates the synthetic models carry (llama.cpp's models/templates, shipped in the
+    wheel; the vendor tree in a checkout)."""
+    return _shipped_dir("RAPIDMOE_TEMPLATES_DIR", "templates", "models/templates", "Qwen-Qwen3-0.6B.jinja")

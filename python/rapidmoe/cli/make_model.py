@@ -22,6 +22,7 @@ def make_model(
     n_ff_exp: Annotated[Optional[int], typer.Option("--n-ff-exp", help="Override: expert FFN width.")] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Matrix type: f16 or f32.")] = None,
     vocab: Annotated[Optional[str], typer.Option("--vocab", help="Tokenizer: qwen2, deepseek-llm or gpt-2.")] = None,
+    chat_template: Annotated[str, typer.Option("--chat-template", help="Chat template in tokenizer.chat_template: auto (Qwen3's for the qwen2 vocab, llama.cpp's DeepSeek-R1 one for the deepseek vocabs, none for others), none, or the NAME of llama.cpp's models/templates/NAME.jinja.")] = "auto",
     force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output file.")] = False,
 ) -> None:
     """Write a synthetic MoE model (realistic weight statistics, skewed router, real tokenizer) as GGUF."""
@@ -29,7 +30,7 @@ def make_model(
     from ..synthetic import describe, spec_for, write_model  # noqa: PLC0415
 
     given = {"n_layer": n_layer, "n_embd": n_embd, "n_expert": n_expert, "n_expert_used": n_expert_used,
-             "n_ff_exp": n_ff_exp, "dtype": dtype, "vocab": vocab}
+             "n_ff_exp": n_ff_exp, "dtype": dtype, "vocab": vocab, "chat_template": chat_template}
     overrides = {k: v for k, v in given.items() if v is not None}
     try:
         spec = spec_for(arch, size, seed=seed, **overrides)
@@ -40,6 +41,9 @@ def make_model(
         raise RapidMoEError(f"{out} exists; pass --force to overwrite it")
     if not out.parent.exists():
         raise RapidMoEError(f"output folder {out.parent} does not exist")
-    write_model(spec, out, vocab_dir(), progress=True)
+    try:
+        write_model(spec, out, vocab_dir(), progress=True)
+    except FileNotFoundError as e:
+        raise RapidMoEError(str(e)) from e
     typer.echo(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
     typer.echo(json.dumps(describe(spec), indent=1, default=str))

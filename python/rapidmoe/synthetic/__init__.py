@@ -1,16 +1,28 @@
 """Deterministic synthetic Mixture-of-Experts GGUF models (qwen3moe, deepseek2) that stock llama.cpp runs.
 
-Trained-like weight statistics and a skewed router (weights.py), a real llama.cpp tokenizer, named sizes and
-per-token byte accounting (spec.py), streamed atomic writing (writer.py). Same spec -> byte-identical file.
+Trained-like weight statistics and a skewed router (weights.py), a real llama.cpp tokenizer and a chat template
+that fits it, named sizes and per-token byte accounting (spec.py), streamed atomic writing (writer.py). Same spec
+-> byte-identical file.
 """
 from __future__ import annotations
 
-from .spec import ARCHS, SIZE_NAMES, SIZES, VOCAB_SIZES, SyntheticSpec, TensorPlan, describe, spec_for, tensor_plan
+from .spec import (
+    ARCHS,
+    CHAT_TEMPLATES,
+    SIZE_NAMES,
+    SIZES,
+    VOCAB_SIZES,
+    SyntheticSpec,
+    TensorPlan,
+    describe,
+    spec_for,
+    tensor_plan,
+)
 from .weights import GENERATOR_VERSION, generate, router_skew_stats
-from .writer import read_spec, read_tokenizer, vocab_file, write_model
+from .writer import read_chat_template, read_spec, read_tokenizer, vocab_file, write_model
 
 __all__ = [
-    "ARCHS", "GENERATOR_VERSION", "SIZES", "SIZE_NAMES", "VOCAB_SIZES", "SyntheticSpec", "TensorPlan", "describe",
-    "generate", "read_spec", "read_tokenizer", "router_skew_stats", "spec_for", "tensor_plan", "vocab_file",
-    "write_model",
+    "ARCHS", "CHAT_TEMPLATES", "GENERATOR_VERSION", "SIZES", "SIZE_NAMES", "VOCAB_SIZES", "SyntheticSpec",
+    "TensorPlan", "describe", "generate", "read_chat_template", "read_spec", "read_tokenizer", "router_skew_stats",
+    "spec_for", "tensor_plan", "vocab_file", "write_model",
 ]

@@ -27,6 +27,11 @@ VOCAB_SIZES: dict[str, int] = {
     "llama-spm": 32000,
 }
 DEFAULT_VOCAB = {"qwen3moe": "qwen2", "deepseek2": "deepseek-llm"}
+# The chat template (llama.cpp's models/templates/NAME.jinja) that chat_template="auto" writes for a tokenizer: one
+# that fits its special tokens and that the server parses tool calls and reasoning from. Other vocabs get none
+# (the server then uses ChatML, as llama-server does).
+CHAT_TEMPLATES = {"qwen2": "Qwen-Qwen3-0.6B", "deepseek-llm": "llama-cpp-deepseek-r1",
+                  "deepseek-coder": "llama-cpp-deepseek-r1"}
 DEFAULT_ROPE_BASE = {"qwen3moe": 1_000_000.0, "deepseek2": 10_000.0}
 
 # Router defaults (see weights.py for the construction). Logits of a layer input are roughly
@@ -96,6 +101,7 @@ class SyntheticSpec:
     router_popularity_std: float = DEFAULT_ROUTER_POPULARITY_STD
     exp_probs_b_std: float = DEFAULT_EXP_PROBS_B_STD  # (deepseek2) relative to a typical top-k probability
     name: str = ""  # general.name; "" = derived from the spec
+    chat_template: str = "auto"  # "auto" (CHAT_TEMPLATES[vocab], if any), "none", or NAME: models/templates/NAME.jinja
 
     def __post_init__(self) -> None:
         fail = _fail
@@ -128,6 +134,9 @@ class SyntheticSpec:
             fail(f"vocab must be a name like 'qwen2' (models/ggml-vocab-NAME.gguf), got {self.vocab!r}")
         if self.rope_freq_base is None:
             object.__setattr__(self, "rope_freq_base", DEFAULT_ROPE_BASE[self.arch])
+        if not self.chat_template or "/" in self.chat_template or self.chat_template.endswith(".jinja"):
+            fail(f"chat_template must be 'auto', 'none' or a template name like 'Qwen-Qwen3-0.6B' "
+                 f"(models/templates/NAME.jinja), got {self.chat_template!r}")
         if self.rope_freq_base is None or self.rope_freq_base <= 0:
             fail("rope_freq_base must be > 0")
         if self.arch == "qwen3moe":
@@ -204,6 +213,13 @@ class SyntheticSpec:
     @property
     def moe_layers(self) -> list[int]:
         return list(range(self.n_layer_dense_lead, self.n_layer))
+
+    @property
+    def template_name(self) -> str | None:
+        """The chat template file's name (without .jinja) this model carries, or None."""
+        if self.chat_template == "auto":
+            return CHAT_TEMPLATES.get(str(self.vocab))
+        return None if self.chat_template == "none" else self.chat_template
 
     @property
     def model_name(self) -> str:

@@ -59,6 +59,22 @@ def _read_tokenizer(path: str, size: int, mtime_ns: int) -> tuple[_KV, ...]:
     return tuple(kvs)
 
 
+def read_chat_template(spec: SyntheticSpec, templates_dir: Path | None) -> str | None:
+    """The text of the chat template the spec asks for (None: the model carries none), with clear errors."""
+    name = spec.template_name
+    if name is None:
+        return None
+    if templates_dir is None:
+        from ..paths import templates_dir as shipped  # noqa: PLC0415 - only where a template is asked for
+
+        templates_dir = shipped()
+    path = Path(templates_dir) / f"{name}.jinja"
+    if not path.is_file():
+        raise FileNotFoundError(f"chat template {path} not found (chat_template {spec.chat_template!r}, "
+                                f"vocab {spec.vocab!r}); pass chat_template='none' for a model without one")
+    return path.read_text(encoding="utf-8")
+
+
 def _spec_json(spec: SyntheticSpec) -> str:
     return json.dumps(dataclasses.asdict(spec), sort_keys=True)
 
@@ -114,13 +130,16 @@ def _np_dtype(spec: SyntheticSpec, t: TensorPlan) -> type:
     return np.float32 if t.f32 or spec.dtype == "f32" else np.float16
 
 
-def write_model(spec: SyntheticSpec, path: Path, vocab_dir: Path | None, *, progress: bool = False) -> Path:
+def write_model(spec: SyntheticSpec, path: Path, vocab_dir: Path | None, *, progress: bool = False,
+                templates_dir: Path | None = None) -> Path:
     """Write the model to `path` (atomically, via path + '.tmp'); returns `path`.
 
-    Same spec (and GENERATOR_VERSION) -> byte-identical file. Memory stays around one tensor.
+    Same spec (and GENERATOR_VERSION) -> byte-identical file. Memory stays around one tensor. The chat template
+    comes from `templates_dir` (default: the shipped copy of llama.cpp's models/templates, paths.templates_dir()).
     """
     path = Path(path)
     tokenizer = read_tokenizer(vocab_file(vocab_dir, str(spec.vocab)))
+    template = read_chat_template(spec, templates_dir)
     n_vocab = len(next(kv.value for kv in tokenizer if kv.key == gguf.Keys.Tokenizer.LIST))
     plan = tensor_plan(spec, n_vocab)
     total = sum(t.nbytes(spec.dtype) for t in plan)
@@ -132,7 +151,10 @@ def write_model(spec: SyntheticSpec, path: Path, vocab_dir: Path | None, *, prog
     try:
         _add_hparams(writer, spec, n_vocab)
         for kv in tokenizer:
-            writer.add_key_value(kv.key, kv.value, kv.vtype, kv.sub_type)
+            if kv.key != gguf.Keys.Tokenizer.CHAT_TEMPLATE:  # the spec's choice replaces a vocab file's own
+                writer.add_key_value(kv.key, kv.value, kv.vtype, kv.sub_type)
+        if template is not None:
+            writer.add_chat_template(template)
         writer.add_uint32(KEY_GENERATOR, GENERATOR_VERSION)
         writer.add_string(KEY_SPEC, _spec_json(spec))
         for t in plan:

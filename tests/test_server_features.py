@@ -6,6 +6,7 @@ token log-probabilities (against a softmax of the numpy reference forward pass's
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from server_proc import ServerProc, sse_json
+
+from rapidmoe.server.params import UNSUPPORTED
 
 openai = pytest.importorskip("openai")
 
@@ -67,6 +70,14 @@ def test_unsupported_field_is_refused_by_name(srv: ServerProc, path: str, body: 
     assert status == 501, r
     assert r["error"]["type"] == "not_supported_error" and f'"{field}"' in r["error"]["message"], r
     good(srv)
+
+
+def test_docs_list_exactly_the_refused_fields() -> None:
+    """docs/server.md's "What is refused" table names every field of UNSUPPORTED, and nothing else."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "server.md").read_text(encoding="utf-8")
+    section = text.split("\n## What is refused\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    assert {name for first in rows for name in re.findall(r"`([a-z_]+)`", first)} == set(UNSUPPORTED)
 
 
 def test_off_values_of_unsupported_fields_are_accepted(srv: ServerProc) -> None:
@@ -179,7 +190,7 @@ SCHEMAS = {
 
 
 def _valid(text: str, schema: dict) -> object:  # type: ignore[type-arg]
-    import jsonschema
+    import jsonschema  # noqa: PLC0415 - a test extra, only needed here
 
     doc = json.loads(text)
     jsonschema.validate(doc, schema)
@@ -272,7 +283,7 @@ def f32_srv(make_tiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
 
 
 def _ref_logprobs(path: Path, tokens: list[int]) -> np.ndarray:
-    from reference.numpy_forward import forward
+    from reference.numpy_forward import forward  # noqa: PLC0415 - the numpy reference, only needed here
 
     x = forward(path, tokens).astype(np.float64)
     x -= x.max(-1, keepdims=True)
@@ -312,7 +323,8 @@ def test_n_probs_native_against_numpy(f32_srv: ServerProc) -> None:
         events = sse_json(f32_srv.stream("/completion", {**body, **sampling, "stream": True}))
         streamed = [p for e in events for p in e.get("completion_probabilities", [])]
         assert [p["id"] for p in streamed] == r["tokens"]
-        assert all(abs(a["logprob"] - b["logprob"]) < 1e-4 for a, b in zip(streamed, r["completion_probabilities"]))
+        assert all(abs(a["logprob"] - b["logprob"]) < 1e-4 for a, b in zip(streamed, r["completion_probabilities"],
+                                                                               strict=True))
     _, off = f32_srv.request("POST", "/completion", {**body, "n_probs": 0})
     assert "completion_probabilities" not in off
 
@@ -341,7 +353,7 @@ def test_openai_logprobs_chat_and_completions(f32_srv: ServerProc) -> None:
     lp = cm.choices[0].logprobs
     assert len(lp.tokens) == 5 and "".join(lp.tokens) == cm.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert len(top) == 2 and top[token] == logprob  # greedy: the sampled token is the most likely
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         c.chat.completions.create(model="x", messages=MSGS, max_tokens=2, top_logprobs=3)

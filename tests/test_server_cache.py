@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from server_proc import ServerProc
 
+from rapidmoe.server.chat import CHATML  # chat requests here keep ChatML, whatever the model carries
+
 openai = pytest.importorskip("openai")
 
 GREEDY = {"temperature": 0}
@@ -19,7 +21,8 @@ GREEDY = {"temperature": 0}
 @pytest.fixture(scope="module")
 def srv(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     log = tmp_path_factory.mktemp("server") / "cache.log"
-    s = ServerProc(tiny_qwen, "--parallel", "2", "-c", "4096", "-t", "1", "--any-model", log_path=log)
+    s = ServerProc(tiny_qwen, "--parallel", "2", "-c", "4096", "-t", "1", "--any-model", "--chat-template", CHATML,
+                   log_path=log)
     yield s
     s.stop()
 

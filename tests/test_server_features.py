@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from server_proc import ServerProc, sse_json
 
+from rapidmoe.server.chat import CHATML  # chat requests here keep ChatML, whatever the model carries
 from rapidmoe.server.params import UNSUPPORTED
 
 openai = pytest.importorskip("openai")
@@ -25,7 +26,8 @@ GREEDY = {"temperature": 0}
 @pytest.fixture(scope="module")
 def srv(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     log = tmp_path_factory.mktemp("server") / "features.log"
-    s = ServerProc(tiny_qwen, "--parallel", "2", "-c", "2048", "-t", "1", "--any-model", log_path=log)
+    s = ServerProc(tiny_qwen, "--parallel", "2", "-c", "2048", "-t", "1", "--any-model", "--chat-template", CHATML,
+                   log_path=log)
     yield s
     s.stop()
 
@@ -275,7 +277,7 @@ def test_bad_grammar_or_schema_is_400_naming_the_problem(srv: ServerProc, extra:
 @pytest.fixture(scope="module")
 def f32_srv(make_tiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:  # type: ignore[no-untyped-def]
     path = make_tiny("qwen3moe", "f32")
-    s = ServerProc(path, "--parallel", "2", "-c", "1024", "-t", "1", "--any-model",
+    s = ServerProc(path, "--parallel", "2", "-c", "1024", "-t", "1", "--any-model", "--chat-template", CHATML,
                    log_path=tmp_path_factory.mktemp("server") / "f32.log")
     s.model_path = path  # type: ignore[attr-defined]
     yield s

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,6 +142,47 @@ def test_n_with_one_forced_slot_does_not_lock_up(srv: ServerProc) -> None:
         r = ok(srv, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 4, "n": 2, "id_slot": 0,
                                              "ignore_eos": True})
         assert len(r["choices"]) == 2 and all(c["finish_reason"] == "length" for c in r["choices"])
+
+
+FORCED = ('<think>\nThe user asks.\n</think>\n\nLet me check.\n<tool_call>\n'
+          '{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>')
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"]}}}
+
+
+def test_chat_n_parses_each_choice(tiny_qwen: Path, tmp_path: Path) -> None:
+    """Reasoning and tool calls are parsed per choice (Qwen3's real template, the answer forced by a grammar),
+    whole and streamed."""
+    template = Path(__file__).resolve().parent.parent / "vendor/llama.cpp/models/templates/Qwen-Qwen3-0.6B.jinja"
+    model = tmp_path / "qwen3.gguf"
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(tiny_qwen), str(model),
+                    "--chat-template", template.read_text(), "--force"], check=True, capture_output=True)
+    s = ServerProc(model, "--parallel", "2", "-c", "2048", "-t", "1", log_path=tmp_path / "qwen3.log")
+    try:
+        body = {"messages": MSGS, "tools": [TIME_TOOL], "n": 2, "max_tokens": 100,
+                "grammar": "root ::= " + json.dumps(FORCED)}
+        r = ok(s, "/v1/chat/completions", body)
+        assert [c["index"] for c in r["choices"]] == [0, 1]
+        for c in r["choices"]:
+            m = c["message"]
+            assert (c["finish_reason"], m["reasoning_content"], m["content"]) == ("tool_calls", "The user asks.",
+                                                                                 "Let me check.")
+            assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in m["tool_calls"]] == [
+                ("get_time", {"zone": 1})]
+        events = sse_json(s.stream("/v1/chat/completions", {**body, "stream": True}))
+        got: dict[int, dict[str, Any]] = {}
+        for e in events[:-1]:
+            for c in e["choices"]:
+                g = got.setdefault(c["index"], {"reasoning": "", "content": "", "calls": [], "finish": []})
+                g["reasoning"] += c["delta"].get("reasoning_content") or ""
+                g["content"] += c["delta"].get("content") or ""
+                g["calls"] += [t["function"]["name"] for t in c["delta"].get("tool_calls") or []]
+                g["finish"] += [c["finish_reason"]] if c["finish_reason"] else []
+        want = {"reasoning": "The user asks.", "content": "Let me check.", "calls": ["get_time"],
+                "finish": ["tool_calls"]}
+        assert got == {0: want, 1: want}
+    finally:
+        s.stop()
 
 
 # ---- streaming ----

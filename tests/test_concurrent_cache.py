@@ -2,22 +2,21 @@
 
 With overlap "auto" (the default) a cached layer hands the misses' WQ matmuls and the critical slots' residuals to
 the residual worker while the device computes the cached experts; "off" computes them one after the other. Both
-sum the same values in the same order, so the logits must EQUAL the serial graph's and the all-CPU run's
-(np.array_equal) at r = 0, 1 and k, with the concurrent ops really in the graph (their begin/join pairs counted,
-their join tensors captured) and the hit counters unchanged."""
+sum the same values in the same order, so the logits must EQUAL the serial graph's and the plain-layout all-CPU
+run's (np.array_equal) at r = 0, 1 and k, with the concurrent ops really in the graph (their begin/join pairs
+counted, their join tensors captured) and the hit counters unchanged. The runs happen in a child process with one
+CPU kernel per quant type (tests/cache_reference.py says why)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cache_reference import eval_runs, without_tiled
 
 from rapidmoe import Llama
-from rapidmoe._runtime import _core
 from rapidmoe.expert_cache import moe_layers_of
 from rapidmoe.ggufio import GGUFFile
-from rapidmoe.rpc import RPCServer
 
 pytestmark = pytest.mark.native
 
@@ -26,38 +25,22 @@ PRESET = "cpu-q8"
 TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense."
 
 
-@pytest.fixture(scope="module")
-def rpc() -> Iterator[RPCServer]:
-    with RPCServer(threads=1) as srv:
-        yield srv
-
-
 def _shape(path: Path) -> tuple[int, int]:
     f = GGUFFile(path)
     arch = f.get("general.architecture")
     return int(f.get(f"{arch}.expert_count")), int(f.get(f"{arch}.expert_used_count"))
 
 
-def _run(path: Path, toks: list[int], capture: list[str] | None = None, **kw):  # type: ignore[no-untyped-def]
-    cap = _core.TensorCapture(capture) if capture else None
-    llm = Llama(path, n_ctx=128, logits_all=True, verbose=False, n_threads=2, eval_callback=cap, **kw)
-    try:
-        llm.eval(toks[:-3])
-        for t in toks[-3:]:  # decode steps: one token per ubatch
-            llm.eval([t])
-        logits = np.array(llm.scores[: len(toks)], dtype=np.float32)
-        stats = llm.expert_cache_stats() if "expert_cache" in kw else None
-        got = {n: cap.get(n) for n in capture} if cap is not None and capture else {}
-        return logits, stats, llm.overlap_stats(), got
-    finally:
-        llm.close()
-
-
-def test_concurrent_cached_layers_equal_serial_and_cpu(make_split, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
-    _, wq, wr = make_split("qwen3moe", PRESET)
+def _tokens(wq: Path) -> list[int]:
     vocab = Llama(wq, n_ctx=128, vocab_only=True, verbose=False)
     toks = vocab.tokenize(TEXT, add_bos=False)[:24]
     vocab.close()
+    return toks
+
+
+def test_concurrent_cached_layers_equal_serial_and_cpu(make_split) -> None:  # type: ignore[no-untyped-def]
+    _, wq, wr = make_split("qwen3moe", PRESET)
+    toks = _tokens(wq)
     n_expert, k = _shape(wq)
     layers = moe_layers_of(wq)
     # a different half of each layer's experts, in a scrambled slot order; the last layer caches nothing (its work
@@ -65,14 +48,16 @@ def test_concurrent_cached_layers_equal_serial_and_cpu(make_split, rpc: RPCServe
     cache = {il: sorted(range(n_expert), key=lambda e: (e * 5 + il) % n_expert)[: n_expert // 2][::-1]
              for il in layers[:-1]}
     cache[layers[-1]] = []
-    dev = {"rpc_servers": [rpc.endpoint], "n_gpu_layers": -1, "override_tensor": "exps=CPU",
-           "expert_cache": cache, "expert_cache_device": rpc.device.buffer_type}
     join = f"rapidmoe_cached_gate_up_join-{layers[0]}"
-    results = {}
+    runs = []
     for r in (0, 1, k):
-        cpu, _, _, _ = _run(wq, toks, residual_path=wr, n_critical=r, override_tensor="exps=CPU")
-        serial, s_stats, s_ov, _ = _run(wq, toks, residual_path=wr, n_critical=r, overlap="off", **dev)
-        conc, c_stats, c_ov, got = _run(wq, toks, capture=[join], residual_path=wr, n_critical=r, **dev)
+        side = {"residual_path": str(wr), "n_critical": r}
+        runs += [{"plain": True, **side}, {"device": True, "expert_cache": cache, "overlap": "off", **side},
+                 {"device": True, "expert_cache": cache, "capture": [join], **side}]
+    got_runs = without_tiled(eval_runs, str(wq), toks, 3, runs)
+    results = {}
+    for i, r in enumerate((0, 1, k)):
+        (cpu, _, _, _), (serial, s_stats, s_ov, _), (conc, c_stats, c_ov, got) = got_runs[3 * i: 3 * i + 3]
         print(f"r={r}: max |concurrent - serial| {np.abs(conc - serial).max()}, hit rate {c_stats.hit_rate:.3f}, "
               f"gate/up pairs {c_ov.gate_up.pairs}")
         assert np.array_equal(serial, cpu), r
@@ -80,39 +65,41 @@ def test_concurrent_cached_layers_equal_serial_and_cpu(make_split, rpc: RPCServe
         assert s_ov.pairs == 0
         # one begin/join pair per cached layer, stage and ubatch (the uncached last layer runs serially)
         assert c_ov.gate_up.pairs == c_ov.down.pairs == 4 * (len(layers) - 1), c_ov
-        n_ff = np.asarray(got[join][0]).shape[-1]
-        assert [np.asarray(a).shape for a in got[join]] == [(2, n, k, n_ff) for n in (len(toks) - 3, 1, 1, 1)]
+        n_ff = got[join][0].shape[-1]
+        assert [a.shape for a in got[join]] == [(2, n, k, n_ff) for n in (len(toks) - 3, 1, 1, 1)]
         assert [(s.hits, s.slots) for s in c_stats.layers] == [(s.hits, s.slots) for s in s_stats.layers]
         results[r] = conc
     assert not np.array_equal(results[0], results[k])  # the residuals are in: r changes the result
 
 
-def test_prefill_streaming_equals_the_cpu_run(make_split, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
+def test_prefill_streaming_equals_the_cpu_run(make_split) -> None:  # type: ignore[no-untyped-def]
     """prefill_stream=N: a ubatch of >= N tokens computes every cached layer's WQ on the device from the stacked
     experts (copied there by the scheduler); the decode steps after it do not stream. The logits equal the CPU
     run's, serial and overlapped, and the streamed prompt never reaches the cache's route ops (its slots are not
-    counted), while a threshold above the prompt leaves everything as without streaming."""
+    counted), while a threshold above the prompt leaves everything as without streaming. Run in a child process
+    with one CPU kernel per quant type, against the plain-layout reference (tests/cache_reference.py)."""
     _, wq, wr = make_split("qwen3moe", PRESET)
-    vocab = Llama(wq, n_ctx=128, vocab_only=True, verbose=False)
-    toks = vocab.tokenize(TEXT, add_bos=False)[:24]
-    vocab.close()
+    toks = _tokens(wq)
     n_expert, k = _shape(wq)
     layers = moe_layers_of(wq)
-    cache = {il: list(range(n_expert // 2)) for il in layers}
-    dev = {"rpc_servers": [rpc.endpoint], "n_gpu_layers": -1, "override_tensor": "exps=CPU",
-           "expert_cache": cache, "expert_cache_device": rpc.device.buffer_type}
+    dev = {"device": True, "expert_cache": {il: list(range(n_expert // 2)) for il in layers}}
     n_prompt = len(toks) - 3
+    runs = []
     for r in (0, 1, k):
-        cpu, _, _, _ = _run(wq, toks, residual_path=wr, n_critical=r, override_tensor="exps=CPU")
+        side = {"residual_path": str(wr), "n_critical": r}
+        streamed = [{**dev, **side, "overlap": o, "prefill_stream": 8} for o in ("off", "auto")]
+        runs += [{"plain": True, **side}, *streamed, {**dev, **side, "prefill_stream": n_prompt + 1}]
+    got_runs = iter(without_tiled(eval_runs, str(wq), toks, 3, runs))
+    for r in (0, 1, k):
+        cpu, _, _, _ = next(got_runs)
         for overlap in ("off", "auto"):
-            got, stats, ov, _ = _run(wq, toks, residual_path=wr, n_critical=r, overlap=overlap, prefill_stream=8,
-                                     **dev)
+            got, stats, ov, _ = next(got_runs)
             print(f"r={r} overlap={overlap}: max |stream - cpu| {np.abs(got - cpu).max()}, slots {stats.slots}")
             assert np.array_equal(got, cpu), (r, overlap)
             assert stats.slots == 3 * k * len(layers)  # the 3 decode steps only: the prompt streamed
             # the residuals overlap with the streamed WQ (and the decode steps run concurrently) unless "off"
             assert (ov.pairs == 0) == (overlap == "off"), ov
-        _, stats, _, _ = _run(wq, toks, residual_path=wr, n_critical=r, prefill_stream=n_prompt + 1, **dev)
+        _, stats, _, _ = next(got_runs)
         assert stats.slots == len(toks) * k * len(layers)
 
 

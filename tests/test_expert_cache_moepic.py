@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cache_reference import PlainLlama
 
 from rapidmoe import Llama, RapidMoEError, llama_cpp
 from rapidmoe.expert_cache import moe_layers_of, wq_expert_bytes
@@ -17,8 +18,8 @@ from rapidmoe.placement.cache_policies import (
     LRUCache,
     MoEpicCache,
     MoEpicSettings,
-    RefreshSettings,
     RapidMoECache,
+    RefreshSettings,
     replay,
 )
 from rapidmoe.rpc import RPCServer
@@ -207,7 +208,7 @@ def test_tiny_moe_a_runtime_counters_equal_the_replay(rpc: RPCServer, tmp_path: 
 def test_moepic_on_quantized_wq_with_residuals_is_exact(rpc: RPCServer, tmp_path: Path, vocab_dir: Path) -> None:
     """A RESplit pair (Q2_K WQ experts, 256-element blocks) with an intermediate dimension of 512: the top is 256 rows,
     so down's top is the first quantized block of each of its rows (a strided copy), and split routing at r = 1 adds
-    the sidecar's residuals to the composed WQ: logits equal the all-CPU run's."""
+    the sidecar's residuals to the composed WQ: logits equal the plain-layout all-CPU run's."""
     import dataclasses
 
     from rapidmoe.resplit import convert, get_preset
@@ -217,7 +218,8 @@ def test_moepic_on_quantized_wq_with_residuals_is_exact(rpc: RPCServer, tmp_path
     write_model(dataclasses.replace(spec_for("qwen3moe", "tiny", seed=0), n_ff_exp=512), src, vocab_dir)
     res = convert(src, tmp_path / "split", get_preset("cpu-q8"), progress=False)
     kw = dict(residual_path=res.wr_path, n_critical=1, n_ctx=128, n_threads=2, verbose=False)
-    cpu = Llama(res.wq_path, **kw)  # type: ignore[arg-type]
+    # the plain layout, as the cache run keeps it (tests/cache_reference.py: exps=CPU alone still repacks)
+    cpu = PlainLlama(res.wq_path, override_tensor="exps=CPU", **kw)  # type: ignore[arg-type]
     toks = cpu.tokenize(TEXT)[:20]
     want = _steps(cpu, toks[:8], toks[8:])
     cpu.close()

@@ -69,12 +69,15 @@ class GGUFFile:
         self.path = Path(path)
         self.fields: dict[str, Field] = {}
         self.tensors: list[Tensor] = []
+        self.value_offsets: dict[str, int] = {}  # key -> file offset of its value's bytes (scalars and strings)
+        self.data_start = 0  # file offset where the tensor data begins (the header's end, aligned)
         self._mm: np.memmap | None = None
         size = self.path.stat().st_size
         with self.path.open("rb") as f:
             try:
                 self._parse(f, size)
-            except (struct.error, UnicodeDecodeError, ValueError, OverflowError, MemoryError) as e:
+            except (struct.error, UnicodeDecodeError, ValueError, OverflowError, MemoryError, KeyError,
+                    ZeroDivisionError) as e:
                 raise GGUFFormatError(f"bad GGUF header: {e}") from e
 
     def _parse(self, f: BinaryIO, size: int) -> None:
@@ -123,6 +126,7 @@ class GGUFFile:
                     value = np.frombuffer(b, dtype=dt).tolist()
                 self.fields[key] = Field(vt, value, st)
             else:
+                self.value_offsets[key] = f.tell() + (8 if vt == GGUFValueType.STRING else 0)  # after the length
                 self.fields[key] = Field(vt, read_value(vt))
         infos = []
         for _ in range(n_tensors):
@@ -135,6 +139,7 @@ class GGUFFile:
         align = int(self.fields["general.alignment"].value) if "general.alignment" in self.fields else 32
         start = f.tell()
         start += (-start) % align
+        self.data_start = start
         for name, shape, qt, offset in infos:
             block, tsize = GGML_QUANT_SIZES[qt]
             n = int(np.prod(shape, dtype=np.int64))

@@ -75,7 +75,8 @@ class Llama(llama_cpp.Llama):
         the critical residuals on a worker thread while the device runs WQ (docs/execution.md); "off": after it;
         "on": every split layer, also all-CPU (same results; for tests). Timing: `overlap_stats`.
     overlap_threads: the residual worker's CPU threads (default: n_threads).
-    verify_residual: check that the base's size and tensor table match what the sidecar recorded (headers only;
+    verify_residual: check the base's size and tensor table and both files' sampled tensor data against what the
+        sidecar recorded (a few MB read; sizes, the sidecar's header and the pair id are always checked;
         `rapidmoe-cli inspect --verify` compares every byte).
     n_seq_max: sequences one context holds (llama.cpp's n_seq_max) for callers that batch several sequences
         through the low-level API; llama_cpp.Llama itself uses one.

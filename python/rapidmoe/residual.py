@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .ggufio import GGUFFile
-from .resplit.sidecar import check_pair
+from .resplit.sidecar import check_pair, open_gguf
 
 _EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|wr|hi)$")
 
@@ -62,9 +62,9 @@ def _per_expert_bytes(f: GGUFFile, role: str | None = None) -> dict[int, int]:
 
 def load_residual_info(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], *,
                        verify: bool = True) -> ResidualInfo:
-    """Check that the sidecar belongs to the base (ModelFileError otherwise) and read its costs. verify: the base's
-    size and tensor table against the sidecar's record (headers only; check_pair)."""
-    base, side = GGUFFile(wq_path), GGUFFile(wr_path)
+    """Check that the sidecar belongs to the base and that neither is damaged (ModelFileError otherwise) and read
+    its costs. verify: also the base's tensor table and both files' sampled tensor data (check_pair)."""
+    base, side = open_gguf(wq_path, "base", wr_path), open_gguf(wr_path, "sidecar", wq_path)
     meta = check_pair(base, side, verify=verify)
     arch = base.get("general.architecture")
     return ResidualInfo(path=Path(wr_path), n_expert_used=int(base.get(f"{arch}.expert_used_count", 0)),

@@ -14,8 +14,10 @@ EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|wr|h
 def inspect(
     model: Annotated[Path, typer.Argument(help="A GGUF: a model, a RESplit .wq.gguf or a .wr.gguf sidecar.")],
     residual: Annotated[Optional[Path], typer.Option("--residual", help="Check this sidecar against MODEL.")] = None,
-    verify: Annotated[bool, typer.Option("--verify", help="With --residual: also check every byte of MODEL against "
-                                         "the sha256 the sidecar recorded (reads the whole file).")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="With --residual: also check every byte of MODEL and of "
+                                         "the sidecar's tensor data against the sha256s the sidecar recorded (reads "
+                                         "both files whole; without it, sizes, headers and samples of the tensor "
+                                         "data are checked).")] = False,
 ) -> None:
     """Show the MoE structure (layers, experts, top-k, expert tensor types and bits) and RESplit pairing."""
     from ..ggufio import GGUFFile  # noqa: PLC0415
@@ -29,7 +31,7 @@ def inspect(
     if is_sidecar:
         for k, f in r.fields.items():
             if k.startswith("rapidmoe.residual.") and k != "rapidmoe.residual.type_fallbacks":
-                typer.echo(f"  {k[len('rapidmoe.residual.'):]}: {f.value}")
+                typer.echo(f"  {k[len('rapidmoe.residual.'):]}: {_shown(k, f.value)}")
     elif info.is_moe:
         typer.echo(f"  MoE: {info.n_layer} layers, {info.n_expert} experts, top-{info.n_expert_used}")
     else:
@@ -68,7 +70,14 @@ def inspect(
         raise typer.BadParameter("--verify checks a sidecar's base: give --residual too", param_hint="--verify")
     if residual is not None:
         meta = check_pair(model, residual, verify_data=verify)
-        checked = "pair id, tensor table and size" if "base_layout_sha256" in meta else "pair id and sha256"
-        if verify:
-            checked += ("" if "sha256" in checked else ", sha256 of every byte")
-        typer.echo(f"  sidecar {residual} belongs to this base (pair id {meta['pair_id']}; checked: {checked})")
+        typer.echo(f"  sidecar {residual} belongs to this base (pair id {meta['pair_id']}; checked: "
+                   f"{', '.join(meta['checked'])})")
+
+
+def _shown(key: str, value: object) -> object:
+    """A sidecar field as printed: the per-tensor sample digests summarized."""
+    from ..resplit.fingerprint import DIGEST_CHARS  # noqa: PLC0415
+
+    if key.endswith(("base_samples", "data_samples")) and isinstance(value, str):
+        return f"{len(value) // DIGEST_CHARS} tensors, {DIGEST_CHARS} hex digits each"
+    return value

@@ -25,6 +25,7 @@ from ..errors import ModelFileError, RapidMoEError
 from ..ggufio import GGUFFile, Tensor, copy_metadata, n_rows, tensor_rows
 from ..modelfile import require_moe
 from . import sidecar
+from .fingerprint import sample_digests
 from .imatrix import Imatrix
 from .presets import NEEDS_IMATRIX, Preset, block_size, qtype
 from .report import ErrorAccumulator, TensorReport
@@ -140,13 +141,15 @@ def _add_quant_info(w: GGUFWriter, name: str, byte_shape: tuple[int, ...], qt: G
 
 
 def _pair_id(reader: GGUFFile, src: Path, preset: Preset, imatrix_digest: str) -> str:
-    """Deterministic id shared by both outputs: source tensor table + preset + imatrix."""
+    """Deterministic id shared by both outputs: source tensor table and sampled tensor data (so two models of one
+    layout, other seeds or fine-tunes, get different ids) + preset + imatrix."""
     h = hashlib.sha256()
     h.update(json.dumps(asdict(preset), sort_keys=True).encode())
     h.update(imatrix_digest.encode())
     h.update(str(src.stat().st_size).encode())
     for t in reader.tensors:
         h.update(f"{t.name}:{int(t.tensor_type)}:{list(map(int, t.shape))}:{int(t.data_offset)}".encode())
+    h.update("".join(sample_digests(reader)).encode())
     return h.hexdigest()[:32]
 
 
@@ -280,6 +283,7 @@ class _Converter:
         sidecar.add_metadata(wr, preset=p, pair_id=pair_id, base_arch=self.arch,
                              n_layer=int(self.reader.get(f"{self.arch}.block_count", 0)),
                              n_expert=int(self.reader.get(f"{self.arch}.expert_count", 0)),
+                             n_base_tensors=len(self.reader.tensors), n_sidecar_tensors=len(self.plans),
                              type_fallbacks=self.fallbacks())
         if self.fallbacks():
             wq.add_array("rapidmoe.resplit.type_fallbacks", self.fallbacks())
@@ -360,7 +364,7 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset
     t0 = time.perf_counter()
     with _temp_outputs([wq_path, wr_path, report_path]) as (wq_tmp, wr_tmp, rep_tmp):
         conv.run(wq_tmp, wr_tmp, pair_id, progress)
-        sidecar.stamp_base(wr_tmp, wq_tmp)
+        sidecar.stamp(wr_tmp, wq_tmp)
         seconds = time.perf_counter() - t0
         report = {
             "source": str(src_p), "preset": asdict(preset), "bits": preset.bits(), "pair_id": pair_id,

@@ -127,13 +127,15 @@ def test_sidecar_pairs_only_with_its_base(micro: Path, tmp_path: Path) -> None:
         check_pair(b.wq_path, a.wr_path)
     with pytest.raises(ModelFileError, match="does not belong"):
         check_pair(micro, a.wr_path)
-    # same pair id but the base's data was modified afterwards: the full check sees it (tests/test_pairing.py: the
-    # load-time check, which reads the header only)
+    # same pair id but the base's data was modified afterwards: its last byte is in the last tensor's last sampled
+    # window, so the load's check sees it, and the full check does (tests/test_pairing.py: what each one sees)
     data = bytearray(a.wq_path.read_bytes())
     data[-1] ^= 0xFF
     a.wq_path.write_bytes(bytes(data))
-    with pytest.raises(ModelFileError, match="changed"):
-        check_pair(a.wq_path, a.wr_path, verify_data=True)
+    with pytest.raises(ModelFileError, match=r"the sampled data of blk\.\d+\.ffn_down_exps\.weight \(1 of"):
+        check_pair(a.wq_path, a.wr_path)
+    with pytest.raises(ModelFileError, match="sha256 of the base differs"):
+        check_pair(a.wq_path, a.wr_path, verify=False, verify_data=True)
 
 
 def test_wq_runs_in_ours(micro: Path, tmp_path: Path) -> None:

@@ -106,6 +106,8 @@ def test_another_seed_gets_another_pair_id(make_split, seed7: Path, tmp_path: Pa
             check_pair(wq, wr)
     with pytest.raises(ModelFileError, match="does not belong"):
         Llama(wq_a, residual_path=b.wr_path, n_ctx=32, verbose=False)
+    res = runner.invoke(app, ["run", str(wq_a), "--residual", str(b.wr_path), "-p", "hi", "-n", "1"])
+    assert res.exit_code == 1 and f"sidecar {b.wr_path} does not belong to {wq_a}" in res.output, res.output
 
 
 @pytest.fixture(scope="module")

@@ -82,22 +82,6 @@ def run_logits(cls: type[Llama], path: str, toks: list[int], names: list[str], *
         llm.close()
 
 
-def plain_and_cached(path: str, toks: list[int], names: list[str], cache: dict[int, list[int]],
-                     runs: list[dict[str, Any]]) -> list[tuple[Run, Run]]:
-    """Per entry of runs (Llama arguments such as residual_path, n_critical, overlap): the plain-layout all-CPU
-    run, and the run with the experts stacked in CPU memory, everything else on a local rpc-server (one thread)
-    and `cache` on it. Meant for `without_tiled`."""
-    out = []
-    with RPCServer(threads=1) as srv:
-        dev = {"rpc_servers": [srv.endpoint], "n_gpu_layers": -1, "override_tensor": "exps=CPU",
-               "expert_cache": cache, "expert_cache_device": srv.device.buffer_type}
-        for kw in runs:
-            ref_kw = {k: v for k, v in kw.items() if k != "overlap"}
-            out.append((run_logits(PlainLlama, path, toks, names, override_tensor="exps=CPU", **ref_kw),
-                        run_logits(Llama, path, toks, names, **dev, **kw)))
-    return out
-
-
 def realized_plan(wq: str, wr: str, gpu_mem: int, n_ctx: int, toks: list[int]) -> tuple[Run, Run, dict[str, Any]]:
     """The plan of the pair for gpu_mem realized with a local rpc-server as the cache's device (n_critical 1): the
     plain-layout all-CPU run, the realized run, and what the realized run reports (its realize() arguments, the

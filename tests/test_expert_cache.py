@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cache_reference import PlainLlama, plain_and_cached, run_logits, without_tiled
+from cache_reference import PlainLlama, eval_runs, run_logits, without_tiled
 
 from rapidmoe import Llama, RapidMoEError
 from rapidmoe._runtime import _core
@@ -107,21 +107,32 @@ def _layer_names(path: Path) -> list[str]:
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
 def test_resplit_pair_equals_the_cpu_run(arch: str, make_split) -> None:  # type: ignore[no-untyped-def]
     """WQ from the cache or the CPU, residuals from the sidecar (CPU memory) on top: at r = 0, 1, k, and with the
-    residual work overlapped, the logits and every layer's composed expert results equal the plain-layout all-CPU
-    run bit for bit, with one CPU kernel per quant type (tests/cache_reference.py says why the tiled one is off)."""
+    residual work overlapped, over a prompt and 3 decode steps, the logits and every layer's composed expert
+    results equal the plain-layout all-CPU run bit for bit, with one CPU kernel per quant type
+    (tests/cache_reference.py says why the tiled one is off)."""
     _, wq, wr = make_split(arch, EXACT_PRESET)
     toks = _tokens(wq)
     n_expert, k = _shape(wq)
     names = _layer_names(wq)
-    runs = [{"residual_path": str(wr), "n_critical": r} for r in (0, 1, k)]
-    runs.append({"residual_path": str(wr), "n_critical": 1, "overlap": "on"})
-    got = without_tiled(plain_and_cached, str(wq), toks, names, _half(moe_layers_of(wq), n_expert), runs)
-    for kw, ((cpu, cpu_t), (dev, dev_t)) in zip(runs, got, strict=True):
-        print(f"{arch} {kw}: max |dev - cpu| {np.abs(dev - cpu).max()}")
+    cache = _half(moe_layers_of(wq), n_expert)
+    cases = [{"residual_path": str(wr), "n_critical": r} for r in (0, 1, k)]
+    cases.append({"residual_path": str(wr), "n_critical": 1, "overlap": "on"})
+    runs = []
+    for kw in cases:
+        ref = {key: v for key, v in kw.items() if key != "overlap"}
+        runs += [{"plain": True, "capture": names, **ref},
+                 {"device": True, "expert_cache": cache, "capture": names, **kw}]
+    got = without_tiled(eval_runs, str(wq), toks, 3, runs)
+    for i, kw in enumerate(cases):
+        (cpu, _, _, cpu_t), (dev, stats, _, dev_t) = got[2 * i: 2 * i + 2]
+        print(f"{arch} r={kw['n_critical']} {kw.get('overlap', 'auto')}: max |dev - cpu| {np.abs(dev - cpu).max()}, "
+              f"hit rate {stats.hit_rate:.3f}")
+        assert 0 < stats.hits < stats.slots
         assert np.array_equal(dev, cpu), kw
         for n in names:
-            assert len(cpu_t[n]) == len(dev_t[n]) == 1 and np.array_equal(cpu_t[n][0], dev_t[n][0]), (kw, n)
-    assert not np.array_equal(got[0][1][0], got[2][1][0])  # the sidecar is active: r changes the result
+            assert len(cpu_t[n]) == len(dev_t[n]) == 4, (kw, n)  # the prompt and 3 decode steps
+            assert all(np.array_equal(a, b) for a, b in zip(cpu_t[n], dev_t[n], strict=True)), (kw, n)
+    assert not np.array_equal(got[1][0], got[5][0])  # the sidecar is active: r (0 vs k) changes the result
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])

@@ -233,7 +233,9 @@ rapidmoe_overlap_site * site(const rapidmoe_moe_split & s, int stage) {
 // One WQ matmul of a cached layer: llama.cpp's stacked matmul (CPU weights) computes the misses only (masked ids:
 // hits give zero rows, no weights read) and the cache's matmul on its device computes every slot from the slot
 // ids (a miss reads slot 0: a real expert's finite output) times the hit mask. Per slot the sum is exactly one
-// backend's value: CPU + device * 0 for a miss, 0 + device * 1 for a hit.
+// backend's value: CPU + device * 0 for a miss, 0 + device * 1 for a hit. The parked misses do add rows to slot 0's
+// expert, and ggml-cpu (the RPC stand-in) picks its kernel by rows per expert: that expert's hits may round as the
+// tiled kernel does where a CPU run used vec_dot (docs/execution.md, "Comparing with a CPU run").
 ggml_tensor * cached_wq(const rapidmoe_moe_split & s, ggml_tensor * wq, ggml_tensor * cache, const char * name) {
     if (wq->op != GGML_OP_MUL_MAT_ID) { // not build_lora_mm_id's plain matmul (cache_of and the cache's checks
         return wq;                      // exclude LoRAs, biases and scales): computed on the CPU as loaded

@@ -1,5 +1,6 @@
 """Sampled fingerprints of a GGUF's tensor data: a short hash per tensor of fixed, spread-out windows of its bytes,
-read with a few thousand small reads whatever the file's size. Used to bind a sidecar to its base's content.
+read in about a thousand small reads (plus two per tensor) whatever the file's size. Used to bind a sidecar to
+its base's content.
 
 Only the sampling plan and the hashing live here; which files record and check what is resplit/sidecar.py's.
 """

@@ -4,7 +4,7 @@ Two things make a cache run on the RPC stand-in round differently from a naive a
 every slot takes exactly one backend's value from the right weights:
 
 1. Repacking. llama.cpp repacks CPU weights into the interleaved `CPU_REPACK` layout (other kernels, other
-   summation order) unless `use_extra_bufts` is off, and `override_tensor="exps=CPU"` does NOT turn it off: the
+   summation order) unless `use_extra_bufts` is off (`Llama(repack=False)`), and `override_tensor="exps=CPU"` does NOT turn it off: the
    experts still land in `CPU_REPACK`. A cache run loads with it off (the cache copies slices of the plain
    layout), so the reference must too: `PlainLlama`.
 2. Kernel choice by batch size. ggml-cpu computes an expert of a `mul_mat_id` with its tiled K-quant kernel when
@@ -38,17 +38,11 @@ TILED_ENV = "GGML_CPU_TILED_MM"
 
 
 class PlainLlama(Llama):
-    """rapidmoe.Llama with llama.cpp's weight repacking off (`use_extra_bufts = False`): every CPU weight stays in
-    the plain layout, as in a run with an expert cache."""
+    """rapidmoe.Llama with repack=False: every CPU weight stays in the plain layout, as in a run with an expert
+    cache."""
 
-    @property
-    def model_params(self) -> llama_cpp.llama_model_params:
-        return Llama.model_params.fget(self)  # type: ignore[attr-defined]
-
-    @model_params.setter
-    def model_params(self, params: llama_cpp.llama_model_params) -> None:
-        params.use_extra_bufts = False
-        Llama.model_params.fset(self, params)  # type: ignore[attr-defined]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, repack=False, **kwargs)
 
 
 def without_tiled(fn: Callable[..., T], *args: Any) -> T:

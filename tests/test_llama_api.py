@@ -136,6 +136,28 @@ def test_bad_placement_arguments(tiny_qwen: Path) -> None:
         Llama(tiny_qwen, n_cpu_moe=-1, verbose=False)
 
 
+def test_repack_off_keeps_the_plain_layout(make_split, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    import rapidmoe._llama_cpp._logger as lg
+
+    _, wq, _ = make_split("qwen3moe")  # Q2_K experts: llama.cpp repacks them for its AVX kernels by default
+    buffers = {}
+    for repack in (True, False):
+        lines = _capture_llama_log(monkeypatch)
+        try:
+            Llama(wq, n_ctx=64, verbose=True, repack=repack).close()
+        finally:
+            llama_cpp.llama_log_set(lg.llama_log_callback, ctypes.c_void_p(0))
+        buffers[repack] = [ln for ln in lines if "model buffer size" in ln]
+    assert any("CPU_REPACK" in ln for ln in buffers[True]), buffers
+    assert buffers[False] and not any("CPU_REPACK" in ln for ln in buffers[False]), buffers
+
+
+def test_unknown_keyword_arguments_are_refused(tiny_qwen: Path) -> None:
+    # llama_cpp.Llama drops unknown keywords silently: a misspelt option would run with its default
+    with pytest.raises(TypeError, match="unexpected keyword argument.*n_ctxx, use_extra_bufts"):
+        Llama(tiny_qwen, n_ctxx=64, use_extra_bufts=False, verbose=False)
+
+
 def test_bad_model_files(tmp_path: Path, tiny_qwen: Path) -> None:
     with pytest.raises(ModelFileError, match="not found"):
         Llama(tmp_path / "missing.gguf", verbose=False)

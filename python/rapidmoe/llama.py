@@ -6,6 +6,7 @@ inherited unchanged; this class only adds arguments. Generation loops and sampli
 from __future__ import annotations
 
 import ctypes
+import inspect
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,12 @@ class Timings:
 RAPIDMOE_MAX_TOP_K = 64  # RAPIDMOE_LLAMA_MAX_TOP_K (rapidmoe-llama.h): the most experts per token the split handles
 
 
+# The keyword arguments llama_cpp.Llama takes by name; it drops any other silently (its **kwargs), we refuse them.
+_LLAMA_CPP_ARGS = frozenset(
+    name for name, p in inspect.signature(llama_cpp.Llama.__init__).parameters.items()
+    if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD or p.kind is inspect.Parameter.KEYWORD_ONLY) - {"self"}
+
+
 class Llama(llama_cpp.Llama):
     """Drop-in for `llama_cpp.Llama` (same arguments and methods) with MoE placement knobs:
 
@@ -101,6 +108,8 @@ class Llama(llama_cpp.Llama):
         `capacity` experts resident, the rest fetched per ubatch, the next layer's predicted experts ahead
         (`expert_cache_bytes`). expert_cache_async (default True): copies run on the device's transfer queue
         while compute goes on, each layer waiting for its own right before its device work.
+    repack: False keeps every CPU weight in the plain GGUF layout (llama.cpp's repacked CPU buffers off, as
+        `--no-repack`; an expert cache implies it); the default lets llama.cpp repack for its fastest kernels.
     trace: record every computed token's expert choices and router weights per MoE layer into this file
         (rapidmoe.trace: format, reader); written after each `eval`, or by `flush_trace()` for callers of
         llama_decode, and completed (renamed into place) by `close()`. Uses the eval callback, so not with
@@ -133,8 +142,13 @@ class Llama(llama_cpp.Llama):
         expert_cache_refresh: RefreshSettings | None = None,
         expert_cache_moepic: MoEpicSettings | None = None,
         expert_cache_async: bool = True,
+        repack: bool = True,
         **kwargs: Any,
     ) -> None:
+        unknown = sorted(set(kwargs) - _LLAMA_CPP_ARGS)
+        if unknown:  # llama_cpp.Llama would ignore them: a misspelt option must not run with its default
+            raise TypeError(f"Llama got unexpected keyword argument(s): {', '.join(unknown)}")
+        self._repack = bool(repack)
         info = read_model_info(model_path)  # a clear error for missing, truncated and non-GGUF files
         self._vocab_only_load = bool(kwargs.get("vocab_only", False))
         self._embedding_load = bool(kwargs.get("embedding", False))
@@ -240,7 +254,7 @@ class Llama(llama_cpp.Llama):
         devices = getattr(self, "_devices", None)
         if devices is not None:
             params.devices = ctypes.addressof(devices)  # type: ignore[assignment]  # ctypes takes the address
-        if getattr(self, "_expert_cache", None) is not None:
+        if getattr(self, "_expert_cache", None) is not None or not getattr(self, "_repack", True):
             # the CPU computes the misses from the stacked experts with a masked matmul, and the cache copies their
             # slices: both need the plain layout, which repacked CPU buffers do not keep
             params.use_extra_bufts = False

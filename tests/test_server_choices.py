@@ -7,6 +7,7 @@ choice is documented to use: seed + j), so a merged prompt or a wrong index cann
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -191,7 +192,7 @@ def _by_index(events: list[Any], key: str) -> tuple[dict[int, str], dict[int, li
     texts: dict[int, str] = {}
     finishes: dict[int, list[str]] = {}
     for e in events:
-        if e == "[DONE]":
+        if e == "[DONE]" or e is None:  # stock llama-server sends a `data: null` event between prompts
             continue
         for c in e["choices"]:
             piece = c["text"] if key == "text" else (c["delta"].get(key) or "")
@@ -276,3 +277,81 @@ def test_bad_prompts_and_n_are_refused(srv: ServerProc, body: dict[str, Any], st
         got, r = srv.request("POST", path, body)
         assert got == status and msg in r["error"]["message"], (path, r)
     assert srv.request("GET", "/slots")[1][0]["is_processing"] is False  # nothing was started
+
+
+# ---- the same requests to stock llama-server of the same pin ----
+
+def _stock_bin() -> Path:
+    """Stock llama-server's folder: it runs where llama-server is built already (tools/stock_llama.py
+    llama-server, as bench/bench_server.py builds it) or with RAPIDMOE_STOCK_SERVER=1 (builds it: ~70 more
+    compile steps than the stock libllama other tests build, 10+ minutes on 2 cores)."""
+    from stock_llama import STOCK, build_stock  # noqa: PLC0415 - tools/ is on sys.path through conftest
+
+    if os.environ.get("RAPIDMOE_STOCK_SERVER") == "1":
+        return build_stock(["llama-server"])
+    built = STOCK / "build" / "bin" / "llama-server"
+    if not built.exists():
+        pytest.skip("stock llama-server not built (python tools/stock_llama.py llama-server, or "
+                    "RAPIDMOE_STOCK_SERVER=1)")
+    return built.parent
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    bin_dir = _stock_bin()
+    s = ServerProc(tiny_qwen, "-m", str(tiny_qwen), "--parallel", "3", "-c", "3072", "-t", "1", "-tb", "1",
+                   "--no-ui", "--cache-ram", "0", cmd=[str(bin_dir / "llama-server")],
+                   log_path=tmp_path_factory.mktemp("server") / "stock.log", ready_timeout=120)
+    yield s
+    s.stop()
+
+
+def _shape(r: Any) -> Any:
+    """What must agree with llama-server: the choices (or results) in order, each with its index, text, finish."""
+    if isinstance(r, list) or "content" in r:  # native: a list of results, or one result
+        return [(x["index"], x["content"], x["tokens_predicted"], x["stop_type"]) for x in (r if isinstance(r, list)
+                                                                                          else [r])]
+    return [(c["index"], c.get("text", c.get("message", {}).get("content")), c["finish_reason"])
+            for c in r["choices"]]
+
+
+STOCK_CASES = [
+    ("/v1/completions", {"prompt": ["The cat", "Once upon"], "max_tokens": 4}),
+    ("/v1/completions", {"prompt": ["The cat", "Once upon"], "n": 3, "max_tokens": 3}),
+    ("/v1/completions", {"prompt": [[9707, 1879], "The cat"], "max_tokens": 3}),
+    ("/v1/completions", {"prompt": [9707, 1879, "The cat"], "max_tokens": 3}),  # ids mixed with text: one prompt
+    ("/completion", {"prompt": ["The cat", {"prompt_string": "Once upon"}], "n_predict": 3}),
+    ("/completion", {"prompt": ["The cat"], "n_predict": 3}),  # a batch of one: the object
+    ("/completion", {"prompt": "The cat", "n_cmpl": 2, "n_predict": 3}),
+]
+
+
+@pytest.mark.stock
+@pytest.mark.parametrize("path,body", STOCK_CASES, ids=[f"{p} {json.dumps(b['prompt'])[:30]}" for p, b in STOCK_CASES])
+def test_choices_match_stock_llama_server(srv: ServerProc, stock: ServerProc, path: str, body: dict[str, Any]) -> None:
+    """Greedy, whole answers: the same number of choices, in the same order, with the same indices and texts."""
+    body = {**body, "ignore_eos": True, "cache_prompt": False, **GREEDY}
+    ours, theirs = ok(srv, path, body), ok(stock, path, body)
+    assert _shape(ours) == _shape(theirs)
+    if isinstance(ours, dict) and "usage" in ours:  # llama-server reports the first choice's usage, we sum
+        n = len(ours["choices"])
+        assert ours["usage"]["completion_tokens"] == n * theirs["usage"]["completion_tokens"]
+
+
+@pytest.mark.stock
+def test_streamed_choices_match_stock_llama_server(srv: ServerProc, stock: ServerProc) -> None:
+    body = {"prompt": ["The cat", "Once upon"], "n": 2, "max_tokens": 4, "stream": True, "ignore_eos": True,
+            "cache_prompt": False, **GREEDY}
+    got = [_by_index(sse_json(s.stream("/v1/completions", body)), "text") for s in (srv, stock)]
+    assert got[0] == got[1] and got[0][1] == {i: ["length"] for i in range(4)}
+
+
+@pytest.mark.stock
+def test_unknown_role_where_stock_renders_it(srv: ServerProc, stock: ServerProc) -> None:
+    """The documented difference: the pinned llama-server answers a message with role "error" (200), OpenAI and
+    this server refuse it (400)."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "error", "content": "Invalid API Key"}]
+    body = {"messages": msgs, "max_tokens": 1}
+    assert stock.request("POST", "/v1/chat/completions", body)[0] == 200
+    status, r = srv.request("POST", "/v1/chat/completions", body)
+    assert status == 400 and "invalid role 'error'" in r["error"]["message"], r

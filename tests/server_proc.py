@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rapidmoe import _children
 from rapidmoe.server import sse
 
 
@@ -32,8 +33,9 @@ class ServerProc:
         argv = cmd or [sys.executable, "-m", "rapidmoe.cli", "serve", str(model)]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), *args]
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # a child that ends with this process: a killed pytest leaks no server
+        self.proc = _children.spawn(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.wait_ready(ready_timeout)
 
     @property
@@ -87,13 +89,7 @@ class ServerProc:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        _children.stop(self.proc, timeout=10.0)
         self._log.close()
 
 

@@ -302,6 +302,44 @@ def test_edit_regenerate_and_delete(srv: ServerProc, browser: Any) -> None:
     assert len(browser.find_elements("css selector", "#messages .msg")) == 2
 
 
+HANGING_STREAM = """window.__bodies = [];
+window.fetch = async (url, opts) => {  // chat requests stream one delta, then hang until the page aborts them
+  if (!String(url).endsWith('/v1/chat/completions')) return new Response('{}', {status: 404});
+  window.__bodies.push(JSON.parse(opts.body));
+  const event = 'data: ' + JSON.stringify({choices: [{index: 0, delta: {content: 'streaming'}}]}) + '\\n\\n';
+  const body = new ReadableStream({start(c) {
+    c.enqueue(new TextEncoder().encode(event));
+    opts.signal.addEventListener('abort', () => c.error(new DOMException('stopped', 'AbortError')));
+  }});
+  return new Response(body, {headers: {'Content-Type': 'text/event-stream'}});
+};"""
+
+
+def test_no_second_generation_starts_while_an_answer_streams(srv: ServerProc, browser: Any) -> None:
+    _open(browser, srv)
+    _set(browser, "max_tokens", "8")
+    _type(browser, "Tell me a story")
+    first = _answer(browser)
+    browser.execute_script(HANGING_STREAM)
+    _click(browser, 0, "edit")  # an editor left open while the next message is sent from the composer
+    browser.execute_script("window.__area = document.querySelector('.msg.user .editor textarea')")
+    _type(browser, "Next")
+    _wait(lambda: browser.find_element("id", "stop").is_enabled() and _bodies(browser))
+    assert browser.find_elements("css selector", ".editor") == []  # sending closes the editor
+    # Ctrl+Enter in that editor (its textarea, held from before) and every action button: none may start a request
+    browser.execute_script("""window.__area.dispatchEvent(new KeyboardEvent('keydown',
+        {key: 'Enter', ctrlKey: true, bubbles: true, cancelable: true}));
+      for (const b of document.querySelectorAll('#messages button[data-action]')) b.onclick();""")
+    time.sleep(0.3)
+    assert len(_bodies(browser)) == 1
+    assert [m["content"] for m in _chat(browser)] == ["Tell me a story", first[0], "Next", ""]  # saved at the end
+    assert browser.find_element("css selector", ".msg.assistant.streaming").text == "streaming"
+    browser.find_element("id", "stop").click()  # Stop still stops the one generation
+    _idle(browser)
+    assert _chat(browser)[-1] == {"role": "assistant", "content": "streaming", "reasoning": "", "stopped": True}
+    assert len(_chat(browser)) == 4 and len(_bodies(browser)) == 1
+
+
 HOSTILE = ('<img src=x onerror="window.__pwned=1"> <script>window.__pwned=2</script> '
            '[click](javascript:window.__pwned=3) <a href="javascript:window.__pwned=4">a</a>')
 MARKDOWN = ("# Title\n\nSome **bold**, *italic* and `inline <b>code</b>` text, a [link](https://example.com/a_b).\n\n"

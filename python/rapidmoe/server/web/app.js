@@ -111,7 +111,7 @@ function button(action, text, title, onclick) {
   b.textContent = text;
   b.title = title;
   b.disabled = controller !== null;
-  b.onclick = onclick;
+  b.onclick = () => { if (!controller) onclick(); };  // no action while an answer streams, whatever calls it
   return b;
 }
 
@@ -125,6 +125,7 @@ function editorNode(chat, i) {
   area.rows = Math.min(16, Math.max(3, area.value.split("\n").length + 1));
   const saveLabel = m.role === "user" ? "Save and send" : "Save";
   const done = () => {
+    if (controller) return;  // never while an answer streams (generate() closes the editor; this is a stale one)
     editing = null;
     m.content = area.value;
     if (i === 0 && m.role === "user") chat.title = m.content.slice(0, 40) || chat.title;
@@ -325,9 +326,11 @@ async function readStream(res, answer, t0) {
 
 /** Appends an answer to the conversation and streams it from the server; an error stays on that answer. */
 async function generate(chat) {
+  if (controller) return;  // one generation at a time: a second would take over `controller` and `streaming`
   const answer = { role: "assistant", content: "", reasoning: "" };
   const messages = history(chat.messages);
   chat.messages.push(answer);
+  editing = null;  // an open editor would commit an edit under the streaming answer
   controller = new AbortController();
   streaming = { answer, node: null };
   $("send").disabled = true;

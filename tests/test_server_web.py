@@ -221,6 +221,28 @@ def test_a_wrong_key_is_an_error_in_the_page_and_retry_sends_the_turn_alone(srv:
     assert len(_chat(browser)) == 2 and not browser.find_elements("css selector", ".msg.failed")
 
 
+def test_retry_of_an_earlier_failed_turn_answers_it_in_place(srv: ServerProc, browser: Any) -> None:
+    _open(browser, srv)
+    browser.execute_script(RECORD_REQUESTS)
+    _set(browser, "api_key", "wrong")
+    _set(browser, "max_tokens", "8")
+    _type(browser, "Hello")
+    _idle(browser)
+    _set(browser, "api_key", "sekret")
+    _type(browser, "Hello again")
+    later = _answer(browser)
+    _click(browser, 1, "retry")  # not the last turn: the later messages stay as they are
+    _idle(browser)
+    hello = [{"role": "user", "content": "Hello"}]
+    assert _bodies(browser)[-1]["messages"] == hello  # the history before the failed turn, and the turn
+    chat = _chat(browser)
+    assert [m["content"] for m in chat] == ["Hello", chat[1]["content"], "Hello again", later[0]]
+    assert (chat[1]["content"], chat[1]["reasoning"]) == _reference(srv, hello, max_tokens=8)
+    assert (chat[3]["content"], chat[3]["reasoning"]) == later
+    assert not any("error" in m for m in chat) and not browser.find_elements("css selector", ".msg.failed")
+    assert len(browser.find_elements("css selector", "#messages .msg")) == 4
+
+
 def test_error_messages_stored_by_an_older_page_are_not_sent(srv: ServerProc, browser: Any) -> None:
     _open(browser, srv)
     old = {"chats": [{"id": "c1", "title": "Hi", "messages": [

@@ -158,10 +158,10 @@ function actionsNode(chat, i) {
   const bar = document.createElement("div");
   bar.className = "actions";
   if (m.error) {  // a failed turn: send it again, or take it (the answer and its user message) out of the page
-    bar.append(button("retry", "Retry", "Send this turn again", () => {
+    bar.append(button("retry", "Retry", "Send this turn again; later messages stay", () => {
                  editing = null;
-                 chat.messages.splice(i);
-                 generate(chat);
+                 chat.messages.splice(i, 1);  // the new answer takes the failed one's place, later turns stay
+                 generate(chat, i);
                }),
                button("remove", "Remove turn", "Delete this failed turn", () => {
                  editing = null;
@@ -245,18 +245,22 @@ function messageNode(chat, i) {
   return div;
 }
 
-function render() {
+/** Redraws the page; scrolls to the bottom, or just far enough to show message `show` when one is given. */
+function render(show = null) {
   renderList();
   const box = $("messages");
   box.textContent = "";
   const chat = current();
   if (!chat) return;
+  let shown = null;
   chat.messages.forEach((m, i) => {
     const node = messageNode(chat, i);
     if (streaming && streaming.answer === m) streaming.node = node;
+    if (m === show) shown = node;
     box.appendChild(node);
   });
-  box.scrollTop = box.scrollHeight;
+  if (shown) shown.scrollIntoView({ block: "nearest" });
+  else box.scrollTop = box.scrollHeight;
 }
 
 /** Redraws the streaming answer alone (once per frame), keeping the view at the bottom if it was there. */
@@ -324,19 +328,21 @@ async function readStream(res, answer, t0) {
   }
 }
 
-/** Appends an answer to the conversation and streams it from the server; an error stays on that answer. */
-async function generate(chat) {
+/** Streams an answer from the server to the messages before `at`, inserted at `at` (by default appended: a retried
+ * earlier turn is answered in place, later messages stay); an error stays on that answer. */
+async function generate(chat, at = chat.messages.length) {
   if (controller) return;  // one generation at a time: a second would take over `controller` and `streaming`
   const answer = { role: "assistant", content: "", reasoning: "" };
-  const messages = history(chat.messages);
-  chat.messages.push(answer);
+  const messages = history(chat.messages.slice(0, at));
+  chat.messages.splice(at, 0, answer);
+  const show = at < chat.messages.length - 1 ? answer : null;  // in place: keep the view there, not at the bottom
   editing = null;  // an open editor would commit an edit under the streaming answer
   controller = new AbortController();
   streaming = { answer, node: null };
   $("send").disabled = true;
   $("stop").disabled = false;
   save();
-  render();
+  render(show);
   try {
     const body = { messages, stream: true, timings_per_token: true, ...sampling() };
     const res = await fetch("/v1/chat/completions", {
@@ -358,7 +364,7 @@ async function generate(chat) {
     $("send").disabled = false;
     $("stop").disabled = true;
     save();
-    render();
+    render(show);
     refreshStats();
   }
 }

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,66 @@ def test_n_with_one_forced_slot_does_not_lock_up(srv: ServerProc) -> None:
         r = ok(srv, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 4, "n": 2, "id_slot": 0,
                                              "ignore_eos": True})
         assert len(r["choices"]) == 2 and all(c["finish_reason"] == "length" for c in r["choices"])
+
+
+def _hold_slot(s: ServerProc, slot: int) -> tuple[socket.socket, int]:
+    """A streamed request that keeps `slot` busy until its context is full or the socket closes, and its task id."""
+    body = json.dumps({"prompt": "a", "n_predict": 100000, "ignore_eos": True, "stream": True,
+                       "id_slot": slot}).encode()
+    sock = socket.create_connection(("127.0.0.1", s.port))
+    sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+    assert b" 200 " in sock.recv(4096)
+    state = s.request("GET", "/slots")[1][slot]
+    assert state["is_processing"]
+    return sock, state["id_task"]
+
+
+def test_a_request_pinned_to_a_busy_slot_does_not_hold_up_the_queue(srv: ServerProc) -> None:
+    """Slot 0 busy, a request for slot 0 with n = 4 waits for it (four generations in a row there); a request
+    behind it that can take any slot starts at once in a free one instead of waiting behind all four."""
+    hold, task = _hold_slot(srv, 0)
+    with ThreadPoolExecutor(1) as ex:
+        try:
+            pinned = ex.submit(srv.request, "POST", "/v1/completions",
+                               {"prompt": "b", "max_tokens": 2, "n": 4, "id_slot": 0})
+            time.sleep(0.3)  # queued behind the held slot
+            status, r = srv.request("POST", "/v1/completions", {"prompt": "c", "max_tokens": 2})
+            assert status == 200 and len(r["choices"]) == 1, r
+            assert srv.request("GET", "/slots")[1][0]["id_task"] == task  # answered while slot 0 was still held
+            assert not pinned.done()
+        finally:
+            hold.close()
+        status, r = pinned.result(60)
+    assert status == 200 and [c["index"] for c in r["choices"]] == [0, 1, 2, 3], r
+
+
+def test_queue_timeout_bounds_only_the_wait_for_a_first_choice(tiny_qwen: Path, tmp_path: Path) -> None:
+    """--queue-timeout 0.5 on one slot: n = 2 runs its choices one after the other, the second starting well
+    past 0.5 s (a request being answered is not timed out), while a request that waits 0.5 s without any of its
+    choices started gets 503 with Retry-After."""
+    s = ServerProc(tiny_qwen, "--parallel", "1", "-c", "4096", "-t", "1", "--queue-timeout", "0.5",
+                   log_path=tmp_path / "queue.log")
+    try:
+        body = {"prompt": "a", "max_tokens": 1500, "ignore_eos": True, "n": 2}
+        with ThreadPoolExecutor(1) as ex:
+            t0 = time.monotonic()
+            long = ex.submit(s.request, "POST", "/v1/completions", body)
+            while not (slot := s.request("GET", "/slots")[1][0])["is_processing"]:
+                assert time.monotonic() - t0 < 10
+                time.sleep(0.01)
+            first = slot["id_task"]
+            status, r = s.request("POST", "/v1/completions", {"prompt": "b", "max_tokens": 2})
+            assert status == 503 and "timed out waiting" in r["error"]["message"], r
+            assert s.last_headers["retry-after"] == "1"
+            while s.request("GET", "/slots")[1][0]["id_task"] == first:  # the second choice has the next task id
+                time.sleep(0.01)
+            assert time.monotonic() - t0 > 0.5, "the first choice ended within the queue timeout: test too short"
+            status, r = long.result(60)
+        assert status == 200, r
+        assert [(c["index"], c["finish_reason"]) for c in r["choices"]] == [(0, "length"), (1, "length")]
+        assert r["usage"]["completion_tokens"] == 3000
+    finally:
+        s.stop()
 
 
 FORCED = ('<think>\nThe user asks.\n</think>\n\nLet me check.\n<tool_call>\n'

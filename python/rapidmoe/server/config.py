@@ -41,7 +41,7 @@ class ServerConfig:
     header_timeout: float = 10.0  # a request's line and headers must arrive within this, seconds (else 408)
     body_timeout: float = 10.0  # its body must arrive within this after the headers, seconds (else 408)
     keepalive_timeout: float = 5.0  # an idle keep-alive connection is closed after this, seconds
-    queue_timeout: float = 600.0  # longest wait for a slot before 503, seconds
+    queue_timeout: float = 600.0  # longest wait for a request's first choice to get a slot before 503, seconds
     max_body: int = 1 << 20  # request body limit, bytes
     chat_template: str | None = None  # Jinja template overriding the GGUF's
     seed: int = -1  # default sampling seed (-1: random)

@@ -118,15 +118,28 @@ Event = Union[Chunk, Finished, Failed]
 
 
 @dataclass
+class QueueWait:
+    """The `--queue-timeout` of one request, shared by its tickets: it bounds the wait before the request's FIRST
+    choice starts. Once one has started the request is being answered, and its other choices wait without limit
+    (with `id_slot` they run one after another in that slot)."""
+
+    deadline: float  # monotonic time after which the request, none of its choices started, gets 503
+    started: bool = False  # a choice of the request is (or was) in a slot
+
+    def expired(self, now: float) -> bool:
+        return not self.started and self.deadline < now
+
+
+@dataclass
 class Ticket:
     """One submitted generation; the HTTP thread reads `events` and calls `Engine.cancel` if the client leaves.
-    The tickets of one request (several prompts, `n` > 1) share one `events` queue; each event comes tagged with
-    its ticket's `index` (the choice's index in the answer)."""
+    The tickets of one request (several prompts, `n` > 1) share one `events` queue and one QueueWait; each event
+    comes tagged with its ticket's `index` (the choice's index in the answer)."""
 
     id: int
     prompt: list[int]
     params: GenerationParams
-    deadline: float  # monotonic time after which a still-waiting ticket gets 503
+    wait: QueueWait
     events: queue.Queue[tuple[int, Event]] = field(default_factory=queue.Queue)  # (index, event)
     index: int = 0  # the choice this ticket answers
     cancelled: bool = False
@@ -228,9 +241,6 @@ class Engine:
         """Generations that may be in slots or waiting at once; None: no limit (queue_size < 0)."""
         return None if self.queue_size < 0 else self.n_parallel + self.queue_size
 
-    def submit(self, prompt: list[int], params: GenerationParams) -> Ticket:
-        return self.submit_many([(prompt, params)])[0]
-
     def submit_many(self, jobs: list[tuple[list[int], GenerationParams]]) -> list[Ticket]:
         """Queue all of one request's generations, or none (QueueFull): ticket i answers choice i, all tickets
         share one events queue. They wait in order and run in whichever slots free up, side by side."""
@@ -241,10 +251,10 @@ class Engine:
                 self.stats.requests_rejected += 1
                 raise QueueFull(f"{self._outstanding} generations in slots or waiting, at most {cap} "
                                 f"(--parallel {self.n_parallel} + --queue-size {self.queue_size})")
-            deadline = time.monotonic() + self.queue_timeout
+            wait = QueueWait(time.monotonic() + self.queue_timeout)
             tickets = []
             for i, (prompt, params) in enumerate(jobs):
-                tickets.append(Ticket(self._next_id, prompt, params, deadline, events, index=i))
+                tickets.append(Ticket(self._next_id, prompt, params, wait, events, index=i))
                 self._next_id += 1
             self._outstanding += len(tickets)
             self._waiting.extend(tickets)
@@ -333,21 +343,25 @@ class Engine:
             fut.set_exception(RuntimeError("server shutting down"))
 
     def _admit(self) -> None:
+        """Time out tickets whose request waited too long, then fill the free slots first come, first served; a
+        ticket pinned to a busy slot (`id_slot`) waits without holding up the tickets behind it."""
         now = time.monotonic()
-        for t in [t for t in self._waiting if t.deadline < now]:
+        for t in [t for t in self._waiting if t.wait.expired(now)]:
             self._waiting.remove(t)
             self._outstanding -= 1
             self.stats.requests_rejected += 1
             t.put(Failed(503, "unavailable_error", "timed out waiting for a free slot"))
-        while self._waiting:
-            t = self._waiting[0]
-            free = [s for s in self.slots if not s.busy]
-            if t.params.id_slot >= 0:
-                free = [s for s in free if s.id == t.params.id_slot]
+        free = [s for s in self.slots if not s.busy]
+        for t in list(self._waiting):
             if not free:
                 return
-            self._waiting.popleft()
-            self._start(self._pick(free, t), t)
+            fits = [s for s in free if t.params.id_slot < 0 or s.id == t.params.id_slot]
+            if not fits:
+                continue
+            s = self._pick(fits, t)
+            free.remove(s)
+            self._waiting.remove(t)
+            self._start(s, t)
 
     def _pick(self, free: list[_Slot], t: Ticket) -> _Slot:
         """llama-server's slot choice: the idle slot whose cached tokens share the longest prefix with the prompt
@@ -364,6 +378,7 @@ class Engine:
 
     def _start(self, s: _Slot, t: Ticket) -> None:
         s.ticket = t
+        t.wait.started = True  # the request is being answered: its other choices are no longer timed out
         s.sampler = SlotSampler(t.params.sampling, self._vocab, self.n_vocab, t.params.grammar)
         for tok in t.prompt:
             s.sampler.accept(tok)  # penalties see the prompt, as in llama-server

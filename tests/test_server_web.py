@@ -434,6 +434,22 @@ def test_markdown_renderer_cases(srv: ServerProc, browser: Any) -> None:
     assert got == [html for _, html in MARKDOWN_CASES]
 
 
+def test_markdown_of_many_unclosed_openers_renders_in_linear_time(srv: ServerProc, browser: Any) -> None:
+    _open(browser, srv)
+    # 20k openers that never close, in one paragraph (rendered again every frame while an answer streams): a scan
+    # from each opener to the end takes ~10 s here; linear work takes milliseconds. A coarse bound, not a benchmark.
+    ms = browser.execute_script("""const out = [];
+      for (const text of ['*a '.repeat(20000), '_a '.repeat(20000), '**a '.repeat(20000), '~~a '.repeat(20000)]) {
+        const t0 = performance.now();
+        const div = document.createElement('div');
+        div.appendChild(Markdown.render(text));
+        out.push([performance.now() - t0, div.textContent.length]);
+      }
+      return out;""")
+    assert all(n > 50000 for _, n in ms), ms  # rendered (in "**a **a" a single "*" pairs: "*a " in italics)
+    assert max(t for t, _ in ms) < 2000, ms
+
+
 FUZZ = r"""const pieces = ['<', '>', 'img', ' src=x onerror=window.__pwned=1', '<script>', '</script>', '*', '**', '_',
   '`', '```', '~~', '[', ']', '(', ')', 'javascript:', 'http://a.b/', 'https://x.y/(z)', '\n', '\n\n', ' ', '    ',
   '- ', '1. ', '> ', '# ', '|', '---', '\\', '&amp;', '"', "'", 'a', 'b c', '<a href=x>', 'data:', '<b>', '\t',

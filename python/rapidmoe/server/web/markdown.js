@@ -215,15 +215,33 @@ const Markdown = (() => {
     return -1;
   }
 
-  /** Where the emphasis opened by `delim` at i closes, or -1: the closing run follows a non-space character. */
-  function closeEmphasis(text, i, delim) {
-    for (let k = text.indexOf(delim, i + delim.length + 1); k >= 0; k = text.indexOf(delim, k + 1)) {
-      if (/\s/.test(text[k - 1])) continue;
-      if (delim.length === 1 && text[k + 1] === delim) { k++; continue; }  // part of a longer run: ** inside *...*
-      if (delim[0] === "_" && /[\p{L}\p{N}]/u.test(text[k + delim.length] || "")) continue;
-      return k;
+  /** For every p, where a search for a closing `delim` that starts at p ends (-1: none), in one pass from the end.
+   * The closing run follows a non-space character; a single delimiter followed by another is part of a longer run
+   * (** inside *...*) and the search goes on after it; "_" is not closing before a letter or digit. Built once per
+   * text and delimiter, so that each opener's lookup is O(1): scanning from every opener to the end of a text with
+   * many unclosed openers is quadratic, and a streaming answer is rendered again every frame. */
+  function closers(text, delim) {
+    const n = text.length;
+    const to = new Int32Array(n + 3).fill(-1);
+    for (let k = n - 1; k >= 0; k--) {
+      if (!text.startsWith(delim, k)) to[k] = to[k + 1];
+      else if (/\s/.test(text[k - 1])) to[k] = to[k + 1];
+      else if (delim.length === 1 && text[k + 1] === delim) to[k] = to[k + 2];
+      else if (delim[0] === "_" && /[\p{L}\p{N}]/u.test(text[k + delim.length] || "")) to[k] = to[k + 1];
+      else to[k] = k;
     }
-    return -1;
+    return to;
+  }
+
+  /** A function giving where the emphasis opened by `delim` at i closes in text, or -1 (tables built on first use). */
+  function emphasisCloser(text) {
+    const tables = new Map();
+    return (i, delim) => {
+      if (!tables.has(delim)) tables.set(delim, closers(text, delim));
+      const to = tables.get(delim);
+      const from = i + delim.length + 1;
+      return from < to.length ? to[from] : -1;
+    };
   }
 
   const EMPHASIS = [["***", ["strong", "em"]], ["___", ["strong", "em"]], ["**", ["strong"]], ["__", ["strong"]],
@@ -231,6 +249,7 @@ const Markdown = (() => {
 
   /** Renders one block's text (inline code, emphasis, links, line breaks) appended to parent as nodes. */
   function inline(text, parent) {
+    const closeEmphasis = emphasisCloser(text);
     let buf = "";
     const flush = () => {
       if (buf) parent.appendChild(document.createTextNode(buf));
@@ -311,7 +330,7 @@ const Markdown = (() => {
         for (const [delim, tags] of EMPHASIS) {
           if (!text.startsWith(delim, i) || /\s/.test(text[i + delim.length] || " ")) continue;
           if (delim[0] === "_" && /[\p{L}\p{N}]/u.test(text[i - 1] || "")) continue;
-          const k = closeEmphasis(text, i, delim);
+          const k = closeEmphasis(i, delim);
           if (k < 0) continue;
           flush();
           const outerNode = el(tags[0]);

@@ -324,6 +324,40 @@ def _handler() -> Any:
     return h
 
 
+class _Deadlines:
+    """The header watchdog as the handler sees it: `fired` when its 408 already went out."""
+
+    def __init__(self, fired: bool) -> None:
+        self.fired = fired
+
+    def disarm(self, conn: Any) -> bool:
+        return not self.fired
+
+
+BAD_HEADS = [(b"GET / HTTP/1.1\r\n", b"X: y\r\n" * 101 + b"\r\n", 431), (b"GET / HTTP/2.0\r\n", b"\r\n", 505),
+             (b"GET / HTTP/1.1 x\r\n", b"\r\n", 400), (b"GET /\r\n", b"", 400)]
+
+
+@pytest.mark.parametrize("fired", [False, True])
+@pytest.mark.parametrize("line,head,status", BAD_HEADS, ids=[str(s) for *_, s in BAD_HEADS])
+def test_no_error_after_the_header_deadline_answered(line: bytes, head: bytes, status: int, fired: bool) -> None:
+    """http.server's own errors found while parsing the request line and headers (too many headers, HTTP/2,
+    bad syntax, HTTP/0.9) are answered in JSON, unless the header deadline fired first: then its 408 is the
+    answer and nothing more is written (never two status lines)."""
+    h = _handler()
+    h.server.deadlines = _Deadlines(fired)
+    h._reading_headers, h.connection = True, socket.socket()  # never connected: only settimeout is called
+    h.raw_requestline, h.rfile = line, io.BytesIO(head)
+    assert h.parse_request() is False and h.close_connection
+    out = h.wfile.getvalue()
+    if fired:
+        assert out == b""
+    else:
+        assert out.startswith(b"HTTP/1.1 %d " % status) and b'"error"' in out, out
+    assert not h._reading_headers
+    h.connection.close()
+
+
 def test_error_mid_stream_ends_the_stream_without_a_second_status_line() -> None:
     def chunks() -> Iterator[bytes]:
         yield b"data: {}\n\n"

@@ -141,6 +141,7 @@ class Handler(BaseHTTPRequestHandler):
     raw_requestline: bytes  # set by http.server before parse_request
     server_version = "rapidmoe"
     sys_version = ""
+    _reading_headers = False  # the header deadline is armed (from the request's start until its headers are in)
 
     def do_GET(self) -> None:  # http.server's naming
         self._handle("GET")
@@ -164,32 +165,43 @@ class Handler(BaseHTTPRequestHandler):
         config = self.server.state.config
         self._sent = False  # a status line went out for this request
         self.connection.settimeout(config.keepalive_timeout)
+        self._reading_headers = True
         self.server.deadlines.arm(self.connection, config.header_timeout)
         try:
             super().handle_one_request()
         finally:
-            self.server.deadlines.disarm(self.connection)
+            self._headers_in()
+
+    def _headers_in(self) -> bool:
+        """Stop the header deadline (the headers are in, or were refused); False if it fired first: the watchdog
+        answered 408 and this request must write nothing more. True once the headers were read."""
+        if not self._reading_headers:
+            return True
+        self._reading_headers = False
+        return self.server.deadlines.disarm(self.connection)
 
     def parse_request(self) -> bool:
         if len(str(self.raw_requestline, "iso-8859-1").split()) == 2:  # no version: HTTP/0.9, which http.server
             # would serve without a status line (after waiting for headers that never come)
             self.command, self.request_version = "", "HTTP/1.1"
             self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
-            if self.server.deadlines.disarm(self.connection):
-                self.send_error(400, "bad request line: no HTTP version (HTTP/0.9 is not supported)")
-            self.close_connection = True
+            self.send_error(400, "bad request line: no HTTP version (HTTP/0.9 is not supported)")
             return False
-        ok = super().parse_request()
-        if not self.server.deadlines.disarm(self.connection):
+        ok = super().parse_request()  # its errors (bad syntax, 505, 431) go through send_error, which disarms
+        if not self._headers_in():
             self.close_connection = True  # the deadline fired while the headers came in: already answered 408
             return False
-        self.connection.settimeout(self.timeout)
+        if ok:
+            self.connection.settimeout(self.timeout)
         return ok
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own errors (a garbage request line, bad headers, a line or headers too long, an unknown
-        method) answered with llama-server's JSON error body instead of an HTML page; the connection is closed."""
+        method) answered with llama-server's JSON error body instead of an HTML page; the connection is closed.
+        Nothing is written if the header deadline fired first (its 408 is the answer)."""
         self.close_connection = True
+        if not self._headers_in():
+            return
         if self.request_version not in ("HTTP/1.0", "HTTP/1.1"):  # unparsed or 0.9: still a status line
             self.request_version = "HTTP/1.1"
         try:

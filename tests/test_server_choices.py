@@ -273,6 +273,25 @@ def test_streamed_choices_carry_their_index(srv: ServerProc) -> None:
     assert finishes == {i: ["length"] for i in range(4)}
 
 
+def test_streamed_completions_with_usage(srv: ServerProc) -> None:
+    """`stream_options.include_usage` on /v1/completions as in chat (OpenAI answers both so): one chunk with empty
+    `choices` and the usage summed over every choice, last before [DONE]; none without it."""
+    body = {"prompt": ["The cat", "Once upon"], "n": 2, "max_tokens": 3, "ignore_eos": True, "stream": True, **GREEDY}
+    prompt_tokens = 2 * (n_tokens(srv, "The cat") + n_tokens(srv, "Once upon"))
+    events = sse_json(srv.stream("/v1/completions", {**body, "stream_options": {"include_usage": True}}))
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["object"] == "text_completion"
+    usage = events[-2]["usage"]
+    assert {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} == {
+        "prompt_tokens": prompt_tokens, "completion_tokens": 12, "total_tokens": prompt_tokens + 12}
+    assert all(e["choices"] for e in events[:-2])
+    _, finishes = _by_index(events[:-2], "text")
+    assert finishes == {i: ["length"] for i in range(4)}
+    plain = sse_json(srv.stream("/v1/completions", body))
+    assert plain[-1] == "[DONE]" and all(e["choices"] for e in plain[:-1])
+    status, r = srv.request("POST", "/v1/completions", {**body, "stream_options": 5})
+    assert status == 400 and "stream_options" in r["error"]["message"], r
+
+
 def test_streamed_chat_n_with_usage(srv: ServerProc) -> None:
     body = {"messages": MSGS, "n": 3, "max_tokens": 5, "ignore_eos": True, "reasoning_format": "none", **GREEDY}
     whole = ok(srv, "/v1/chat/completions", body)

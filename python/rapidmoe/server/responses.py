@@ -233,12 +233,13 @@ def chat_stream_final(m: Meta, f: Finished, tail: str, tool_calls: bool = False,
     return out
 
 
-def chat_usage_chunk(m: Meta, fins: list[Finished]) -> list[dict[str, Any]]:
-    """With `stream_options.include_usage`: after every choice, one chunk with empty `choices` and the summed
-    usage (OpenAI's rule), carrying the timings too when there is one choice (llama-server's last chunk)."""
+def usage_chunk(m: Meta, fins: list[Finished], obj: str) -> list[dict[str, Any]]:
+    """With `stream_options.include_usage`: after every choice, one chunk (`object` obj) with empty `choices` and
+    the summed usage (OpenAI's rule), carrying the timings too when there is one choice (llama-server's last
+    chunk)."""
     if not m.include_usage:
         return []
-    out = {"choices": [], **_oai_base(m, "chat.completion.chunk"), "usage": usage(fins)}
+    out = {"choices": [], **_oai_base(m, obj), "usage": usage(fins)}
     if len(fins) == 1:
         out["timings"] = fins[0].timings.to_json()
     return [out]

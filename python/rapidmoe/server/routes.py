@@ -431,8 +431,7 @@ def oai_completions(st: AppState, req: Request) -> Reply | Stream:
     params = _gen_params(st, body, route="oai")
     jobs = jobs_for(prompt_list(st, body["prompt"]), params, get_n(body))
     stream = get_bool(body, "stream", False)
-    meta = responses.Meta.new(model, st.fingerprint, timings_per_token=get_bool(body, "timings_per_token", False),
-                              logprobs=params.n_probs >= 0)
+    meta = _oai_meta(st, body, model, params)
     ts = _submit(st, jobs)
     if not stream:
         return _whole(st, ts, req, lambda got: responses.merged(
@@ -447,7 +446,7 @@ def oai_completions(st: AppState, req: Request) -> Reply | Stream:
         out = [sse.event(responses.oai_cmpl_partial(meta, tail, i))] if ev.text else []
         return [*out, sse.event(responses.oai_cmpl_final(meta, ev, "", stream=True, index=i))]
 
-    return _stream(st, ts, req, fmt, done=True)
+    return _stream(st, ts, req, fmt, done=True, end=_usage_end(meta, "text_completion"))
 
 
 def _chat_prompt(st: AppState, body: dict[str, Any]) -> tuple[str, toolcalls.ToolRequest | None]:
@@ -456,7 +455,8 @@ def _chat_prompt(st: AppState, body: dict[str, Any]) -> tuple[str, toolcalls.Too
     return st.template.render(check_messages(body), body, body.get("tools") if treq else None), treq
 
 
-def _chat_meta(st: AppState, body: dict[str, Any], model: str, params: GenerationParams) -> responses.Meta:
+def _oai_meta(st: AppState, body: dict[str, Any], model: str, params: GenerationParams) -> responses.Meta:
+    """The OpenAI routes' Meta, with `stream_options.include_usage` (both routes honour it)."""
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise invalid_request("\"stream_options\" must be an object")
@@ -465,9 +465,9 @@ def _chat_meta(st: AppState, body: dict[str, Any], model: str, params: Generatio
                               logprobs=params.n_probs >= 0)
 
 
-def _usage_end(meta: responses.Meta) -> Callable[[list[Finished]], list[bytes]]:
+def _usage_end(meta: responses.Meta, obj: str) -> Callable[[list[Finished]], list[bytes]]:
     def end(fins: list[Finished]) -> list[bytes]:
-        chunk = responses.chat_usage_chunk(meta, fins)
+        chunk = responses.usage_chunk(meta, fins, obj)
         return [sse.event(chunk)] if chunk else []
     return end
 
@@ -498,7 +498,7 @@ def chat_completions(st: AppState, req: Request) -> Reply | Stream:
                                           starts_in_thinking=open_think) for _ in jobs]
         return _chat_parsed(st, req, body, model, jobs, parsers)
     stream = get_bool(body, "stream", False)
-    meta = _chat_meta(st, body, model, params)
+    meta = _oai_meta(st, body, model, params)
     ts = _submit(st, jobs)
     if not stream:
         return _whole(st, ts, req, lambda got: responses.merged(
@@ -512,14 +512,14 @@ def chat_completions(st: AppState, req: Request) -> Reply | Stream:
         head = [responses.chat_role_chunk(meta, i)] if first else []
         return [sse.event([*head, *responses.chat_stream_final(meta, ev, ev.text, index=i)])]
 
-    return _stream(st, ts, req, fmt, done=True, end=_usage_end(meta))
+    return _stream(st, ts, req, fmt, done=True, end=_usage_end(meta, "chat.completion.chunk"))
 
 
 def _chat_parsed(st: AppState, req: Request, body: dict[str, Any], model: str, jobs: list[Job],
                  parsers: list[toolcalls.OutputParser]) -> Reply | Stream:
     """Chat answers each split by its own parser into reasoning_content, content and tool_calls."""
     stream = get_bool(body, "stream", False)
-    meta = _chat_meta(st, body, model, jobs[0].params)
+    meta = _oai_meta(st, body, model, jobs[0].params)
     ts = _submit(st, jobs)
     if not stream:
         def final(got: list[tuple[str, Finished]]) -> dict[str, Any]:
@@ -547,7 +547,7 @@ def _chat_parsed(st: AppState, req: Request, body: dict[str, Any], model: str, j
         out += responses.chat_stream_final(meta, ev, "", tool_calls=bool(parser.calls), index=i)
         return [sse.event(out)]
 
-    return _stream(st, ts, req, fmt, done=True, end=_usage_end(meta))
+    return _stream(st, ts, req, fmt, done=True, end=_usage_end(meta, "chat.completion.chunk"))
 
 
 def apply_template(st: AppState, req: Request) -> Reply:

@@ -27,6 +27,9 @@ GREEDY = {"temperature": 0}
 # batch (logits of a sequence batched with others, or of a prompt partly reused from the KV, differ in the last
 # bits, enough to move a draw at a high temperature).
 SAME = {"id_slot": 0, "cache_prompt": False}
+# Greedy answers too: on the synthetic model near-ties are common, and the last bits flip the argmax. Choices run
+# one after another in slot 0, each exactly as the same prompt sent alone.
+EXACT = {**GREEDY, **SAME}
 MSGS = [{"role": "user", "content": "Tell me a story"}]
 
 
@@ -59,7 +62,7 @@ def n_tokens(s: ServerProc, text: str) -> int:
 
 def test_list_of_prompts_is_one_choice_each(srv: ServerProc) -> None:
     """The issue's case: ["The cat", "Once upon"] was answered as the one prompt "The catOnce upon"."""
-    kw = {"max_tokens": 4, "ignore_eos": True, **GREEDY}
+    kw = {"max_tokens": 4, "ignore_eos": True, **EXACT}
     r = ok(srv, "/v1/completions", {"prompt": ["The cat", "Once upon"], **kw})
     assert [c["index"] for c in r["choices"]] == [0, 1]
     assert [c["text"] for c in r["choices"]] == [alone(srv, "The cat", **kw), alone(srv, "Once upon", **kw)]
@@ -71,7 +74,7 @@ def test_list_of_prompts_is_one_choice_each(srv: ServerProc) -> None:
 def test_token_lists_and_mixed_prompts(srv: ServerProc) -> None:
     """OpenAI's and llama-server's prompt forms: token ids, a list of token-id lists, strings mixed with id lists
     and llama-server's {"prompt_string"} object; an array holding any integer stays ONE prompt."""
-    kw = {"max_tokens": 3, "ignore_eos": True, **GREEDY}
+    kw = {"max_tokens": 3, "ignore_eos": True, **EXACT}
     ids = ok(srv, "/tokenize", {"content": "Once upon", "add_special": True})["tokens"]
     cat = ok(srv, "/tokenize", {"content": "The cat", "add_special": True})["tokens"]
     once, the_cat = alone(srv, ids, **kw), alone(srv, cat, **kw)
@@ -91,16 +94,17 @@ def test_token_lists_and_mixed_prompts(srv: ServerProc) -> None:
 
 def test_openai_client_batch(srv: ServerProc) -> None:
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    r = c.completions.create(model="x", prompt=["The cat", "Once upon", "A"], max_tokens=2, temperature=0)
+    r = c.completions.create(model="x", prompt=["The cat", "Once upon", "A"], max_tokens=2, temperature=0,
+                           extra_body=SAME)
     assert [ch.index for ch in r.choices] == [0, 1, 2]
-    want = [alone(srv, p, max_tokens=2, **GREEDY) for p in ("The cat", "Once upon", "A")]
+    want = [alone(srv, p, max_tokens=2, **EXACT) for p in ("The cat", "Once upon", "A")]
     assert [ch.text for ch in r.choices] == want
 
 
 def test_native_completion_answers_a_list(srv: ServerProc) -> None:
     """/completion: several prompts answer a list of results, each with its index (llama-server's shape); one
     prompt answers the object."""
-    kw = {"n_predict": 3, "ignore_eos": True, **GREEDY}
+    kw = {"n_predict": 3, "ignore_eos": True, **EXACT}
     r = ok(srv, "/completion", {"prompt": ["The cat", "Once upon"], **kw})
     assert isinstance(r, list) and [x["index"] for x in r] == [0, 1]
     for x, p in zip(r, ("The cat", "Once upon"), strict=True):
@@ -264,7 +268,7 @@ def _by_index(events: list[Any], key: str) -> tuple[dict[int, str], dict[int, li
 
 
 def test_streamed_choices_carry_their_index(srv: ServerProc) -> None:
-    body = {"prompt": ["The cat", "Once upon"], "n": 2, "max_tokens": 6, "ignore_eos": True, **GREEDY}
+    body = {"prompt": ["The cat", "Once upon"], "n": 2, "max_tokens": 6, "ignore_eos": True, **EXACT}
     whole = ok(srv, "/v1/completions", body)
     events = sse_json(srv.stream("/v1/completions", {**body, "stream": True}))
     assert events[-1] == "[DONE]"
@@ -293,7 +297,7 @@ def test_streamed_completions_with_usage(srv: ServerProc) -> None:
 
 
 def test_streamed_chat_n_with_usage(srv: ServerProc) -> None:
-    body = {"messages": MSGS, "n": 3, "max_tokens": 5, "ignore_eos": True, "reasoning_format": "none", **GREEDY}
+    body = {"messages": MSGS, "n": 3, "max_tokens": 5, "ignore_eos": True, "reasoning_format": "none", **EXACT}
     whole = ok(srv, "/v1/chat/completions", body)
     events = sse_json(srv.stream("/v1/chat/completions", {**body, "stream": True,
                                                           "stream_options": {"include_usage": True}}))
@@ -311,7 +315,7 @@ def test_streamed_chat_n_with_usage(srv: ServerProc) -> None:
 
 
 def test_streamed_native_list(srv: ServerProc) -> None:
-    body = {"prompt": ["The cat", "Once upon"], "n_predict": 4, "ignore_eos": True, **GREEDY}
+    body = {"prompt": ["The cat", "Once upon"], "n_predict": 4, "ignore_eos": True, **EXACT}
     whole = ok(srv, "/completion", body)
     events = sse_json(srv.stream("/completion", {**body, "stream": True}))
     texts = {0: "", 1: ""}

@@ -1,6 +1,7 @@
 """The processes the package starts end with it: an RPCServer whose stop() is never called is gone after a normal
-exit (atexit), after the interpreter is killed (Linux: PR_SET_PDEATHSIG), and also when the thread that started it
-has ended long before (the guard forks from one thread that lives as long as the process)."""
+exit and after the interpreter is killed (Linux: PR_SET_PDEATHSIG), also when the thread that started it has ended
+long before (the guard forks from one thread that lives as long as the process), and a Llama still on its device at
+exit finds it alive while the interpreter shuts down (the exit neither hangs nor aborts)."""
 from __future__ import annotations
 
 import os
@@ -26,6 +27,7 @@ CHILD = """
 import sys, threading, time
 from rapidmoe.rpc import RPCServer
 how, then = sys.argv[1:3]
+model = sys.argv[3] if len(sys.argv) > 3 else None
 box = []
 if how == "thread":
     t = threading.Thread(target=lambda: box.append(RPCServer()))
@@ -35,6 +37,10 @@ if how == "thread":
     assert box[0].proc.poll() is None, "the server died with the thread that started it"
 else:
     box.append(RPCServer())
+if model is not None:  # a Llama on the server's device, never closed: freed during the interpreter's shutdown
+    from rapidmoe import Llama
+    llm = Llama(model, rpc_servers=[box[0].endpoint], n_gpu_layers=99, n_ctx=64, verbose=False)
+    llm.create_completion("hi", max_tokens=2)
 print(box[0].proc.pid, box[0].endpoint, flush=True)
 if then == "wait":
     time.sleep(600)
@@ -70,8 +76,8 @@ def _gone_within(pid: int, born: str, seconds: float) -> bool:
     return False
 
 
-def _run_child(how: str, then: str) -> tuple[subprocess.Popen[str], int, str, str]:
-    py = subprocess.Popen([sys.executable, "-c", CHILD, how, then], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+def _run_child(how: str, then: str, *extra: str) -> tuple[subprocess.Popen[str], int, str, str]:
+    py = subprocess.Popen([sys.executable, "-c", CHILD, how, then, *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
     assert py.stdout is not None
     line = py.stdout.readline()
@@ -119,6 +125,19 @@ def test_exit_without_stop_leaves_nothing(how: str) -> None:
         py.stdin.flush()
         assert py.wait(timeout=30) == 0, py.stderr.read() if py.stderr else ""
         assert _gone_within(pid, born, 0.5), f"rpc-server {pid} outlived its Python's normal exit"
+        assert not _listening(endpoint)
+    finally:
+        _cleanup(py, pid, born)
+
+
+def test_exit_with_a_llama_still_on_the_server(tiny_qwen: Path) -> None:
+    py, pid, born, endpoint = _run_child("main", "exit", str(tiny_qwen))
+    try:
+        assert py.stdin is not None
+        py.stdin.write("exit\n")
+        py.stdin.flush()
+        assert py.wait(timeout=60) == 0, py.stderr.read() if py.stderr else ""  # stopped at atexit: hung here
+        assert _gone_within(pid, born, 5.0), f"rpc-server {pid} outlived its Python's normal exit"
         assert not _listening(endpoint)
     finally:
         _cleanup(py, pid, born)

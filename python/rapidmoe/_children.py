@@ -1,14 +1,17 @@
 """Child processes that end with this process: every process the package starts goes through `spawn`.
 
-Two guards. atexit terminates the children still running when the interpreter exits normally (`stop()` forgotten).
-On Linux each child also gets PR_SET_PDEATHSIG(SIGTERM) between fork and exec, so a Python that is killed
-(SIGKILL, SIGTERM without a handler, a crash) takes its children along. The kernel sends that signal when the
-*thread* that forked the child ends, not the process, so every child is forked from one daemon thread that lives as
-long as the process (a child started from a short-lived worker thread would otherwise die with that thread).
+On Linux each child gets PR_SET_PDEATHSIG(SIGTERM) between fork and exec, so it ends when this process ends, however
+it ends: a normal exit (`stop()` forgotten), SIGKILL, a crash. The signal comes only once the process is gone, after
+the interpreter's own shutdown, so objects that still use a child at exit (a Llama on an RPCServer's device frees
+its buffers there) find it alive; an atexit handler that stopped children first made such a script hang at exit.
+The kernel sends that signal when the *thread* that forked the child ends, not the process, so every child is
+forked from one daemon thread that lives as long as the process (a child started from a short-lived worker thread
+would otherwise die with that thread).
 
-Limits: elsewhere than Linux only the atexit guard exists (a killed interpreter leaks its children); the signal
-reaches only the direct child (a child that forks its own children must guard them); a set-user-ID binary drops it.
-Servers started by hand (`rapidmoe-cli rpc-server`, `serve`) are not children of the package and are not guarded.
+Limits: elsewhere than Linux an atexit handler stops the children still running at a normal exit instead (close
+what uses them first), and a killed interpreter leaks them; the signal reaches only the direct child (a child that
+forks its own children must guard them); a set-user-ID binary drops it. Servers started by hand
+(`rapidmoe-cli rpc-server`, `serve`) are not children of the package and are not guarded.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 DEATH_SIGNAL = signal.SIGTERM  # what a child gets when this process dies (rpc-server installs no handler for it)
 
-_live: set[subprocess.Popen[bytes]] = set()  # started by spawn and not yet stopped, for the atexit guard
+_live: set[subprocess.Popen[bytes]] = set()  # started by spawn and not yet stopped
 _lock = threading.Lock()
 
 
@@ -47,7 +50,6 @@ def _load_prctl() -> Callable[..., int] | None:
 
 
 _prctl = _load_prctl()
-PARENT_DEATH_GUARD = _prctl is not None  # whether a killed interpreter takes its children along on this system
 
 
 def _death_guard(parent: int) -> Callable[[], None]:
@@ -141,8 +143,8 @@ def live_children() -> list[subprocess.Popen[bytes]]:
         return [p for p in _live if p.poll() is None]
 
 
-@atexit.register
 def _stop_all() -> None:
+    """At exit where there is no parent-death signal (see the module docstring)."""
     with _lock:
         procs = list(_live)
     for p in procs:
@@ -158,6 +160,9 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
     _live.clear()
 
+
+if _prctl is None:
+    atexit.register(_stop_all)
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -186,7 +186,7 @@ class RPCServer:
         log.info("rpc-server %d listening on %s", self.proc.pid, self.endpoint)
 
     def stop(self) -> None:
-        """End the server (SIGTERM, SIGKILL after 5 s). Also done at interpreter exit for a server still running."""
+        """End the server (SIGTERM, SIGKILL after 5 s). A server still running ends with this process (_children)."""
         if self.proc is not None:
             _children.stop(self.proc)
         self.proc = None

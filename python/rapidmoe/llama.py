@@ -83,8 +83,8 @@ class Llama(llama_cpp.Llama):
         "on": every split layer, also all-CPU (same results; for tests). Timing: `overlap_stats`.
     overlap_threads: the residual worker's CPU threads (default: n_threads).
     verify_residual: check the base's size and tensor table and both files' sampled tensor data against what the
-        sidecar recorded (a few MB read; sizes, the sidecar's header and the pair id are always checked;
-        `rapidmoe-cli inspect --verify` compares every byte).
+        sidecar recorded (per file, about 4 MiB plus up to 8 KiB per tensor read; sizes, the sidecar's header and
+        the pair id are always checked; `rapidmoe-cli inspect --verify` compares every byte).
     n_seq_max: sequences one context holds (llama.cpp's n_seq_max) for callers that batch several sequences
         through the low-level API; llama_cpp.Llama itself uses one.
     rpc_servers: "host:port" of llama.cpp rpc-servers (llama.cpp's `--rpc`), registered once per process before

@@ -78,6 +78,3 @@ def sample_digests(f: GGUFFile, scheme: SampleScheme = DEFAULT_SCHEME) -> list[s
         out.append(h.hexdigest()[:DIGEST_CHARS])
     return out
 
-
-def sampled_bytes(f: GGUFFile, scheme: SampleScheme = DEFAULT_SCHEME) -> int:
-    return sum(n for ws in absolute_windows(f, scheme) for _, n in ws)

@@ -204,8 +204,8 @@ const Markdown = (() => {
     return re.exec(text);
   }
 
-  /** The index of the "]" closing the "[" at i, or -1. */
-  function closeBracket(text, i) {
+  /** The index of the "]" closing the "[" at i, or -1 (a backslash escapes the character after it). */
+  function scanBracket(text, i) {
     let depth = 0;
     for (let k = i; k < text.length; k++) {
       if (text[k] === "\\") k++;
@@ -213,6 +213,27 @@ const Markdown = (() => {
       else if (text[k] === "]" && --depth === 0) return k;
     }
     return -1;
+  }
+
+  /** scanBracket for every "[" of text from one pass with a stack, built on first use: a scan to the end per
+   * unclosed "[" is quadratic. A "[" that this pass reads as escaped is scanned alone, since a scan from it pairs
+   * the backslashes after it differently (rare: the inline parser takes "\\[" as an escape before it gets there). */
+  function bracketCloser(text) {
+    let match = null;
+    let escaped = null;
+    return (i) => {
+      if (match === null) {
+        match = new Int32Array(text.length).fill(-1);
+        escaped = new Uint8Array(text.length + 1);
+        const open = [];
+        for (let k = 0; k < text.length; k++) {
+          if (text[k] === "\\") escaped[++k] = 1;
+          else if (text[k] === "[") open.push(k);
+          else if (text[k] === "]" && open.length) match[open.pop()] = k;
+        }
+      }
+      return escaped[i] ? scanBracket(text, i) : match[i];
+    };
   }
 
   /** For every p, where a search for a closing `delim` that starts at p ends (-1: none), in one pass from the end.
@@ -250,6 +271,7 @@ const Markdown = (() => {
   /** Renders one block's text (inline code, emphasis, links, line breaks) appended to parent as nodes. */
   function inline(text, parent) {
     const closeEmphasis = emphasisCloser(text);
+    const closeBracket = bracketCloser(text);
     let buf = "";
     const flush = () => {
       if (buf) parent.appendChild(document.createTextNode(buf));
@@ -290,7 +312,7 @@ const Markdown = (() => {
         continue;
       }
       if (c === "[") {
-        const end = closeBracket(text, i);
+        const end = closeBracket(i);
         const m = end > 0 ? sticky(LINK_TAIL, text, end + 1) : null;
         if (m) {
           const url = safeUrl(m[1]);
@@ -315,7 +337,12 @@ const Markdown = (() => {
         const m = sticky(BARE_URL, text, i);
         if (m) {
           let s = m[0].replace(/[.,;:!?]+$/, "");
-          while (s.endsWith(")") && s.split("(").length < s.split(")").length) s = s.slice(0, -1);
+          const opens = s.split("(").length;
+          let closes = s.split(")").length;
+          while (s.endsWith(")") && opens < closes) {  // an unbalanced ")" at the end is not part of the URL
+            s = s.slice(0, -1);
+            closes--;
+          }
           const url = safeUrl(s);
           if (url) {
             flush();

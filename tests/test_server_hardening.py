@@ -23,6 +23,7 @@ from server_proc import ServerProc, sse_json
 
 from rapidmoe.server import app, routes
 from rapidmoe.server.config import ServerConfig
+from rapidmoe.server.errors import ApiError
 
 
 @pytest.fixture(scope="module")
@@ -356,6 +357,20 @@ def test_no_error_after_the_header_deadline_answered(line: bytes, head: bytes, s
         assert out.startswith(b"HTTP/1.1 %d " % status) and b'"error"' in out, out
     assert not h._reading_headers
     h.connection.close()
+
+
+def test_every_503_carries_retry_after_once() -> None:
+    """However a 503 is written (a route's reply, http.server's send_error, a raw answer where no handler runs)
+    it has one `Retry-After`; other statuses have none."""
+    for code in (503, 400):
+        h = _handler()
+        h._send(routes.Reply(code, b"{}"))
+        h2 = _handler()
+        h2.send_error(code, "x")
+        for out in (h.wfile.getvalue(), h2.wfile.getvalue(), app._raw_reply(ApiError(code, "t", "x"))):
+            head = out.partition(b"\r\n\r\n")[0]
+            assert head.startswith(b"HTTP/1.1 %d " % code), out
+            assert head.count(b"\r\nRetry-After: 1") == (code == 503), out
 
 
 def test_error_mid_stream_ends_the_stream_without_a_second_status_line() -> None:

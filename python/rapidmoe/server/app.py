@@ -32,15 +32,20 @@ PUBLIC = {"/health", "/v1/health", *routes.WEB_FILES}  # no API key
 
 
 RETRY_AFTER = "1"  # seconds, on every 503 (busy, loading, shutting down)
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
-         b"Retry-After: " + RETRY_AFTER.encode() + b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b")
-_SLOW = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json; charset=utf-8\r\n"
-         b"Connection: close\r\nContent-Length: %d\r\n\r\n%b")
 
 
-def _raw_reply(template: bytes, err: ApiError) -> bytes:
+def status_headers(code: int) -> list[tuple[str, str]]:
+    """Headers every answer with this status carries, however it is written: `Retry-After` on every 503."""
+    return [("Retry-After", RETRY_AFTER)] if code == 503 else []
+
+
+def _raw_reply(err: ApiError) -> bytes:
+    """A whole JSON error answer, to write straight to a socket that is closed after it (where no handler
+    answers: the accepting thread, the header watchdog)."""
     body = err.to_bytes()
-    return template % (len(body), body)
+    head = [f"HTTP/1.1 {err.status} {HTTPStatus(err.status).phrase}", "Content-Type: application/json; charset=utf-8",
+            *(f"{k}: {v}" for k, v in status_headers(err.status)), "Connection: close", f"Content-Length: {len(body)}"]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
 class _HeaderDeadlines:
@@ -72,8 +77,8 @@ class _HeaderDeadlines:
                 for conn in late:
                     del self._armed[conn]
                     try:
-                        conn.sendall(_raw_reply(_SLOW, ApiError(408, "invalid_request_error",
-                                                                "timed out reading the request headers")))
+                        conn.sendall(_raw_reply(ApiError(408, "invalid_request_error",
+                                                         "timed out reading the request headers")))
                     except OSError:
                         pass
                     try:
@@ -113,7 +118,7 @@ class _Server(ThreadingHTTPServer):
                 request.recv(65536)  # what the client already sent, so closing does not reset our answer
             except OSError:
                 pass
-            request.sendall(_raw_reply(_BUSY, unavailable(
+            request.sendall(_raw_reply(unavailable(
                 f"too many connections (at most {self.max_connections} open)")))
             request.shutdown(socket.SHUT_WR)
         except OSError:
@@ -195,6 +200,12 @@ class Handler(BaseHTTPRequestHandler):
             self.connection.settimeout(self.timeout)
         return ok
 
+    def send_response(self, code: int, message: str | None = None) -> None:
+        """The status line, then the headers its status always carries (status_headers)."""
+        super().send_response(code, message)
+        for k, v in status_headers(code):
+            self.send_header(k, v)
+
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own errors (a garbage request line, bad headers, a line or headers too long, an unknown
         method) answered with llama-server's JSON error body instead of an HTML page; the connection is closed.
@@ -215,8 +226,6 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Type", "application/json; charset=utf-8")
         self.send_header("Content-Length", str(len(body)))
-        if code == 503:
-            self.send_header("Retry-After", RETRY_AFTER)
         self.send_header("Connection", "close")
         self.end_headers()
         self._sent = True
@@ -367,8 +376,6 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(r.body)))
         for k, v in r.headers.items():
             self.send_header(k, v)
-        if r.status == 503 and "Retry-After" not in r.headers:
-            self.send_header("Retry-After", RETRY_AFTER)
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()

@@ -1,8 +1,9 @@
 """The chat page at `/`, in a real headless Chromium (Debian's `chromium` + `chromium-driver`, driven by selenium;
 .ci/run installs them): load it, send a message, see the streamed answer equal the API's greedy answer, stop a long
-one, keep a conversation going after a failed turn (context size, wrong key) without sending the failure back, leave
-cleared fields out of the request, edit/regenerate/delete messages, render markdown while HTML in the model's
-output stays text, read the split-routing panel of a RESplit model, and check a screenshot is not blank.
+one, keep a conversation going after a failed turn (context size, wrong key) without sending the failure back, retry
+an earlier failed turn in place, leave cleared fields out of the request, edit/regenerate/delete messages, never
+start a second generation while one streams, render markdown (in linear time) while HTML in the model's output
+stays text, read the split-routing panel of a RESplit model, and check a screenshot is not blank.
 """
 from __future__ import annotations
 

@@ -170,7 +170,10 @@ def test_a_request_pinned_to_a_busy_slot_does_not_hold_up_the_queue(srv: ServerP
         try:
             pinned = ex.submit(srv.request, "POST", "/v1/completions",
                                {"prompt": "b", "max_tokens": 2, "n": 4, "id_slot": 0})
-            time.sleep(0.3)  # queued behind the held slot
+            t0 = time.monotonic()
+            while "llamacpp:requests_deferred 4" not in srv.request("GET", "/metrics")[1]:  # all four queued
+                assert time.monotonic() - t0 < 10
+                time.sleep(0.01)
             status, r = srv.request("POST", "/v1/completions", {"prompt": "c", "max_tokens": 2})
             assert status == 200 and len(r["choices"]) == 1, r
             assert srv.request("GET", "/slots")[1][0]["id_task"] == task  # answered while slot 0 was still held

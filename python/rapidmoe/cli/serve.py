@@ -40,7 +40,7 @@ def serve(
     overlap: options.OverlapOpt = options.OverlapMode.auto,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="API keys, comma-separated; requests need 'Authorization: Bearer KEY'.", envvar="LLAMA_API_KEY")] = None,
     timeout: Annotated[float, typer.Option("--timeout", "-to", help="Socket write timeout while answering (a client that stops reading), seconds.", min=0.1)] = 600.0,
-    queue_timeout: Annotated[float, typer.Option("--queue-timeout", help="Longest wait for a free slot before 503, seconds.", min=0.0)] = 600.0,
+    queue_timeout: Annotated[float, typer.Option("--queue-timeout", help="Longest wait for a request's first choice to get a free slot before 503, seconds (once one has started, its other choices wait without limit).", min=0.0)] = 600.0,
     max_body: Annotated[int, typer.Option("--max-body", help="Largest request body, bytes (larger: 413).", min=1)] = 1 << 20,
     max_connections: Annotated[int, typer.Option("--max-connections", help="Open connections (a thread each); more get 503 at once.", min=1)] = 128,
     header_timeout: Annotated[float, typer.Option("--header-timeout", help="A request's line and headers must arrive within this, seconds (else 408).", min=0.1)] = 10.0,

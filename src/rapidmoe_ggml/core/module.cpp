@@ -8,6 +8,7 @@
 #include "llama.h"
 #include "rapidmoe-llama.h"
 
+#include "abort_message.h"
 #include "backends.h"
 #include "expert_cache.h"
 #include "imatrix.h"
@@ -20,6 +21,7 @@ using namespace nb::literals;
 
 NB_MODULE(_core, m) {
     m.doc() = "RapidMoE native core (bindings to our build of llama.cpp/ggml)";
+    rapidmoe::install_abort_message();  // a ggml abort's message reaches the user even while a load silences fd 2
 
     m.def("build_info", &rapidmoe_llama_build_info,
           "Build string of our libllama; only our build exports it.");

@@ -56,6 +56,12 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
     arch = reader.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFileError(f"{p} has no general.architecture: not a llama.cpp model")
+    twice = duplicate_token(reader)
+    if twice is not None:  # llama.cpp's vocab loader asserts on it (llama-vocab.cpp): the process would abort
+        first, second = twice
+        token = reader.get("tokenizer.ggml.tokens")[second]
+        raise ModelFileError(f"{p} is damaged: its tokenizer lists the token {token!r} twice (ids {first} and "
+                             f"{second}); llama.cpp cannot load such a vocabulary")
 
     def hparam(name: str) -> int:
         v = reader.get(f"{arch}.{name}")
@@ -63,6 +69,19 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
 
     return ModelInfo(path=p, architecture=arch, n_layer=hparam("block_count"), n_expert=hparam("expert_count"),
                      n_expert_used=hparam("expert_used_count"), n_tensors=len(reader.tensors), file_size=size)
+
+
+def duplicate_token(reader: GGUFFile) -> tuple[int, int] | None:
+    """The first two ids of a token the tokenizer lists twice, or None (also for a file without a tokenizer)."""
+    tokens = reader.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or len(set(tokens)) == len(tokens):
+        return None
+    seen: dict[object, int] = {}
+    for i, tok in enumerate(tokens):
+        if tok in seen:
+            return seen[tok], i
+        seen[tok] = i
+    return None
 
 
 def generation_problem(path: str | os.PathLike[str] | GGUFFile, *, embedding: bool = False) -> str | None:

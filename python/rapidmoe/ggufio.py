@@ -150,6 +150,14 @@ class GGUFFile:
             self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
         return self._mm
 
+    def missing_data(self) -> tuple[Tensor, int] | None:
+        """The first tensor whose data run past the end of the file, with the file's size (None: complete)."""
+        size = self.path.stat().st_size
+        for t in self.tensors:
+            if int(t.data_offset) + int(t.n_bytes) > size:
+                return t, size
+        return None
+
     def get(self, key: str, default: Any = None) -> Any:
         f = self.fields.get(key)
         return default if f is None else f.value

@@ -50,9 +50,11 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         reader = GGUFFile(p)
     except GGUFFormatError as e:
         raise ModelFileError(f"{p} is a corrupt or truncated GGUF ({e})") from e
-    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    if end > size:
-        raise ModelFileError(f"{p} is truncated: tensor data needs {end} bytes, the file has {size}")
+    missing = reader.missing_data()
+    if missing is not None:
+        t, have = missing
+        raise ModelFileError(f"{p} is truncated: tensor {t.name} ends at byte {int(t.data_offset) + int(t.n_bytes)}, "
+                             f"the file has {have}")
     arch = reader.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFileError(f"{p} has no general.architecture: not a llama.cpp model")

@@ -115,13 +115,13 @@ def scheme_of(meta: dict[str, Any]) -> SampleScheme:
 
 
 # -- conversion: record -----------------------------------------------------------------------------------------
-def _stamp(sidecar_path: Path, key: str, value: str) -> None:
-    """Replace a placeholder in the sidecar's header with its value (same length, so nothing moves)."""
-    side = GGUFFile(sidecar_path)
+def _stamp(side: GGUFFile, key: str, value: str) -> None:
+    """Replace a placeholder in the sidecar's header with its value (same length, so nothing moves and `side`'s
+    offsets stay right)."""
     at = side.value_offsets.get(KEY + key)
     if at is None or side.get(KEY + key) != _placeholder(len(value)):
         raise RuntimeError(f"sidecar header has no {len(value)}-character placeholder for {key}")
-    with sidecar_path.open("r+b") as f:
+    with side.path.open("r+b") as f:
         f.seek(at)
         f.write(value.encode())
 
@@ -130,12 +130,12 @@ def stamp(sidecar_path: Path, base_path: Path) -> None:
     """Record, once both files are complete, the base's hashes and samples, then the sidecar's own."""
     base, side = GGUFFile(base_path), GGUFFile(sidecar_path)
     scheme = scheme_of(read_sidecar_meta(side))
-    _stamp(sidecar_path, "base_sha256", file_sha256(base_path))
-    _stamp(sidecar_path, "base_layout_sha256", layout_sha256(base))
-    _stamp(sidecar_path, "base_samples", "".join(sample_digests(base, scheme)))
-    _stamp(sidecar_path, "data_samples", "".join(sample_digests(side, scheme)))
-    _stamp(sidecar_path, "data_sha256", file_sha256(sidecar_path, side.data_start))
-    _stamp(sidecar_path, "header_sha256", header_sha256(GGUFFile(sidecar_path)))
+    _stamp(side, "base_sha256", file_sha256(base_path))
+    _stamp(side, "base_layout_sha256", layout_sha256(base))
+    _stamp(side, "base_samples", "".join(sample_digests(base, scheme)))
+    _stamp(side, "data_samples", "".join(sample_digests(side, scheme)))
+    _stamp(side, "data_sha256", file_sha256(sidecar_path, side.data_start))
+    _stamp(side, "header_sha256", header_sha256(side))  # reads the header's bytes from the file as stamped
 
 
 # -- load: check ------------------------------------------------------------------------------------------------
@@ -174,12 +174,12 @@ def open_gguf(path: PathOrFile, role: str, other: PathOrFile | None = None) -> G
 
 def _check_complete(f: GGUFFile, role: str, other: Path) -> None:
     """The file holds all of its tensors' data (their offsets and sizes come from the header)."""
-    size = f.path.stat().st_size
-    for t in f.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ModelFileError(f"{role} {f.path} is truncated: tensor {t.name} ends at byte "
-                                 f"{t.data_offset + t.n_bytes}, the file has {size} (an incomplete download or "
-                                 f"copy?); not used with {other}")
+    missing = f.missing_data()
+    if missing is not None:
+        t, size = missing
+        raise ModelFileError(f"{role} {f.path} is truncated: tensor {t.name} ends at byte "
+                             f"{t.data_offset + t.n_bytes}, the file has {size} (an incomplete download or "
+                             f"copy?); not used with {other}")
 
 
 def _check_sidecar_header(side: GGUFFile, base_path: Path) -> bool:

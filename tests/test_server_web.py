@@ -200,7 +200,9 @@ def test_a_failed_turn_is_shown_but_never_sent_again(srv: ServerProc, browser: A
     assert not browser.find_elements("css selector", ".msg.failed")
 
 
-def test_a_wrong_key_is_an_error_in_the_page_and_retry_sends_the_turn_alone(srv: ServerProc, browser: Any) -> None:
+def _first_turn_fails_on_a_wrong_key(srv: ServerProc, browser: Any) -> None:
+    """A fresh page recording its requests; "Hello" sent with a wrong API key (8 tokens at most); the key then
+    set right."""
     _open(browser, srv)
     browser.execute_script(RECORD_REQUESTS)
     _set(browser, "api_key", "wrong")
@@ -209,6 +211,10 @@ def test_a_wrong_key_is_an_error_in_the_page_and_retry_sends_the_turn_alone(srv:
     _idle(browser)
     assert "Invalid API Key" in browser.find_element("id", "messages").text
     _set(browser, "api_key", "sekret")
+
+
+def test_a_wrong_key_is_an_error_in_the_page_and_retry_sends_the_turn_alone(srv: ServerProc, browser: Any) -> None:
+    _first_turn_fails_on_a_wrong_key(srv, browser)
     _type(browser, "Hello again")  # a new turn after the failed one: sent alone
     _idle(browser)
     assert _bodies(browser)[-1]["messages"] == [{"role": "user", "content": "Hello again"}]
@@ -223,13 +229,7 @@ def test_a_wrong_key_is_an_error_in_the_page_and_retry_sends_the_turn_alone(srv:
 
 
 def test_retry_of_an_earlier_failed_turn_answers_it_in_place(srv: ServerProc, browser: Any) -> None:
-    _open(browser, srv)
-    browser.execute_script(RECORD_REQUESTS)
-    _set(browser, "api_key", "wrong")
-    _set(browser, "max_tokens", "8")
-    _type(browser, "Hello")
-    _idle(browser)
-    _set(browser, "api_key", "sekret")
+    _first_turn_fails_on_a_wrong_key(srv, browser)
     _type(browser, "Hello again")
     later = _answer(browser)
     _click(browser, 1, "retry")  # not the last turn: the later messages stay as they are

@@ -11,7 +11,7 @@ cost model (rapidmoe.placement.cost) for machine profiles.
    local rpc-server under the runtime's static, rapidmoe and lru policies, recording a trace; the runtime's hits, slots,
    swaps and bytes copied are compared with the simulator's replay of that trace.
 4. Projections: the tiny-moe-a statistics (per-layer popularity, token-to-token reuse beyond chance, next-layer
-   prediction accuracy) are mapped onto DeepSeek-V3 and Qwen3-235B-A22B shapes (cache_policies.scale_routing),
+   prediction accuracy) are mapped onto DeepSeek-V3 and Qwen3-235B-A22B shapes (cache.routing.scale_routing),
    and each scheme is priced on the 24gb and 48gb machine profiles with the GPU memory the planner leaves for
    experts: decode (one token per step) and prefill (512-token steps) tok/s, hit rate and bytes moved per token,
    against stock llama.cpp's `-ot exps=CPU` (all experts on the CPU, Q4_K_M-like, serial).
@@ -59,7 +59,7 @@ def record(model: Path, text: Path, out: Path, n_tokens: int, chunk: int = 256, 
 
 def policies_for(ids_cal: np.ndarray, n_expert: int, capacity: list[int], eb: float, cost, pred_acc: np.ndarray):  # type: ignore[no-untyped-def]
     """The four policies at a per-layer capacity (experts), all set up from the calibration routing."""
-    from rapidmoe.placement.cache_policies import (
+    from rapidmoe.cache import (
         LRUCache, MoEpicCache, RapidMoECache, StaticCache, hit_curve, moepic_config)
 
     n_moe = ids_cal.shape[1]
@@ -80,7 +80,7 @@ def policies_for(ids_cal: np.ndarray, n_expert: int, capacity: list[int], eb: fl
 
 def own_shape(name: str, model: Path, cal: Path, ev: Path) -> dict:  # type: ignore[type-arg]
     """Hit rates and experts copied per token at fractions of each layer's experts, on the model's own shape."""
-    from rapidmoe.placement.cache_policies import replay, routing_stats
+    from rapidmoe.cache import replay, routing_stats
     from rapidmoe.placement.cost import CostModel, ModelCosts
     from rapidmoe.placement.machine import MACHINES
     from rapidmoe.placement.tensors import read_gguf_shapes
@@ -114,7 +114,7 @@ def own_shape(name: str, model: Path, cal: Path, ev: Path) -> dict:  # type: ign
 def project(cal: Path, ev: Path, shape_name: str, machine_name: str, n_decode: int, n_prefill: int,
             seed: int = 0) -> dict:  # type: ignore[type-arg]
     from rapidmoe.placement import ExpertFrequency, get_shape_set, plan
-    from rapidmoe.placement.cache_policies import (
+    from rapidmoe.cache import (
         LRUCache, MoEpicCache, RapidMoECache, StaticCache, hit_curve, moepic_config, replay, routing_stats,
         scale_routing)
     from rapidmoe.placement.cost import CostModel, ModelCosts
@@ -177,8 +177,8 @@ def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: f
     of `text` one token per step with its WQ cache on a local rpc-server, recording a trace; the trace is replayed
     through the same policy with the run's own steps; hits, slots, swaps and bytes copied are compared."""
     from rapidmoe import Llama
-    from rapidmoe.expert_cache import moe_layers_of, wq_expert_bytes
-    from rapidmoe.placement.cache_policies import (
+    from rapidmoe.cache.moepic import moe_layers_of, wq_expert_bytes
+    from rapidmoe.cache import (
         LRUCache, MoEpicCache, MoEpicSettings, RapidMoECache, RefreshSettings, StaticCache, plan_moepic, replay,
         routing_stats)
     from rapidmoe.placement.cost import CostModel, ModelCosts
@@ -385,7 +385,7 @@ def main() -> None:
           fmt_runtime(rt) + "\n",
           "## Projections for DeepSeek-V3 and Qwen3-235B-A22B (mapped routing, modelled machines)\n",
           "PROJECTIONS, not measurements: routing is tiny-moe-a's per-layer statistics mapped onto the shape "
-          "(cache_policies.scale_routing), times come from the planner's cost model (placement/cost.py) with the "
+          "(cache.routing.scale_routing), times come from the planner's cost model (placement/cost.py) with the "
           "machine profiles of placement/machine.py (datasheet figures, assumed efficiencies). "
           f"static and rapidmoe run RESplit's WQ (paper preset) with r = {R_CRITICAL} critical slots per token on "
           "the CPU; lru, moepic and the stock baseline use a Q4_K_M-like model.\n",

@@ -123,7 +123,7 @@ def main() -> int:
                       n_ubatch=512, n_threads=args.threads, n_threads_batch=args.threads,
                       overlap_threads=args.threads, logits_all=False, verbose=False)
         if args.cache is not None:
-            from rapidmoe.expert_cache import moe_layers_of
+            from rapidmoe.cache.moepic import moe_layers_of
             from rapidmoe.ggufio import GGUFFile
 
             f = GGUFFile(wq)

@@ -235,9 +235,9 @@ def section_cache(ctx: Ctx) -> None:
 def _moepic_half(ctx: Ctx, device: str) -> dict[str, Any]:
     """moepic at half the routed WQ: split 0.5 (rounded to the down type's blocks), as many tops per layer as half
     the layer's expert bytes hold (every expert's at most)."""
-    from rapidmoe.expert_cache import moe_layers_of, moepic_layers
+    from rapidmoe.cache.moepic import moe_layers_of, moepic_layers
     from rapidmoe.modelfile import read_model_info
-    from rapidmoe.placement.cache_policies import MoEpicSettings
+    from rapidmoe.cache import MoEpicSettings
 
     n_expert = read_model_info(ctx.wq).n_expert
     layers = moe_layers_of(ctx.wq)

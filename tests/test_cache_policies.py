@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rapidmoe.placement.cache_policies import (
-    CachePolicyError, LRUCache, MoEpicCache, MoEpicSettings, RapidMoECache, StaticCache, hit_curve, moepic_config,
-    plan_moepic, replay, routing_stats, scale_routing, split_fixed_point, top_rows)
+from rapidmoe.cache.config import CachePolicyError, MoEpicSettings
+from rapidmoe.cache.moepic import hit_curve, moepic_config, plan_moepic, split_fixed_point, top_rows
+from rapidmoe.cache.routing import routing_stats, scale_routing
+from rapidmoe.cache.simulator import LRUCache, MoEpicCache, RapidMoECache, StaticCache, replay
 from rapidmoe.placement.cost import CostModel, ModelCosts
 from rapidmoe.placement.machine import MACHINES, MachineError, MachineProfile, load_machine
 

@@ -15,7 +15,7 @@ import pytest
 from cache_reference import eval_runs, without_tiled
 
 from rapidmoe import Llama
-from rapidmoe.expert_cache import moe_layers_of
+from rapidmoe.cache.moepic import moe_layers_of
 from rapidmoe.ggufio import GGUFFile
 
 pytestmark = pytest.mark.native

@@ -15,7 +15,7 @@ from cache_reference import PlainLlama, eval_runs, run_logits, without_tiled
 
 from rapidmoe import Llama, RapidMoEError
 from rapidmoe._runtime import _core
-from rapidmoe.expert_cache import moe_layers_of
+from rapidmoe.cache.moepic import moe_layers_of
 from rapidmoe.ggufio import GGUFFile
 from rapidmoe.rpc import RPCServer
 

@@ -13,15 +13,9 @@ import pytest
 from cache_reference import PlainLlama
 
 from rapidmoe import Llama, RapidMoEError, llama_cpp
-from rapidmoe.expert_cache import moe_layers_of, wq_expert_bytes
-from rapidmoe.placement.cache_policies import (
-    LRUCache,
-    MoEpicCache,
-    MoEpicSettings,
-    RapidMoECache,
-    RefreshSettings,
-    replay,
-)
+from rapidmoe.cache.config import MoEpicSettings, RefreshSettings
+from rapidmoe.cache.moepic import moe_layers_of, wq_expert_bytes
+from rapidmoe.cache.simulator import LRUCache, MoEpicCache, RapidMoECache, replay
 from rapidmoe.rpc import RPCServer
 from rapidmoe.trace import read_trace
 
@@ -243,7 +237,7 @@ def test_moepic_from_a_gpu_mem_plan_is_exact(make_tiny, rpc: RPCServer) -> None:
     experts, realized on the stand-in, its device memory spent on MoEpic's split experts (fixed point): the logits
     equal the all-CPU run's and the resident tops fit the memory the cache would have used."""
     from rapidmoe.cli.budget import moepic_placement
-    from rapidmoe.expert_cache import moepic_layers
+    from rapidmoe.cache.moepic import moepic_layers
     from rapidmoe.placement import GPU
     from rapidmoe.placement.realize import plan_for_model, realize
 

@@ -12,8 +12,9 @@ import pytest
 
 from rapidmoe import Llama, RapidMoEError, llama_cpp
 from rapidmoe._runtime import _core
-from rapidmoe.expert_cache import moe_layers_of, wq_expert_bytes
-from rapidmoe.placement.cache_policies import LRUCache, RapidMoECache, RefreshSettings, replay
+from rapidmoe.cache.moepic import moe_layers_of, wq_expert_bytes
+from rapidmoe.cache.config import RefreshSettings
+from rapidmoe.cache.simulator import LRUCache, RapidMoECache, replay
 from rapidmoe.rpc import RPCServer
 from rapidmoe.trace import read_trace
 
@@ -186,7 +187,7 @@ def test_cli_cache_policy(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert res.exit_code == 0, res.output
     mcfg = seen[1]
     assert mcfg.expert_cache_policy == "moepic" and mcfg.expert_cache is None and mcfg.expert_cache_device == "CUDA0"
-    from rapidmoe.expert_cache import moe_layers_of, wq_expert_bytes
+    from rapidmoe.cache.moepic import moe_layers_of, wq_expert_bytes
 
     layers = moe_layers_of(tiny_qwen)
     splits, caps = mcfg.expert_cache_moepic.per_layer(len(layers))

@@ -14,7 +14,7 @@ import pytest
 
 from rapidmoe import Llama, RapidMoEError
 from rapidmoe._runtime import _core
-from rapidmoe.expert_cache import moe_layers_of
+from rapidmoe.cache.moepic import moe_layers_of
 from rapidmoe.ggufio import GGUFFile, tensor_f32
 from rapidmoe.trace import MAGIC, TraceError, TraceHeader, TraceWriter, read_trace
 

@@ -8,28 +8,19 @@ from __future__ import annotations
 import ctypes
 import inspect
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ._runtime import _core, llama_cpp
+from .cache.config import LEGACY_KEYWORDS, ExpertCacheConfig, config_from_keywords
+from .cache.moepic import MoEpicLayer, moe_layers_of
+from .cache.runtime import ExpertCache, ExpertCacheStats, RefreshStats
 from .errors import ModelFileError, RapidMoEError
-from .expert_cache import (
-    CACHE_POLICIES,
-    CacheRefresher,
-    ExpertCacheStats,
-    MoEpicLayer,
-    RefreshStats,
-    check_device,
-    check_expert_cache,
-    moe_layers_of,
-    moepic_layers,
-    wq_expert_bytes,
-)
 from .modelfile import generation_problem, read_model_info
 from .overlap import OverlapStats, overlap_mode
 from .overrides import BufferOverrides, build_overrides
-from .placement.cache_policies import MoEpicSettings, RefreshSettings
 from .residual import MoELayerCounters, ResidualInfo, load_residual_info
 from .rpc import RPCDevice, model_devices, register_rpc_servers
 from .stream import check_min_batch, set_stream_min_batch
@@ -90,24 +81,18 @@ class Llama(llama_cpp.Llama):
     rpc_servers: "host:port" of llama.cpp rpc-servers (llama.cpp's `--rpc`), registered once per process before
         the model loads; their devices come first in this model's device list (n_gpu_layers offloads to them)
         and their buffer types ("RPC0[host:port]") work in override_tensor (rapidmoe.rpc, docs/execution.md).
-    expert_cache: {MoE layer: [expert ids]}: a per-expert WQ cache on `expert_cache_device` (a device or buffer
-        type name, e.g. "RPC0[127.0.0.1:50052]"). The routed experts must be in CPU memory
-        (override_tensor="exps=CPU"; CPU weight repacking is turned off); the chosen experts' WQ is copied to the
-        device, which computes them, the CPU the rest, each slot exactly as that backend alone would
-        (docs/execution.md). Hit counters: `expert_cache_stats`.
+    expert_cache: a per-expert WQ cache, rapidmoe.cache.ExpertCacheConfig(experts={MoE layer: [expert ids]},
+        device=..., policy=...): the chosen experts' WQ copied to a device (e.g. "RPC0[127.0.0.1:50052]"), which
+        computes them, the CPU the rest, each slot exactly as that backend alone would; the routed experts must be
+        in CPU memory (override_tensor="exps=CPU"; CPU weight repacking is turned off). Policies static, rapidmoe,
+        lru and moepic (docs/execution.md). The loaded cache, its counters and its current set:
+        `llm.expert_cache` (rapidmoe.cache.runtime.ExpertCache; None without one). Deprecated, for one release:
+        expert_cache={layer: [ids]} with the keywords expert_cache_device, expert_cache_policy,
+        expert_cache_refresh, expert_cache_moepic and expert_cache_async (a DeprecationWarning).
     prefill_stream: with an expert cache on a device, ubatches of at least this many tokens compute the cached
         layers' WQ on that device from the stacked experts the scheduler copies there (stock llama.cpp's op offload
         for big batches) instead of the misses on the CPU; 0 (default) never. `rapidmoe-cli plan --machine` prints
         the threshold the latency model picks (rapidmoe.stream, docs/execution.md).
-    expert_cache_policy: "static" (default: the set stays as given); "rapidmoe": after every decode step the
-        set is refreshed from decayed per-expert routing counts, a bounded number of experts swapped
-        (`expert_cache_refresh`, a rapidmoe.placement.cache_policies.RefreshSettings; `expert_cache_refresh_stats`);
-        "lru": GPU-centric on-demand loading, each ubatch's missing experts copied into the least recently used
-        slots before the layer computes (`expert_cache_copies`); "moepic": MoEpic's split experts
-        (`expert_cache_moepic`, a MoEpicSettings; no expert_cache: each MoE layer gets a work area), tops of up to
-        `capacity` experts resident, the rest fetched per ubatch, the next layer's predicted experts ahead
-        (`expert_cache_bytes`). expert_cache_async (default True): copies run on the device's transfer queue
-        while compute goes on, each layer waiting for its own right before its device work.
     repack: False keeps every CPU weight in the plain GGUF layout (llama.cpp's repacked CPU buffers off, as
         `--no-repack`; an expert cache implies it); the default lets llama.cpp repack for its fastest kernels.
     trace: record every computed token's expert choices and router weights per MoE layer into this file
@@ -134,17 +119,13 @@ class Llama(llama_cpp.Llama):
         verify_residual: bool = True,
         n_seq_max: int = 1,
         rpc_servers: Sequence[str] | None = None,
-        expert_cache: Mapping[int, Sequence[int]] | None = None,
-        expert_cache_device: str | None = None,
+        expert_cache: ExpertCacheConfig | Mapping[int, Sequence[int]] | None = None,
         prefill_stream: int = 0,
         trace: str | os.PathLike[str] | None = None,
-        expert_cache_policy: str = "static",
-        expert_cache_refresh: RefreshSettings | None = None,
-        expert_cache_moepic: MoEpicSettings | None = None,
-        expert_cache_async: bool = True,
         repack: bool = True,
         **kwargs: Any,
     ) -> None:
+        legacy = {k: kwargs.pop(k) for k in LEGACY_KEYWORDS if k in kwargs}
         unknown = sorted(set(kwargs) - _LLAMA_CPP_ARGS)
         if unknown:  # llama_cpp.Llama would ignore them: a misspelt option must not run with its default
             raise TypeError(f"Llama got unexpected keyword argument(s): {', '.join(unknown)}")
@@ -175,39 +156,15 @@ class Llama(llama_cpp.Llama):
         if overlap_threads is not None and overlap_threads < 1:
             raise RapidMoEError(f"overlap_threads must be >= 1, got {overlap_threads}")
         self._overlap_threads = overlap_threads
-        self._expert_cache: dict[int, list[int]] | None = None
         self._prefill_stream = check_min_batch(prefill_stream)
-        self._refresher: CacheRefresher | None = None
-        if expert_cache_policy not in CACHE_POLICIES:
-            raise RapidMoEError(f"expert_cache_policy must be one of {', '.join(CACHE_POLICIES)}, "
-                                f"got {expert_cache_policy!r}")
-        self._moepic: list[MoEpicLayer] | None = None
-        self._cache_async = bool(expert_cache_async)
-        if expert_cache_policy == "moepic" or expert_cache_moepic is not None:
-            if expert_cache_policy != "moepic" or expert_cache_moepic is None:
-                raise RapidMoEError('expert_cache_policy="moepic" and expert_cache_moepic=MoEpicSettings(...) go '
-                                    "together")
-            if expert_cache is not None:
-                raise RapidMoEError("the moepic policy gives every MoE layer its own work area: pass "
-                                    "expert_cache_moepic, not expert_cache")
-            moe = moe_layers_of(model_path)
-            splits, caps = expert_cache_moepic.per_layer(len(moe))
-            work = min(expert_cache_moepic.work_slots or info.n_expert_used, info.n_expert)
-            self._moepic = moepic_layers(model_path, moe, splits, caps, work)
-            expert_cache = {il: list(range(work)) for il in moe}
-        if (expert_cache_policy != "static" or expert_cache_refresh is not None) and expert_cache is None:
-            raise RapidMoEError("expert_cache_policy and expert_cache_refresh need expert_cache={layer: [expert ids]}")
-        self._cache_policy = expert_cache_policy
-        self._refresh_settings = expert_cache_refresh or RefreshSettings()
-        self._n_expert = info.n_expert
-        if expert_cache is not None:
+        self.expert_cache_config = _cache_config(expert_cache, legacy)
+        self._cache: ExpertCache | None = None
+        if self.expert_cache_config is not None:
             if skip_noncritical:
                 raise RapidMoEError("skip_noncritical (a CPU benchmark baseline) does not combine with expert_cache")
-            self._expert_cache = check_expert_cache(expert_cache, moe_layers_of(model_path), info.n_layer,
-                                                    info.n_expert)
-            self._expert_cache_device = check_device(expert_cache_device, self._known_devices())
-        elif expert_cache_device is not None:
-            raise RapidMoEError("expert_cache_device needs expert_cache={layer: [expert ids]}")
+            self._cache = ExpertCache(self.expert_cache_config, model_path, n_layer=info.n_layer,
+                                      n_expert=info.n_expert, n_expert_used=info.n_expert_used,
+                                      known_devices=self._known_devices())
         if residual_path is None and (policy is not None or skip_noncritical):
             raise RapidMoEError("policy and skip_noncritical need a residual sidecar (residual_path=...)")
         if residual_path is not None:
@@ -254,7 +211,7 @@ class Llama(llama_cpp.Llama):
         devices = getattr(self, "_devices", None)
         if devices is not None:
             params.devices = ctypes.addressof(devices)  # type: ignore[assignment]  # ctypes takes the address
-        if getattr(self, "_expert_cache", None) is not None or not getattr(self, "_repack", True):
+        if getattr(self, "_cache", None) is not None or not getattr(self, "_repack", True):
             # the CPU computes the misses from the stacked experts with a masked matmul, and the cache copies their
             # slices: both need the plain layout, which repacked CPU buffers do not keep
             params.use_extra_bufts = False
@@ -318,41 +275,16 @@ class Llama(llama_cpp.Llama):
                 _core.set_skip_noncritical(model.model, True)
             threads = self._overlap_threads or max(1, int(getattr(self, "n_threads", 1) or 1))
             _core.set_overlap(model.model, self._overlap_mode, threads)
+        cache = getattr(self, "_cache", None)
         # always written (read at graph builds): a model freed earlier at this address may have left its threshold
-        set_stream_min_batch(model.model, self._prefill_stream if getattr(self, "_expert_cache", None) else 0)
-        if getattr(self, "_expert_cache", None) is not None:
-            self._set_expert_cache(model.model)
-            if self._cache_policy == "lru":
-                assert self._expert_cache is not None
-                for il, ids in self._expert_cache.items():
-                    if ids:
-                        _core.expert_cache_set_lru(model.model, il, True)
-            if self._cache_policy == "rapidmoe":
-                assert self._expert_cache is not None
-                self._refresher = CacheRefresher(model.model, self._expert_cache, self._n_expert,
-                                                 wq_expert_bytes(self.model_path, sorted(self._expert_cache)),
-                                                 self._refresh_settings)
-            for ml in self._moepic or []:
-                try:
-                    _core.expert_cache_set_moepic(model.model, ml.layer, ml.n_top, ml.capacity)
-                except ValueError as e:
-                    _core.expert_cache_clear(model.model)
-                    raise RapidMoEError(f"moepic: {e}") from e
-            _core.expert_cache_set_async(model.model, self._cache_async)
+        set_stream_min_batch(model.model, self._prefill_stream if cache is not None else 0)
+        if cache is not None:
+            cache.attach(model)
 
     def _known_devices(self) -> list[str]:
         names = [n for d in self.rpc_devices for n in (d.name, d.buffer_type)]
         names += [d[0] for d in _core.devices()] + [b[0] for b in _core.buffer_types()]
         return list(dict.fromkeys(names))
-
-    def _set_expert_cache(self, model: Any) -> None:
-        assert self._expert_cache is not None
-        for layer, ids in self._expert_cache.items():
-            try:
-                _core.expert_cache_set(model, layer, ids, self._expert_cache_device)
-            except ValueError as e:
-                _core.expert_cache_clear(model)  # nothing half set stays keyed by this model's tensors
-                raise RapidMoEError(f"expert_cache: {e}") from e
 
     def set_n_critical(self, n_critical: int) -> int:
         """Fixed r for the next calls: each token's r highest-weight experts run WQ+WR (0 <= r <= top-k)."""
@@ -411,11 +343,11 @@ class Llama(llama_cpp.Llama):
             raise RapidMoEError("no residual sidecar attached (pass residual_path=...)")
         return OverlapStats.from_raw(_core.overlap_stats(self._model.model, reset))
 
-    def expert_cache_stats(self, reset: bool = False) -> ExpertCacheStats:
-        """Per MoE layer since the last reset: cached experts, expert slots served from the cache, all slots."""
-        if self._expert_cache is None:
-            raise RapidMoEError("no expert cache (pass expert_cache=... and expert_cache_device=...)")
-        return ExpertCacheStats.from_raw(_core.expert_cache_stats(self._model.model, reset))
+    @property
+    def expert_cache(self) -> ExpertCache | None:
+        """The per-expert WQ cache of this model (its counters, current set, policy's statistics); None without
+        one. What asked for it: `expert_cache_config`."""
+        return getattr(self, "_cache", None)
 
     def tensor_buffer(self, name: str) -> str:
         """The buffer (device memory) holding the model's, the sidecar's or the expert cache's tensor `name`
@@ -442,53 +374,47 @@ class Llama(llama_cpp.Llama):
         """What follows a decode step: the trace's batches are written, the rapidmoe cache policy refreshes the
         expert cache. `eval` calls it; callers of llama_decode (the server) call it after each step."""
         self.flush_trace()
-        ref = getattr(self, "_refresher", None)
-        if ref is not None:
-            ref.step(n_tokens)
+        cache = getattr(self, "_cache", None)
+        if cache is not None:
+            cache.after_decode(n_tokens)
+
+    # --- deprecated (one release): the expert cache's readers on Llama; `llm.expert_cache` has them ---------------
+
+    def _deprecated_cache(self, old: str, new: str) -> ExpertCache:
+        warnings.warn(f"Llama.{old} is deprecated: use llm.expert_cache.{new}", DeprecationWarning, stacklevel=3)
+        if self._cache is None:
+            raise RapidMoEError("no expert cache (pass expert_cache=ExpertCacheConfig(...))")
+        return self._cache
+
+    def expert_cache_stats(self, reset: bool = False) -> ExpertCacheStats:
+        """Deprecated: `llm.expert_cache.stats(reset)`."""
+        return self._deprecated_cache("expert_cache_stats()", "stats()").stats(reset)
 
     def expert_cache_refresh_stats(self) -> RefreshStats:
-        """With expert_cache_policy="rapidmoe": swaps, bytes copied and steps since the cache was set."""
-        if self._refresher is None:
-            raise RapidMoEError('no refreshing expert cache (pass expert_cache_policy="rapidmoe")')
-        return self._refresher.stats
+        """Deprecated: `llm.expert_cache.refresh_stats()`."""
+        return self._deprecated_cache("expert_cache_refresh_stats()", "refresh_stats()").refresh_stats()
 
     def expert_cache_bytes(self, reset: bool = False) -> dict[int, tuple[int, int]]:
-        """Per MoE layer: (bytes copied host -> device before the layer could compute, bytes copied ahead by
-        moepic's prefetch) since the last reset (lru and moepic; 0 for the others)."""
-        if self._expert_cache is None:
-            raise RapidMoEError("no expert cache (pass expert_cache=... and expert_cache_device=...)")
-        raw = _core.expert_cache_bytes(self._model.model, reset)
-        return {il: (int(raw[il][0]), int(raw[il][1])) for il in sorted(self._expert_cache)}
+        """Deprecated: `llm.expert_cache.bytes(reset)`."""
+        return self._deprecated_cache("expert_cache_bytes()", "bytes()").bytes(reset)
 
     def expert_cache_wait_us(self, reset: bool = False) -> dict[int, int]:
-        """Per MoE layer: microseconds the computing thread waited for the layer's copies (the transfer queue's
-        cost that compute did not hide) since the last reset; a reset here also resets `expert_cache_bytes`."""
-        if self._expert_cache is None:
-            raise RapidMoEError("no expert cache (pass expert_cache=... and expert_cache_device=...)")
-        raw = _core.expert_cache_bytes(self._model.model, reset)
-        return {il: int(raw[il][2]) for il in sorted(self._expert_cache)}
+        """Deprecated: `llm.expert_cache.wait_us(reset)`."""
+        return self._deprecated_cache("expert_cache_wait_us()", "wait_us()").wait_us(reset)
 
     @property
     def expert_cache_moepic(self) -> list[MoEpicLayer]:
-        """The moepic policy's layers (rows in the top segment, resident tops, work area, bytes)."""
-        if self._moepic is None:
-            raise RapidMoEError('no moepic cache (pass expert_cache_policy="moepic")')
-        return list(self._moepic)
+        """Deprecated: `llm.expert_cache.moepic`."""
+        return self._deprecated_cache("expert_cache_moepic", "moepic").moepic
 
     def expert_cache_copies(self, reset: bool = False) -> dict[int, int]:
-        """Per MoE layer: experts the lru policy copied host -> device since the last reset (0 for other policies)."""
-        if self._expert_cache is None:
-            raise RapidMoEError("no expert cache (pass expert_cache=... and expert_cache_device=...)")
-        raw = _core.expert_cache_copies(self._model.model, reset)
-        return {il: int(raw[il]) for il in sorted(self._expert_cache)}
+        """Deprecated: `llm.expert_cache.copies(reset)`."""
+        return self._deprecated_cache("expert_cache_copies()", "copies()").copies(reset)
 
     @property
     def expert_cache_set(self) -> dict[int, list[int]]:
-        """The experts now in the cache per layer (they change under the rapidmoe policy; under lru the set changes
-        inside the graph and this gives the initial one)."""
-        if self._expert_cache is None:
-            raise RapidMoEError("no expert cache (pass expert_cache=... and expert_cache_device=...)")
-        return self._refresher.cache() if self._refresher is not None else dict(self._expert_cache)
+        """Deprecated: `llm.expert_cache.experts`."""
+        return self._deprecated_cache("expert_cache_set", "experts").experts
 
     def flush_trace(self) -> int:
         """With trace=...: write the batches computed since the last flush (call after llama_decode when not using
@@ -506,8 +432,9 @@ class Llama(llama_cpp.Llama):
         model = self.__dict__.get("_model")
         if self.residual is not None and model is not None and model.model is not None:
             _core.detach_residual(model.model)  # before llama.cpp frees the model
-        if getattr(self, "_expert_cache", None) is not None and model is not None and model.model is not None:
-            _core.expert_cache_clear(model.model)
+        cache = getattr(self, "_cache", None)
+        if cache is not None and model is not None and model.model is not None:
+            cache.close()
         super().close()
 
     def reset_timings(self) -> None:
@@ -525,3 +452,21 @@ def _as_policy(policy: Policy | str | os.PathLike[str]) -> Policy:
     if isinstance(policy, (str, os.PathLike)):
         return load_policy(policy)
     raise PolicyError(f"policy must be a rapidmoe.umia.Policy or a JSON file path, got {type(policy).__name__}")
+
+
+def _cache_config(expert_cache: ExpertCacheConfig | Mapping[int, Sequence[int]] | None,
+                  legacy: dict[str, Any]) -> ExpertCacheConfig | None:
+    """Llama's expert_cache argument as a config: as given, or built from the deprecated spelling (a mapping
+    and the expert_cache_* keywords), which warns once."""
+    if isinstance(expert_cache, ExpertCacheConfig):
+        if legacy:
+            raise TypeError(f"Llama got expert_cache=ExpertCacheConfig(...) and {', '.join(sorted(legacy))}: the "
+                            "config holds them all")
+        return expert_cache
+    if expert_cache is None and not legacy:
+        return None
+    old = ([] if expert_cache is None else ["expert_cache={layer: [ids]}"]) + [f"{k}=..." for k in legacy]
+    new = ([] if expert_cache is None else ["experts=..."]) + [f"{LEGACY_KEYWORDS[k]}=..." for k in legacy]
+    warnings.warn(f"Llama({', '.join(old)}) is deprecated: pass "
+                  f"expert_cache=rapidmoe.cache.ExpertCacheConfig({', '.join(new)})", DeprecationWarning, stacklevel=3)
+    return config_from_keywords(expert_cache, legacy)

@@ -41,7 +41,7 @@ def check_cache_policy(policy: str, place: LlamaPlacement) -> str:
 def moepic_placement(model: Path, place: LlamaPlacement, freq: Path | None) -> dict[str, Any]:
     """--cache-policy moepic: the per-expert cache's device memory spent on MoEpic's split experts instead
     (rapidmoe.Llama's expert_cache_moepic; no expert_cache), logged in one line."""
-    from ..expert_cache import moepic_for_cache  # noqa: PLC0415
+    from ..cache.moepic import moepic_for_cache  # noqa: PLC0415 - keep --help fast
 
     settings = moepic_for_cache(model, place.get("expert_cache") or {}, frequency_path=freq)
     log.info("moepic: split %s, tops per layer %s (the device memory of the planned cache, MoEpic's fixed point on "

@@ -7,6 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..cache.config import CachePolicy
+
 ModelArg = Annotated[Optional[Path], typer.Argument(
     help="GGUF model file (MoE). Default: the tiny synthetic model, made once and cached.",
     show_default=False)]
@@ -81,13 +83,6 @@ Reserve = Annotated[Optional[int], typer.Option(
 Freq = Annotated[Optional[Path], typer.Option(
     "--freq", help="With --gpu-mem: expert frequencies, .npy/.json counts [layers, experts] or a GGUF imatrix "
     "(default: uniform).")]
-class CachePolicy(str, Enum):
-    static = "static"
-    rapidmoe = "rapidmoe"
-    lru = "lru"
-    moepic = "moepic"
-
-
 CachePolicyOpt = Annotated[CachePolicy, typer.Option(
     "--cache-policy",
     help="With a per-expert WQ cache (--gpu-mem on a machine with a GPU): static keeps the planned experts; rapidmoe "

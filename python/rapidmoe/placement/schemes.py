@@ -1,7 +1,7 @@
 """Which expert-caching scheme to use on a machine: every scheme priced by the cost model from the plan's frequency
 table (expected values, no trace), the fastest decode chosen unless the user names one.
 
-Schemes (cache_policies.py has their replayable form):
+Schemes (rapidmoe.cache.simulator has their replayable form):
   stock     llama.cpp's `-ot exps=CPU` with an all-Q4 model: every routed expert on the CPU, run after the GPU
   static    RESplit's planner cache: the hottest WQ experts on the GPU, misses + critical residuals on the CPU
   lru       GPU-centric on-demand loading of Q4 experts, LRU per layer (hit rate estimated from the frequency table:
@@ -11,7 +11,7 @@ Schemes (cache_policies.py has their replayable form):
   rapidmoe  static + refresh from running frequencies: priced as static here (with a fixed frequency table the
             refresh has nothing to gain; bench/bench_cache.py replays traces where it does)
 
-The runtime realizes all five (`Llama(expert_cache_policy=...)`, `run`/`serve --cache-policy` where --gpu-mem
+The runtime realizes all five (`ExpertCacheConfig(policy=...)`, `run`/`serve --cache-policy` where --gpu-mem
 realizes a per-expert cache): lru and moepic on the file's own experts, e.g. WQ, where the comparison prices them
 with Q4 experts.
 """
@@ -22,16 +22,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cache.config import CachePolicy
+from ..cache.moepic import hit_curve, moepic_config
 from ..resplit.presets import Preset
-from .cache_policies import hit_curve, moepic_config
 from .cost import CostModel, ModelCosts
 from .frequency import ExpertFrequency
 from .machine import MachineProfile
 from .planner import DEFAULT_RESERVE, Plan, PlanError, plan
 from .tensors import ModelShapes
 
-CACHE_POLICIES = ("stock", "static", "lru", "moepic", "rapidmoe")
-REALIZED = ("stock", "static", "rapidmoe", "lru", "moepic")  # run/serve --gpu-mem --cache-policy
+# stock llama.cpp and each cache policy, in the order the comparison lists them
+CACHE_POLICIES = ("stock", *(p.value for p in (CachePolicy.static, CachePolicy.lru, CachePolicy.moepic,
+                                               CachePolicy.rapidmoe)))
+REALIZED = ("stock", *(p.value for p in CachePolicy))  # run/serve --gpu-mem --cache-policy
 PREFILL_BATCH = 512
 
 

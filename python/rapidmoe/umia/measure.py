@@ -125,7 +125,7 @@ def measure_device_points(wq_path: str | os.PathLike[str], wr_path: str | os.Pat
     """The device part's measurements (umia/device.py): for each share of every MoE layer's experts cached on
     `device` (the lowest ids) and each schedule (serial, concurrent), decode steps and a prefill batch at each r,
     with the hit rate and the per-stage worker/device times the runtime recorded. Returns (points, n_moe, k)."""
-    from ..expert_cache import moe_layers_of  # noqa: PLC0415
+    from ..cache.moepic import moe_layers_of  # noqa: PLC0415
     from ..llama import Llama  # noqa: PLC0415 - loads libllama
 
     info = read_model_info(wq_path)

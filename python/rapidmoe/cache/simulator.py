@@ -14,7 +14,7 @@ Policies (one interface, `access` per layer per step, `end_step` after each step
             dimension) of up to `capacity` experts per layer stays resident (LRU), a needed expert's missing part
             (the bottom if its top is cached, else all of it) is copied; experts predicted for the next layer are
             prefetched while this layer computes, the rest fetched on demand. Per-layer capacity and split come
-            from `moepic_config` (fixed point over the latency model and hit-rate curves).
+            from `cache.moepic.moepic_config` (fixed point over the latency model and hit-rate curves).
   rapidmoe  RapidMoE's WQ cache refreshed at run time: starts as `static`, keeps decayed routing counts, and after
             each step swaps in the hottest uncached expert of a layer for its coldest cached one (when hotter by a
             margin), at most `copies_per_step` experts per step over PCIe on their own queue; misses and the
@@ -25,24 +25,14 @@ the start of the step) and bytes copied host->device. A replay's times are proje
 """
 from __future__ import annotations
 
-import logging
-import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import RapidMoEError
-from .cost import CostModel
-
-log = logging.getLogger(__name__)
-
-POLICIES = ("static", "lru", "moepic", "rapidmoe")
-
-
-class CachePolicyError(RapidMoEError, ValueError):
-    """Arguments a cache policy or the replay cannot work with."""
+from ..placement.cost import CostModel
+from .config import CachePolicyError, RefreshSettings
 
 
 @dataclass
@@ -58,7 +48,7 @@ class Access:
     background_bytes: float = 0.0  # copied on a separate queue, off the critical path (rapidmoe refresh)
 
 
-class Policy:
+class ReplayPolicy:
     name = "policy"
     kind = "cpu"  # "cpu": misses on the CPU (CPU-centric); "gpu": everything on the GPU after copies
 
@@ -73,7 +63,7 @@ class Policy:
         raise NotImplementedError
 
 
-class StaticCache(Policy):
+class StaticCache(ReplayPolicy):
     name = "static"
 
     def __init__(self, cached: Sequence[set[int] | Sequence[int]]) -> None:
@@ -87,11 +77,11 @@ class StaticCache(Policy):
         return self.cached[m]
 
 
-class LRUCache(Policy):
+class LRUCache(ReplayPolicy):
     """GPU-centric on-demand loading with per-layer LRU eviction.
 
     initial: the experts resident at the start per layer, least recently used first. overflow_on_cpu: the runtime's
-    rule (Llama(expert_cache_policy="lru")): a step's missing experts are loaded in id order into the slots of the
+    rule (ExpertCacheConfig(policy="lru")): a step's missing experts are loaded in id order into the slots of the
     least recently used experts the step does not need, and those finding no such slot are not loaded (they run
     on the CPU); without it every missing expert is loaded, evicting as it goes (a GPU-centric system stages
     them)."""
@@ -145,11 +135,11 @@ class LRUCache(Policy):
         return set(self.slots[m])
 
 
-class MoEpicCache(Policy):
+class MoEpicCache(ReplayPolicy):
     """Top segments of up to capacity[m] experts resident (LRU); bottoms and uncached experts copied, predicted
     ones ahead of time.
 
-    work_slots: the runtime's rule (Llama(expert_cache_policy="moepic")): a layer computes on the device only the
+    work_slots: the runtime's rule (ExpertCacheConfig(policy="moepic")): a layer computes on the device only the
     experts its work area holds, work_slots[m] of them: the predicted ones (the first work_slots in id order) are
     assembled there ahead, the step's other experts on demand in id order while slots last, and the rest run on the
     CPU (no copy, no top admitted). Tops are admitted for the experts the device computed. None: every expert is
@@ -207,29 +197,12 @@ class MoEpicCache(Policy):
         return set(self.tops[m])
 
 
-@dataclass(frozen=True)
-class RefreshSettings:
-    """The rapidmoe policy's refresh: decayed routing counts (half-life in tokens), at most copies_per_step swaps after
-    each step over all layers, a swap only when the incoming expert's score beats the outgoing one's by `margin`."""
-
-    half_life_tokens: float = 64.0
-    copies_per_step: int = 2
-    margin: float = 0.25
-
-    def __post_init__(self) -> None:
-        if self.copies_per_step < 0 or not self.half_life_tokens > 0 or self.margin < 0:
-            raise CachePolicyError("rapidmoe refresh needs copies_per_step >= 0, half_life_tokens > 0, margin >= 0")
-
-    @property
-    def decay_per_token(self) -> float:
-        return 0.5 ** (1.0 / self.half_life_tokens)
-
 
 def refresh_swaps(score: np.ndarray, cached: Sequence[set[int]],
                   settings: RefreshSettings) -> list[tuple[int, int, int]]:
     """The swaps (layer index, expert in, expert out) after a step: per layer, the hottest uncached expert for the
     coldest cached one when hotter by the margin; the largest gains first, at most copies_per_step. Shared by the
-    simulator and the runtime (rapidmoe.expert_cache.CacheRefresher), so both make the same choices."""
+    simulator and the runtime (rapidmoe.cache.runtime.CacheRefresher), so both make the same choices."""
     n_expert = score.shape[1]
     cands = []
     for m, c in enumerate(cached):
@@ -246,7 +219,7 @@ def refresh_swaps(score: np.ndarray, cached: Sequence[set[int]],
     return [(-neg_m, inn, out) for _, neg_m, inn, out in cands[: settings.copies_per_step]]
 
 
-class RapidMoECache(Policy):
+class RapidMoECache(ReplayPolicy):
     """The static cache refreshed from decayed running counts, a bounded number of copies per step."""
 
     name = "rapidmoe"
@@ -320,7 +293,7 @@ class ReplayResult:
                 "layer_hit_rates": self.layer_hit_rates()}
 
 
-def replay(ids: np.ndarray, policy: Policy, cost: CostModel | None = None, *, batch: int = 1,
+def replay(ids: np.ndarray, policy: ReplayPolicy, cost: CostModel | None = None, *, batch: int = 1,
            pred: np.ndarray | None = None, r_critical: int = 0, overlap: bool = True,
            steps: Sequence[int] | None = None) -> ReplayResult:
     """Run the tokens through `policy` in steps of `batch` tokens (or of the given `steps` sizes, e.g. a trace's own
@@ -383,276 +356,3 @@ def replay(ids: np.ndarray, policy: Policy, cost: CostModel | None = None, *, ba
         background = policy.end_step(len(blk))
         res.bytes_moved += background
     return res
-
-
-# --- MoEpic's cache configuration -------------------------------------------------------------------------------
-
-HitCurve = Callable[[float], float]
-
-
-def hit_curve(counts: np.ndarray) -> HitCurve:
-    """H(n): the share of slots served by the n most used experts (linear between whole experts), from counts."""
-    c = np.sort(np.asarray(counts, dtype=np.float64))[::-1]
-    total = c.sum()
-    cum = np.concatenate([[0.0], np.cumsum(c) / total]) if total > 0 else np.linspace(0, 1, c.size + 1)
-    xs = np.arange(c.size + 1, dtype=np.float64)
-    return lambda n: float(np.interp(n, xs, cum))
-
-
-@dataclass(frozen=True)
-class SplitSolution:
-    split: float  # resident fraction of each cached expert (top segment)
-    n_cached: float  # experts whose top segment fits: budget / (split x expert bytes), capped at n_expert
-    stall_s: float  # expected transfer stall per token of this layer
-    iterations: int
-    converged: bool
-
-
-def layer_stall_s(split: float, hit: float, *, k: float, expert_bytes: float, pcie_bw: float, window_s: float,
-                  accuracy: float) -> float:
-    """MoEpic's per-layer latency model (decode, one token): expected bytes to fetch E = k x eb x (1 - split x H);
-    the predicted share `accuracy` of them is prefetched and stalls only beyond the window; the rest is fetched on
-    demand."""
-    e = k * expert_bytes * (1.0 - split * hit)
-    return max(0.0, accuracy * e / pcie_bw - window_s) + (1.0 - accuracy) * e / pcie_bw
-
-
-def split_fixed_point(curve: HitCurve, budget: float, *, n_expert: int, k: float, expert_bytes: float,
-                      pcie_bw: float, window_s: float, accuracy: float, tol: float = 1e-6,
-                      max_iter: int = 100) -> SplitSolution:
-    """The split ratio of one layer under a byte budget, by fixed-point iteration:
-
-        s <- clip((1 - c) / H(n(s)), 0, 1),  n(s) = min(n_expert, budget / (s x eb)),  c = window x pcie / (a x k x eb)
-
-    i.e. keep just enough of each cached expert resident that the prefetched rest fits in the window, and spend
-    the remaining memory on more experts (a higher hit rate H). The map is monotone in s, so the iteration from
-    s = 1 converges; it is damped once it starts to alternate (n is capped at n_expert)."""
-    eb = expert_bytes
-    kw = {"k": k, "expert_bytes": eb, "pcie_bw": pcie_bw, "window_s": window_s, "accuracy": accuracy}
-    if budget <= 0:
-        return SplitSolution(0.0, 0.0, layer_stall_s(0.0, 0.0, **kw), 0, True)
-    c = window_s * pcie_bw / (max(accuracy, 1e-9) * k * eb)
-    if c >= 1.0:  # the whole prefetch already fits in the window: cache whole experts against mispredictions
-        n = min(n_expert, budget / eb)
-        return SplitSolution(1.0, n, layer_stall_s(1.0, curve(n), **kw), 0, True)
-
-    def n_of(s: float) -> float:
-        return min(float(n_expert), budget / (s * eb)) if s > 0 else float(n_expert)
-
-    def _finish(s: float, it: int, ok: bool) -> SplitSolution:
-        if n_of(s) >= n_expert:  # every expert's top fits: spend what is left on larger tops
-            s = max(s, min(1.0, budget / (n_expert * eb)))
-        return SplitSolution(s, n_of(s), layer_stall_s(s, curve(n_of(s)), **kw), it, ok)
-
-    s, damp = 1.0, 1.0
-    prev_step = 0.0
-    for it in range(1, max_iter + 1):
-        h = curve(n_of(s))
-        target = 1.0 if h <= 0 else min(1.0, max(1e-6, (1.0 - c) / h))
-        step = target - s
-        if prev_step * step < 0:
-            damp *= 0.5
-        s_new = s + damp * step
-        prev_step = step
-        if abs(s_new - s) < tol:
-            return _finish(s_new, it, True)
-        s = s_new
-    return _finish(s, max_iter, False)
-
-
-@dataclass(frozen=True)
-class MoEpicConfig:
-    budgets: list[float]  # bytes per layer
-    splits: list[float]
-    capacity: list[int]  # top segments per layer (whole experts)
-    stall_s: float  # expected stall per token, all layers
-    all_converged: bool
-
-
-def moepic_config(curves: Sequence[HitCurve], budget: float, *, n_expert: int, k: float, expert_bytes: float,
-                  pcie_bw: float, windows_s: Sequence[float], accuracy: Sequence[float],
-                  quanta: int | None = None) -> MoEpicConfig:
-    """Per-layer budget and split ratio. Divide: each layer's split for any budget by `split_fixed_point` (a table
-    over budgets in equal quanta). Conquer: the quanta split among layers to minimise the summed expected stall,
-    exactly over that grid (dynamic programming over layers)."""
-    n_moe = len(curves)
-    if budget < 0 or n_moe == 0 or len(windows_s) != n_moe or len(accuracy) != n_moe:
-        raise CachePolicyError("moepic_config needs a budget >= 0 and one curve, window and accuracy per layer")
-    q_n = quanta if quanta is not None else 8 * n_moe
-    q = budget / q_n if q_n else 0.0
-    # a layer never needs more than all its experts whole
-    j_max = q_n if q == 0 else min(q_n, math.ceil(n_expert * expert_bytes / q))
-    table = [[split_fixed_point(curves[m], j * q, n_expert=n_expert, k=k, expert_bytes=expert_bytes, pcie_bw=pcie_bw,
-                                window_s=windows_s[m], accuracy=accuracy[m]) for j in range(j_max + 1)]
-             for m in range(n_moe)]
-    stall = np.array([[s.stall_s for s in row] for row in table])  # [n_moe, j_max + 1]
-    best = np.full(q_n + 1, np.inf)  # best[j]: least stall of the layers so far with j quanta
-    best[: j_max + 1] = stall[0]
-    choice = [np.minimum(np.arange(q_n + 1), j_max)]
-    for m in range(1, n_moe):
-        new = np.full(q_n + 1, np.inf)
-        arg = np.zeros(q_n + 1, dtype=np.int64)
-        for j in range(j_max + 1):  # j quanta to layer m
-            cand = np.full(q_n + 1, np.inf)
-            cand[j:] = best[: q_n + 1 - j] + stall[m, j]
-            better = cand < new - 1e-15
-            new[better], arg[better] = cand[better], j
-        best = new
-        choice.append(arg)
-    given = [0] * n_moe
-    j = int(np.argmin(best))
-    for m in range(n_moe - 1, 0, -1):
-        given[m] = int(choice[m][j])
-        j -= given[m]
-    given[0] = j
-    sols = [table[m][given[m]] for m in range(n_moe)]
-    return MoEpicConfig([g * q for g in given], [s.split for s in sols],
-                        [int(min(n_expert, math.floor(s.n_cached + 1e-9))) for s in sols],
-                        sum(s.stall_s for s in sols), all(s.converged for s in sols))
-
-
-def plan_moepic(counts: np.ndarray, budget: float, *, expert_bytes: float, k: int, cost: CostModel,
-                accuracy: Sequence[float] | None = None) -> MoEpicConfig:
-    """MoEpic's configuration for a model: per-layer hit-rate curves from routing counts [n_moe, n_expert] (a
-    calibration trace), windows and link from the cost model (`cost.window_s(k, k)`: the previous layer's compute
-    for one token; `cost.machine.pcie_bw`), the next-layer predictor's measured accuracy per layer (0 where not
-    measured: nothing counted as prefetched). What the simulator and the runtime (Llama(expert_cache_policy=
-    "moepic")) use."""
-    counts = np.asarray(counts, dtype=np.float64)
-    if counts.ndim != 2 or counts.shape[0] == 0:
-        raise CachePolicyError(f"routing counts must be [MoE layers, experts], got shape {counts.shape}")
-    n_moe, n_expert = counts.shape
-    acc = [0.0] * n_moe if accuracy is None else [float(a) if np.isfinite(a) else 0.0 for a in accuracy]
-    return moepic_config([hit_curve(c) for c in counts], float(budget), n_expert=n_expert, k=k,
-                         expert_bytes=expert_bytes, pcie_bw=cost.machine.pcie_bw,
-                         windows_s=[cost.window_s(k, k)] * n_moe, accuracy=acc)
-
-
-@dataclass(frozen=True)
-class MoEpicSettings:
-    """The moepic policy at run time (Llama(expert_cache_policy="moepic", expert_cache_moepic=...)): per MoE layer
-    (in layer order) the top segment's share of the intermediate dimension (rounded down to whole rows and to the
-    down projection's quantization block) and how many tops stay resident; work_slots experts per layer computed on
-    the device per ubatch (0: the model's top-k). One value applies to every layer."""
-
-    split: float | Sequence[float]
-    capacity: int | Sequence[int]
-    work_slots: int = 0
-
-    def __post_init__(self) -> None:
-        splits = [self.split] if isinstance(self.split, (int, float)) else list(self.split)
-        caps = [self.capacity] if isinstance(self.capacity, int) else list(self.capacity)
-        if any(not 0.0 <= float(x) <= 1.0 for x in splits) or any(int(c) < 0 for c in caps) or self.work_slots < 0:
-            raise CachePolicyError("moepic settings need splits in [0, 1], capacities >= 0 and work_slots >= 0")
-
-    @classmethod
-    def from_config(cls, cfg: MoEpicConfig, work_slots: int = 0) -> MoEpicSettings:
-        return cls(list(cfg.splits), list(cfg.capacity), work_slots)
-
-    def per_layer(self, n_moe: int) -> tuple[list[float], list[int]]:
-        splits = [float(self.split)] * n_moe if isinstance(self.split, (int, float)) else [float(x) for x in self.split]
-        caps = [int(self.capacity)] * n_moe if isinstance(self.capacity, int) else [int(c) for c in self.capacity]
-        if len(splits) != n_moe or len(caps) != n_moe:
-            raise CachePolicyError(f"moepic settings give {len(splits)} splits and {len(caps)} capacities for "
-                                   f"{n_moe} MoE layers")
-        return splits, caps
-
-
-def top_rows(split: float, n_ff: int, block: int) -> int:
-    """Rows of the intermediate dimension in the top segment: split x n_ff rounded down to a multiple of block."""
-    return math.floor(split * n_ff / block + 1e-9) * block
-
-
-# --- routing for shapes we cannot run -----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class RoutingStats:
-    """Per MoE layer of a real trace: expert popularity, token-to-token reuse, next-layer prediction accuracy."""
-
-    popularity: np.ndarray  # [n_moe, n_expert] shares
-    reuse: np.ndarray  # [n_moe] mean share of a token's experts the previous token also used
-    accuracy: np.ndarray  # [n_moe] share of a layer's experts the predictor named (nan without predictions)
-    chance: np.ndarray  # [n_moe] the reuse independent draws by popularity would give
-    k: int = 1
-
-    @property
-    def excess_reuse(self) -> np.ndarray:
-        """Reuse beyond chance, (reuse - chance) / (1 - chance), >= 0: the locality that carries over to a shape
-        with more experts (where chance reuse is much smaller)."""
-        return np.clip((self.reuse - self.chance) / np.maximum(1e-12, 1.0 - self.chance), 0.0, 1.0)
-
-
-def chance_reuse(popularity: np.ndarray, k: int) -> float:
-    """Expected share of a token's experts found among the previous token's, both drawn independently: sum over
-    experts of p_e x P(e among k draws) ~ sum p_e min(1, k p_e)."""
-    p = np.asarray(popularity, dtype=np.float64)
-    return float(np.sum(p * np.minimum(1.0, k * p)))
-
-
-def routing_stats(ids: np.ndarray, n_expert: int, pred: np.ndarray | None = None) -> RoutingStats:
-    _, n_moe, k = ids.shape
-    pop = np.zeros((n_moe, n_expert))
-    reuse = np.zeros(n_moe)
-    chance = np.zeros(n_moe)
-    acc = np.full(n_moe, np.nan)
-    for m in range(n_moe):
-        col = ids[:, m, :]
-        ok = (col >= 0).all(axis=1)
-        c = col[ok]
-        pop[m] = np.bincount(c.reshape(-1), minlength=n_expert)[:n_expert]
-        pop[m] /= max(1.0, pop[m].sum())
-        chance[m] = chance_reuse(pop[m], k)
-        if len(c) > 1:
-            same = [(np.isin(c[i], c[i - 1])).mean() for i in range(1, len(c))]
-            reuse[m] = float(np.mean(same))
-        if pred is not None and m > 0:
-            p = pred[:, m, :][ok]
-            if len(p):
-                acc[m] = float(np.mean([np.isin(c[i], p[i]).mean() for i in range(len(c))]))
-    return RoutingStats(pop, reuse, acc, chance, k)
-
-
-def scale_routing(stats: RoutingStats, *, n_tokens: int, n_moe: int, n_expert: int, k: int,
-                  seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Routing [n_tokens, n_moe, k] (and predictions) for a larger shape from a real trace's per-layer statistics:
-    big layer L takes small layer L x n_small // n_moe; small expert e becomes n_expert / n_small big experts that
-    share its popularity equally; each token reuses a Binomial(k, excess reuse) number of the previous token's
-    experts (the small model's reuse beyond chance) and draws the rest by popularity, without repeats; the
-    predictor names each chosen expert with the small layer's measured accuracy (0.5 where none was measured) and
-    fills the rest by popularity. A projection of
-    the small model's skew and locality onto the big shape, not the big model's routing."""
-    small_moe, small_e = stats.popularity.shape
-    if n_expert % small_e:
-        raise CachePolicyError(f"cannot map {small_e} experts onto {n_expert} (not a multiple)")
-    g = n_expert // small_e
-    rng = np.random.default_rng(seed)
-    ids = np.empty((n_tokens, n_moe, k), dtype=np.int64)
-    pred = np.empty_like(ids)
-    for lm in range(n_moe):
-        sm = lm * small_moe // n_moe
-        p = np.repeat(stats.popularity[sm] / g, g)
-        p = p / p.sum()
-        rho = float(stats.excess_reuse[sm])
-        a = float(stats.accuracy[sm]) if np.isfinite(stats.accuracy[sm]) else 0.5
-        prev: np.ndarray | None = None
-        for t in range(n_tokens):
-            chosen: list[int] = []
-            if prev is not None:
-                n_re = min(k, int(rng.binomial(k, rho)))
-                chosen = list(rng.choice(prev, size=n_re, replace=False)) if n_re else []
-            chosen += _draw(rng, p, k - len(chosen), chosen)
-            row = np.array(chosen, dtype=np.int64)
-            ids[t, lm] = row
-            keep = [int(e) for e in row if rng.random() < a]
-            pred[t, lm] = np.array(keep + _draw(rng, p, k - len(keep), keep), dtype=np.int64)
-            prev = row
-    return ids, pred
-
-
-def _draw(rng: np.random.Generator, p: np.ndarray, n: int, exclude: Sequence[int]) -> list[int]:
-    if n <= 0:
-        return []
-    q = p.copy()
-    q[list(exclude)] = 0.0
-    q /= q.sum()
-    return [int(x) for x in rng.choice(q.size, size=n, replace=False, p=q)]

@@ -81,7 +81,7 @@ def plan(
 
         multi = plan_across(m, device_mems, lambda total: plan_one(
             m, "resplit", preset=p, gpu_mem=total, cpu_mem=budgets["cpu_mem"], n_ctx=ctx_size,
-            reserve=parse_size(reserve), frequency=frequency), footprint(m, resplit_types(p), p), parse_size(reserve))
+            reserve=parse_size(reserve), frequency=frequency), footprint(m, resplit_types(p, m), p), parse_size(reserve))
         budgets["gpu_mem"] = multi.plan.gpu_mem  # the tables below: the plans for the budget that was split
         extra["devices"] = {"budgets": device_mems, "tensor_split": list(multi.tensor_split), "fits": multi.fits,
                             "args": list(multi.args), "shares": [s.__dict__ for s in multi.shares]}

@@ -47,7 +47,7 @@ class ModelCosts:
     @staticmethod
     def of(model: ModelShapes, preset: Preset | None = None) -> ModelCosts:
         """RESplit's WQ + sidecar with a preset, else the Q4_K_M-like all-Q4 model of the baselines."""
-        rule = resplit_types(preset) if preset is not None else q4_k_m_types(model)
+        rule = resplit_types(preset, model) if preset is not None else q4_k_m_types(model)
         fp = footprint(model, rule, preset)
         n_moe = len(fp.expert_bytes)
         resident = sum(b for part, b in fp.parts.items() if part not in (ROUTED, EMBEDDINGS))

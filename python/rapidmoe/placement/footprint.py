@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..ggml_types import tensor_bytes
 from ..resplit.presets import Preset
-from .sizes import tensor_bytes
 from .tensors import ROUTED, ModelShapes
 from .typeplan import TypeRule, sidecar_type
 

@@ -125,7 +125,7 @@ def plan(model: ModelShapes, scheme: str = "resplit", *, preset: Preset | None =
     elif scheme == "resplit":
         if preset is None:
             raise PlanError("the resplit scheme needs a preset")
-        fp = footprint(model, resplit_types(preset), preset)
+        fp = footprint(model, resplit_types(preset, model), preset)
         types = (f"preset {preset.name}: WQ {preset.wq}, WR {preset.wr}, down {preset.down_mode} "
                  f"{preset.down_hi}, other {preset.other}")
     else:

@@ -1,15 +1,16 @@
-"""Which ggml type each tensor is stored in under a scheme: the file's own types, a RESplit preset (the rules
-resplit/convert.py applies), or a Q4_K_M-like all-Q4 model (the rules of llama.cpp's llama-quant.cpp).
+"""Which ggml type each tensor is stored in under a scheme: the file's own types, a RESplit preset (the
+converter's own choice, resplit/typechoice.py), or a Q4_K_M-like all-Q4 model (the rules of llama.cpp's
+llama-quant.cpp).
 
-Pure functions of names and shapes; sizes.py turns types into bytes.
+Pure functions of names and shapes; ggml_types.tensor_bytes turns types into bytes.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..resplit.convert import KEEP_F32_RE
+from ..ggml_types import fit_type, fits_rows
 from ..resplit.presets import Preset
-from .sizes import fits_rows
+from ..resplit.typechoice import KEEP_F32_RE, plan_expert, tensor_type
 from .tensors import ModelShapes, TensorShape
 
 TypeRule = Callable[[TensorShape], str]
@@ -27,38 +28,37 @@ _MIXTURE_TYPES = {"Q3_K_S": ("Q3_K", "Q6_K"), "Q3_K_M": ("Q3_K", "Q6_K"), "Q3_K_
                   "Q5_K_M": ("Q5_K", "Q6_K")}
 
 
-def resplit_types(preset: Preset) -> TypeRule:
-    """The WQ file's types (resplit/convert.py `_target_type`): routed experts in WQ; 1-D tensors, norms, router
-    and biases F32; other matrices `preset.other`, or F16 when their rows are not whole blocks of it. A mixture
-    preset (other = Q4_K_M, ...) is approximated: its main type for the matrices, Q6_K for the output head
-    (conversion asks llama.cpp for the exact per-tensor types; a converted file is planned with its own)."""
+def resplit_types(preset: Preset, model: ModelShapes | None = None) -> TypeRule:
+    """The WQ file's types, as the converter chooses them (resplit/typechoice.py): routed experts in WQ (or
+    llama-quantize's fallback where rows are not whole blocks of it); the token embedding / output head in the
+    preset's type for them where rows fit; 1-D tensors, norms, router and biases F32; other matrices
+    `preset.other`, or F16 when their rows are not whole blocks of it. A mixture preset (other = Q4_K_M, ...) is
+    approximated: its main type for the matrices, Q6_K for the output head, llama-quantize's fallback where rows
+    do not fit (conversion asks llama.cpp for the exact per-tensor types; a converted file is planned with its own).
+    The token embedding / output head overrides depend on whether the model has its own output head (a tied
+    embedding is the output matmul): from `model`'s tensor names, or without it, an untied head assumed."""
     mixture = _MIXTURE_TYPES.get(preset.other.upper())
-    fixed = {"token_embd.weight": preset.token_embd, "output.weight": preset.output}
+    names = {t.name for t in model.tensors} if model is not None else {"output.weight"}
+    overrides = preset.tensor_types(names)
+
+    def approx_mixture(name: str, shape: tuple[int, ...], stored: str) -> str:
+        del stored
+        assert mixture is not None
+        if len(shape) == 1 or KEEP_F32_RE.search(name):
+            return "F32"
+        return fit_type(mixture[1] if name == "output.weight" else mixture[0], shape[0])
 
     def rule(t: TensorShape) -> str:
         if t.role is not None:
-            return preset.wq
-        ty_fixed = fixed.get(t.name)
-        if ty_fixed is not None and fits_rows(ty_fixed, t.shape[0]):
-            return ty_fixed.upper()
-        if len(t.shape) == 1 or KEEP_F32_RE.search(t.name):
-            return "F32"
-        if mixture is not None:
-            ty = mixture[1] if t.name == "output.weight" else mixture[0]
-            return ty if fits_rows(ty, t.shape[0]) else "F16"
-        if not fits_rows(preset.other, t.shape[0]):
-            return "F16" if preset.other.upper() != "F32" else "F32"
-        return preset.other.upper()
+            return plan_expert(t.name, t.shape, preset).wq
+        return tensor_type(t.name, t.shape, t.type, preset, overrides, approx_mixture if mixture else None)
     return rule
 
 
 def sidecar_type(t: TensorShape, preset: Preset) -> str:
-    """Type of a routed-expert tensor's sidecar (.wr.gguf) counterpart: the residual, or down's copy."""
-    return preset.down_hi if t.role == "down" else preset.wr
-
-
-# llama-quant.cpp's fallback when rows are not whole blocks of the chosen type
-_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0"}
+    """Type of a routed-expert tensor's sidecar (.wr.gguf) counterpart: the residual, or down's copy (or
+    llama-quantize's fallback where rows are not whole blocks of it, as the converter writes it)."""
+    return plan_expert(t.name, t.shape, preset).hi
 
 
 def _use_more_bits(i: int, n: int) -> bool:
@@ -102,12 +102,7 @@ def q4_k_m_types(model: ModelShapes) -> TypeRule:
     def rule(t: TensorShape) -> str:
         if not _is_quantized(t):
             return t.type
-        ty = base(t)
-        if not fits_rows(ty, t.shape[0]):
-            ty = _FALLBACK.get(ty, ty)
-            if not fits_rows(ty, t.shape[0]):
-                ty = "F16"
-        return ty
+        return fit_type(base(t), t.shape[0])
     return rule
 
 

@@ -10,7 +10,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,13 +21,15 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from tqdm import tqdm
 
 from ..errors import ModelFileError, RapidMoEError
+from ..ggml_types import fits_rows, ggml_type
 from ..ggufio import GGUFFile, Tensor, copy_metadata, n_rows, tensor_rows
 from ..modelfile import require_moe
 from . import sidecar
 from .fingerprint import sample_digests
 from .imatrix import Imatrix
-from .presets import NEEDS_IMATRIX, Preset, block_size, qtype
+from .presets import NEEDS_IMATRIX, Preset
 from .report import ErrorAccumulator, TensorReport
+from .typechoice import EXPERT_RE, ExpertPlan, check_expert_plan, exact_mixture, plan_expert, tensor_type
 
 log = logging.getLogger(__name__)
 
@@ -39,50 +40,6 @@ log = logging.getLogger(__name__)
 LAYER_ROLE_SETS = (frozenset({"gate", "up", "down"}), frozenset({"gate_up", "down"}))
 INPUT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
                GGMLQuantizationType.Q8_0)
-EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
-KEEP_F32_RE = re.compile(r"(_norm|_inp|\.bias$|exp_probs_b)")
-NORM_RE = re.compile(r"_norm")
-FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
-
-
-# llama-quantize's fallback for a row size a type's block does not divide (tensor_type_fallback in the pinned
-# src/llama-quant.cpp): the 256-block type becomes a 32-block one; where that does not fit either, F16
-_FALLBACK = {"IQ1_S": "IQ4_NL", "IQ1_M": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ2_S": "IQ4_NL",
-             "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ4_XS": "IQ4_NL", "Q2_K": "Q4_0", "Q3_K": "Q4_0",
-             "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
-
-
-def fit_type(name: str, n_in: int) -> str:
-    """The type a row of n_in values gets when `name` is asked for: itself when its block divides n_in, else
-    llama-quantize's fallback (a 32-block type), else F16."""
-    name = name.upper()
-    if n_in % block_size(name) == 0:
-        return name
-    fb = _FALLBACK.get(name, name)
-    return fb if n_in % block_size(fb) == 0 else "F16"
-
-
-@dataclass(frozen=True)
-class ExpertPlan:
-    """One routed-expert tensor's split: its role and the types its WQ and sidecar parts get (after fallback)."""
-
-    name: str
-    role: str  # gate, up, down, gate_up
-    wq: str
-    hi: str  # the sidecar tensor's type (residual, or down's copy)
-    fallbacks: tuple[tuple[str, str, str], ...]  # (part, asked type, type used) where the row size forced a change
-
-    def describe_fallbacks(self) -> list[str]:
-        return [f"{self.name} {part} {asked}->{used}" for part, asked, used in self.fallbacks]
-
-
-def plan_expert(t: Tensor, preset: Preset) -> ExpertPlan:
-    role = EXPERT_RE.match(t.name).group(2)  # type: ignore[union-attr]
-    n_in = int(t.shape[0])
-    asked = {"wq": preset.wq.upper(), "sidecar": (preset.down_hi if role == "down" else preset.wr).upper()}
-    used = {part: fit_type(ty, n_in) for part, ty in asked.items()}
-    fallbacks = tuple((part, asked[part], used[part]) for part in asked if used[part] != asked[part])
-    return ExpertPlan(t.name, role, used["wq"], used["sidecar"], fallbacks)
 
 
 @dataclass(frozen=True)
@@ -96,7 +53,7 @@ class ConvertResult:
 
 def _mixture_types(src: Path, ftype: int) -> dict[str, GGMLQuantizationType]:
     """Every tensor's type in a stock llama-quantize of `src` to llama_ftype `ftype` (llama.cpp's own choice)."""
-    from .._runtime import _core  # noqa: PLC0415
+    from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
 
     try:
         return {name: GGMLQuantizationType(ty) for name, ty in _core.quant_types(str(src), ftype)}
@@ -106,31 +63,14 @@ def _mixture_types(src: Path, ftype: int) -> dict[str, GGMLQuantizationType]:
 
 def _target_type(t: Tensor, preset: Preset, mixture: dict[str, GGMLQuantizationType] | None = None,
                  overrides: dict[str, str] | None = None) -> GGMLQuantizationType:
-    """Type of a non-expert tensor in the WQ file: the preset's own type for it (`overrides`, from
-    Preset.tensor_types) where its rows fit; else with a mixture preset, llama-quantize's type for it;
-    else F32 for vectors/norms/router, and preset.other where its rows fit (F16 where not)."""
-    fixed = (overrides or {}).get(t.name)
-    if fixed is not None and int(t.shape[0]) % block_size(fixed) == 0:
-        return qtype(fixed)
-    if mixture is not None:
-        if t.name not in mixture:
-            raise ModelFileError(f"llama.cpp's quantization plan has no tensor {t.name}")
-        # a norm weight multiplies activations elementwise, which ggml's CPU does not do from a quantized type:
-        # the pinned llama-quantize quantizes 2-D norms it does not recognize (qwen4exp's ple_norm_*: its own Q4_K_M
-        # of that model aborts in binary_op); they stay as stored
-        if NORM_RE.search(t.name) and mixture[t.name] not in FLOAT_TYPES:
-            return GGMLQuantizationType(int(t.tensor_type))
-        return mixture[t.name]
-    if len(t.shape) == 1 or KEEP_F32_RE.search(t.name):
-        return GGMLQuantizationType.F32
-    other = qtype(preset.other)
-    if int(t.shape[0]) % block_size(preset.other) != 0:
-        return GGMLQuantizationType.F16 if other != GGMLQuantizationType.F32 else other
-    return other
+    """Type of a non-expert tensor in the WQ file (typechoice.tensor_type; `mixture`: llama.cpp's plan)."""
+    rule = exact_mixture({k: v.name for k, v in mixture.items()}) if mixture is not None else None
+    return ggml_type(tensor_type(t.name, tuple(int(x) for x in t.shape), t.tensor_type.name, preset,
+                                 overrides or {}, rule))
 
 
 def _byte_shape(t: Tensor, qt: GGMLQuantizationType) -> tuple[int, ...]:
-    from .._runtime import _core  # noqa: PLC0415
+    from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
 
     dims = [int(x) for x in reversed(t.shape)]
     return (*dims[:-1], _core.row_size(int(qt), dims[-1]))
@@ -214,11 +154,9 @@ class _Converter:
             if len(counts) != 1:
                 raise ModelFileError(f"tensor {roles['down'].name}: layer {il}'s expert tensors disagree on the "
                                      f"number of experts ({sorted(counts)})")
-        self.plans = {t.name: plan_expert(t, self.preset) for t in experts}
+        self.plans = {t.name: plan_expert(t.name, tuple(int(x) for x in t.shape), self.preset) for t in experts}
         for t in experts:
-            if self.plans[t.name].wq == "F16":
-                raise ModelFileError(f"tensor {t.name} has rows of {int(t.shape[0])} values, which no quantized type "
-                                     f"takes (not a multiple of 32): its WQ would be F16, nothing to split")
+            check_expert_plan(self.plans[t.name], int(t.shape[0]))
         p = self.preset
         if self.imatrix is None and any(pl.wq in NEEDS_IMATRIX for pl in self.plans.values()):
             raise RapidMoEError(f"{p.wq} needs an importance matrix: pass --imatrix FILE (llama.cpp's) or "
@@ -229,20 +167,20 @@ class _Converter:
 
     # -- one routed-expert tensor -------------------------------------------------------------------------
     def convert_expert(self, t: Tensor) -> tuple[np.ndarray, np.ndarray]:
-        from .._runtime import _core  # noqa: PLC0415
+        from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
 
         p = self.preset
         plan = self.plans[t.name]
         role = plan.role
         n_in, n_out, n_expert = (int(x) for x in t.shape)
-        wq_t = int(qtype(plan.wq))
+        wq_t = int(ggml_type(plan.wq))
         copy_down = role == "down" and p.down_mode == "copy"
-        hi_t = int(qtype(plan.hi))
+        hi_t = int(ggml_type(plan.hi))
         imat = self.imatrix.weights_for(t.name, n_expert, n_in) if self.imatrix is not None else None
         wq_out = np.empty((n_expert, n_out, _core.row_size(wq_t, n_in)), dtype=np.uint8)
         hi_out = np.empty((n_expert, n_out, _core.row_size(hi_t, n_in)), dtype=np.uint8)
         rep = TensorReport(t.name, role, plan.wq, plan.hi, copy_down, fallbacks=plan.describe_fallbacks())
-        ref_types = [name for name in ("Q4_K", "Q8_0") if n_in % block_size(name) == 0]  # others: not comparable
+        ref_types = [name for name in ("Q4_K", "Q8_0") if fits_rows(name, n_in)]  # others: not comparable
         sample = set(range(n_expert)) if self.report_experts is None else \
             set(np.linspace(0, n_expert - 1, min(n_expert, self.report_experts)).round().astype(int).tolist())
         for e in range(n_expert):
@@ -261,7 +199,7 @@ class _Converter:
             refs = {}
             if e in sample:
                 for name in ref_types:
-                    rt = int(qtype(name))
+                    rt = int(ggml_type(name))
                     refs[name] = _core.dequantize(_core.quantize(w, rt, im), rt, n_in)
             rep.add(w, dq, crit, refs)
         self.reports.append(rep)
@@ -270,7 +208,7 @@ class _Converter:
 
     # -- the whole file -----------------------------------------------------------------------------------
     def run(self, wq_tmp: Path, wr_tmp: Path, pair_id: str, progress: bool) -> None:
-        from .._runtime import _core  # noqa: PLC0415
+        from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
 
         p = self.preset
         wq = GGUFWriter(wq_tmp, arch=self.arch)
@@ -293,7 +231,7 @@ class _Converter:
         for t in self.reader.tensors:
             m = EXPERT_RE.match(t.name)
             if m:
-                wq_t, hi = qtype(self.plans[t.name].wq), qtype(self.plans[t.name].hi)
+                wq_t, hi = ggml_type(self.plans[t.name].wq), ggml_type(self.plans[t.name].hi)
                 _add_quant_info(wq, t.name, _byte_shape(t, wq_t), wq_t)
                 _add_quant_info(wr, sidecar.sidecar_name(t.name, m.group(2), p.down_mode), _byte_shape(t, hi), hi)
                 plan.append((t, None))

@@ -1,12 +1,12 @@
 """RESplit presets: which ggml types hold WQ (low-bit, GPU-resident), WR (residual, CPU) and the critical down path.
 
-Pure data and arithmetic (no extension import): bits per weight come from gguf-py's block sizes.
+Pure data and arithmetic (no extension import): bits per weight come from ggml_types (gguf-py's block sizes).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from ..ggml_types import bits_per_weight
 
 # types the converter accepts for each role (the issue's minimum set, plus what costs nothing to allow)
 WQ_TYPES = ("IQ1_M", "IQ2_XXS", "IQ2_XS", "Q2_K", "Q3_K")
@@ -20,22 +20,6 @@ TENSOR_OVERRIDE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16")
 OTHER_MIXTURES = {"Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17}
 # llama-quantize refuses these without an importance matrix (ggml asserts on the first three)
 NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS")
-
-
-def qtype(name: str) -> GGMLQuantizationType:
-    try:
-        return GGMLQuantizationType[name.upper()]
-    except KeyError:
-        raise ValueError(f"unknown ggml type {name!r}") from None
-
-
-def bits_per_weight(name: str) -> float:
-    block, size = GGML_QUANT_SIZES[qtype(name)]
-    return 8.0 * size / block
-
-
-def block_size(name: str) -> int:
-    return GGML_QUANT_SIZES[qtype(name)][0]
 
 
 @dataclass(frozen=True)

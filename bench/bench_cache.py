@@ -59,8 +59,7 @@ def record(model: Path, text: Path, out: Path, n_tokens: int, chunk: int = 256, 
 
 def policies_for(ids_cal: np.ndarray, n_expert: int, capacity: list[int], eb: float, cost, pred_acc: np.ndarray):  # type: ignore[no-untyped-def]
     """The four policies at a per-layer capacity (experts), all set up from the calibration routing."""
-    from rapidmoe.cache import (
-        LRUCache, MoEpicCache, RapidMoECache, StaticCache, hit_curve, moepic_config)
+    from rapidmoe.cache import LRUCache, MoEpicCache, RapidMoECache, StaticCache, hit_curve, moepic_config
 
     n_moe = ids_cal.shape[1]
     counts = np.stack([np.bincount(ids_cal[:, m][ids_cal[:, m] >= 0], minlength=n_expert) for m in range(n_moe)])
@@ -113,10 +112,18 @@ def own_shape(name: str, model: Path, cal: Path, ev: Path) -> dict:  # type: ign
 
 def project(cal: Path, ev: Path, shape_name: str, machine_name: str, n_decode: int, n_prefill: int,
             seed: int = 0) -> dict:  # type: ignore[type-arg]
-    from rapidmoe.placement import ExpertFrequency, get_shape_set, plan
     from rapidmoe.cache import (
-        LRUCache, MoEpicCache, RapidMoECache, StaticCache, hit_curve, moepic_config, replay, routing_stats,
-        scale_routing)
+        LRUCache,
+        MoEpicCache,
+        RapidMoECache,
+        StaticCache,
+        hit_curve,
+        moepic_config,
+        replay,
+        routing_stats,
+        scale_routing,
+    )
+    from rapidmoe.placement import ExpertFrequency, get_shape_set, plan
     from rapidmoe.placement.cost import CostModel, ModelCosts
     from rapidmoe.placement.machine import MACHINES
     from rapidmoe.resplit.presets import get_preset
@@ -177,10 +184,20 @@ def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: f
     of `text` one token per step with its WQ cache on a local rpc-server, recording a trace; the trace is replayed
     through the same policy with the run's own steps; hits, slots, swaps and bytes copied are compared."""
     from rapidmoe import Llama
-    from rapidmoe.cache.moepic import moe_layers_of, wq_expert_bytes
     from rapidmoe.cache import (
-        LRUCache, MoEpicCache, MoEpicSettings, RapidMoECache, RefreshSettings, StaticCache, plan_moepic, replay,
-        routing_stats)
+        ExpertCacheConfig,
+        LRUCache,
+        MoEpicCache,
+        MoEpicSettings,
+        RapidMoECache,
+        RefreshSettings,
+        StaticCache,
+        moe_layers_of,
+        plan_moepic,
+        replay,
+        routing_stats,
+        wq_expert_bytes,
+    )
     from rapidmoe.placement.cost import CostModel, ModelCosts
     from rapidmoe.placement.machine import MACHINES
     from rapidmoe.placement.tensors import read_gguf_shapes
@@ -213,23 +230,24 @@ def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: f
             policy = run.removesuffix("-sync")
             tpath = OUT / "traces" / f"runtime-{run}.trace"
             t0 = time.time()
-            kw: dict[str, Any] = (dict(expert_cache_policy="moepic", expert_cache_moepic=moepic[policy])
-                                  if policy in moepic else
-                                  dict(expert_cache=initial, expert_cache_policy=policy,
-                                       expert_cache_refresh=settings if policy == "rapidmoe" else None))
-            kw["expert_cache_async"] = not run.endswith("-sync")
+            device, queued = srv.device.buffer_type, not run.endswith("-sync")
+            config = (ExpertCacheConfig(device=device, policy="moepic", moepic=moepic[policy], async_copies=queued)
+                      if policy in moepic else
+                      ExpertCacheConfig(experts=initial, device=device, policy=policy,
+                                        refresh=settings if policy == "rapidmoe" else None, async_copies=queued))
             llm = Llama(model, n_ctx=n_tokens + 8, verbose=False, n_threads=1, rpc_servers=[srv.endpoint],
-                        n_gpu_layers=-1, override_tensor="exps=CPU", expert_cache_device=srv.device.buffer_type,
-                        trace=tpath, **kw)
+                        n_gpu_layers=-1, override_tensor="exps=CPU", expert_cache=config, trace=tpath)
             toks = llm.tokenize(text.read_text(encoding="utf-8", errors="replace").encode())[:n_tokens]
             for t in toks:
                 llm.eval([t])
-            st = llm.expert_cache_stats()
-            ref = llm.expert_cache_refresh_stats() if policy == "rapidmoe" else None
-            copies = sum(llm.expert_cache_copies().values())
-            moved = llm.expert_cache_bytes()
-            waited = sum(llm.expert_cache_wait_us().values())
-            ml = llm.expert_cache_moepic if policy in moepic else None
+            cache = llm.expert_cache
+            assert cache is not None
+            st = cache.stats()
+            ref = cache.refresh_stats() if policy == "rapidmoe" else None
+            copies = sum(cache.copies().values())
+            moved = cache.bytes()
+            waited = sum(cache.wait_us().values())
+            ml = cache.moepic if policy in moepic else None
             llm.close()
             wall = time.time() - t0
             tr = read_trace(tpath)

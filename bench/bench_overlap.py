@@ -123,6 +123,7 @@ def main() -> int:
                       n_ubatch=512, n_threads=args.threads, n_threads_batch=args.threads,
                       overlap_threads=args.threads, logits_all=False, verbose=False)
         if args.cache is not None:
+            from rapidmoe.cache import ExpertCacheConfig
             from rapidmoe.cache.moepic import moe_layers_of
             from rapidmoe.ggufio import GGUFFile
 
@@ -130,8 +131,9 @@ def main() -> int:
             n_expert = int(f.get(f"{f.get('general.architecture')}.expert_count"))
             n_cached = max(1, round(args.cache * n_expert))
             result["cached_experts"] = f"{n_cached}/{n_expert}"
-            common.update(override_tensor="exps=CPU", expert_cache_device=srv.device.buffer_type,
-                          expert_cache={il: list(range(n_cached)) for il in moe_layers_of(wq)})
+            experts = {il: list(range(n_cached)) for il in moe_layers_of(wq)}
+            common.update(override_tensor="exps=CPU",
+                          expert_cache=ExpertCacheConfig(experts=experts, device=srv.device.buffer_type))
         llms = {mode: Llama(wq, overlap=mode, **common) for mode in ("off", "auto")}
         k = llms["off"].residual.n_expert_used
         prompt = llms["off"].tokenize(PROMPT, add_bos=False)[: args.pp]
@@ -159,7 +161,7 @@ def main() -> int:
             result["rows"].append(row)
             print(json.dumps({k2: v for k2, v in row.items() if not k2.endswith("samples")}), flush=True)
         if args.cache is not None:
-            result["hit_rate"] = llms["auto"].expert_cache_stats().hit_rate
+            result["hit_rate"] = llms["auto"].expert_cache.stats().hit_rate
         for llm in llms.values():
             llm.close()
     OUT.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import os
 import platform
@@ -95,17 +96,18 @@ def speed(path: Path, n_prompt: int, n_gen: int, threads: int, **kw) -> dict[str
         t2 = time.perf_counter()
         out: dict[str, float] = {"prefill_tps": len(toks) / (t1 - t0), "decode_tps": n_gen / (t2 - t1),
                                  "decode_ms_per_token": 1e3 * (t2 - t1) / n_gen}
-        if kw.get("expert_cache") or kw.get("expert_cache_policy") == "moepic":
-            out["cache_hit_rate"] = llm.expert_cache_stats().hit_rate  # prompt and generated tokens
-            policy = kw.get("expert_cache_policy", "static")
+        cache = llm.expert_cache
+        if cache is not None:
+            out["cache_hit_rate"] = cache.stats().hit_rate  # prompt and generated tokens
+            policy = cache.policy
             if policy == "lru":  # experts copied host -> device per decoded token (prompt copies included)
-                out["cache_copies_per_token"] = sum(llm.expert_cache_copies().values()) / (len(toks) + n_gen)
+                out["cache_copies_per_token"] = sum(cache.copies().values()) / (len(toks) + n_gen)
             elif policy == "rapidmoe":
-                out["cache_copies_per_token"] = llm.expert_cache_refresh_stats().swaps / (len(toks) + n_gen)
+                out["cache_copies_per_token"] = cache.refresh_stats().swaps / (len(toks) + n_gen)
             if policy in ("lru", "moepic"):  # host -> device MB per token, time the compute waited for copies
                 n_all = len(toks) + n_gen
-                out["cache_mb_per_token"] = sum(d + p for d, p in llm.expert_cache_bytes().values()) / n_all / 1e6
-                out["cache_wait_ms_per_token"] = sum(llm.expert_cache_wait_us().values()) / n_all / 1e3
+                out["cache_mb_per_token"] = sum(d + p for d, p in cache.bytes().values()) / n_all / 1e6
+                out["cache_wait_ms_per_token"] = sum(cache.wait_us().values()) / n_all / 1e3
         if llm.residual is not None:  # per decoded token, both stages together
             st = llm.overlap_stats()
             stages = (st.gate_up, st.down)
@@ -211,40 +213,42 @@ def section_cache(ctx: Ctx) -> None:
                 "rapidmoe": "ours r=2, WQ cache refreshed (rapidmoe policy), misses on CPU",
                 "lru": "ours r=2, WQ cache loaded on demand (lru policy), overflow on CPU"}
     cpu = logits(ctx.wq, ctx.toks, t, residual_path=ctx.wr, overlap="off", n_critical=2)
+    cache = cache_kw["expert_cache"]
     for pol, label in variants.items():
-        kw = dict(cache_kw) if pol == "static" else {**cache_kw, "expert_cache_policy": pol}
+        kw = {**cache_kw, "expert_cache": dataclasses.replace(cache, policy=pol)}
         ctx.check(label, logits(ctx.wq, ctx.toks, t, residual_path=ctx.wr, n_critical=2, **kw), cpu)
     for pol, label in variants.items():
-        kw = dict(cache_kw) if pol == "static" else {**cache_kw, "expert_cache_policy": pol}
+        kw = {**cache_kw, "expert_cache": dataclasses.replace(cache, policy=pol)}
         row = ctx.speed(label, ctx.wq, residual_path=ctx.wr, n_critical=2, **kw)
         if pol != "static":
             row["cache_policy"] = pol
     # MoEpic (helper-17): experts split vertically, tops resident up to half the routed WQ bytes, the rest fetched
     # per ubatch with the next layer's predicted experts assembled ahead; and lru with its copies waited for at
-    # once (expert_cache_async=False): the transfer queue's overlap, as the compute's copy wait per token
-    moepic_kw = _moepic_half(ctx, cache_kw["expert_cache_device"])
+    # once (ExpertCacheConfig(async_copies=False)): the transfer queue's overlap, as the compute's copy wait per token
+    moepic_kw = _moepic_half(ctx, cache.device)
     label = "ours r=2, MoEpic split experts, tops up to half the WQ (moepic policy), overflow on CPU"
     ctx.check(label, logits(ctx.wq, ctx.toks, t, residual_path=ctx.wr, n_critical=2, **moepic_kw), cpu)
     row = ctx.speed(label, ctx.wq, residual_path=ctx.wr, n_critical=2, **moepic_kw)
     row["cache_policy"] = "moepic"
     row = ctx.speed("ours r=2, lru policy, copies waited for at once", ctx.wq, residual_path=ctx.wr, n_critical=2,
-                    **{**cache_kw, "expert_cache_policy": "lru", "expert_cache_async": False})
+                    **{**cache_kw, "expert_cache": dataclasses.replace(cache, policy="lru", async_copies=False)})
     row["cache_policy"] = "lru-sync"
 
 
 def _moepic_half(ctx: Ctx, device: str) -> dict[str, Any]:
     """moepic at half the routed WQ: split 0.5 (rounded to the down type's blocks), as many tops per layer as half
     the layer's expert bytes hold (every expert's at most)."""
+    from rapidmoe.cache import ExpertCacheConfig, MoEpicSettings
     from rapidmoe.cache.moepic import moe_layers_of, moepic_layers
     from rapidmoe.modelfile import read_model_info
-    from rapidmoe.cache import MoEpicSettings
 
     n_expert = read_model_info(ctx.wq).n_expert
     layers = moe_layers_of(ctx.wq)
     ml = moepic_layers(ctx.wq, layers, [0.5] * len(layers), [0] * len(layers), 0)
     caps = [min(n_expert, m.expert_bytes * n_expert // 2 // m.top_bytes) if m.top_bytes else 0 for m in ml]
-    return {"n_gpu_layers": ctx.gpu, "override_tensor": "exps=CPU", "expert_cache_device": device,
-            "expert_cache_policy": "moepic", "expert_cache_moepic": MoEpicSettings([m.split for m in ml] or 0.5, caps)}
+    settings = MoEpicSettings([m.split for m in ml] or 0.5, caps)
+    return {"n_gpu_layers": ctx.gpu, "override_tensor": "exps=CPU",
+            "expert_cache": ExpertCacheConfig(device=device, policy="moepic", moepic=settings)}
 
 
 def section_concurrent(ctx: Ctx) -> None:
@@ -317,7 +321,7 @@ def section_umia_gpu(ctx: Ctx) -> None:
     cache_kw, planned = got
     t = ctx.args.threads
     small = ctx.args.cpu
-    lm = device_latency_model(ctx.wq, ctx.wr, device=cache_kw["expert_cache_device"], threads=t,
+    lm = device_latency_model(ctx.wq, ctx.wr, device=cache_kw["expert_cache"].device, threads=t,
                               cache_fractions=(0.5, 1.0), repeats=1, decode_tokens=4 if small else 16,
                               prefill_batch=16 if small else 64, progress=False)
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,9 +4,9 @@ Two things make a cache run on the RPC stand-in round differently from a naive a
 every slot takes exactly one backend's value from the right weights:
 
 1. Repacking. llama.cpp repacks CPU weights into the interleaved `CPU_REPACK` layout (other kernels, other
-   summation order) unless `use_extra_bufts` is off (`Llama(repack=False)`), and `override_tensor="exps=CPU"` does NOT turn it off: the
-   experts still land in `CPU_REPACK`. A cache run loads with it off (the cache copies slices of the plain
-   layout), so the reference must too: `PlainLlama`.
+   summation order) unless `use_extra_bufts` is off (`Llama(repack=False)`), and `override_tensor="exps=CPU"`
+   does NOT turn it off: the experts still land in `CPU_REPACK`. A cache run loads with it off (the cache copies
+   slices of the plain layout), so the reference must too: `PlainLlama`.
 2. Kernel choice by batch size. ggml-cpu computes an expert of a `mul_mat_id` with its tiled K-quant kernel when
    at least 8 rows are routed to that expert (`ggml-cpu/tiled/tiled.cpp: ggml_tiled_min_batch`), else with the
    row-by-row `vec_dot`: the two sum a row's sub-blocks in another order. The cache's device matmul parks every
@@ -28,7 +28,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from rapidmoe import Llama
-from rapidmoe._runtime import _core, llama_cpp
+from rapidmoe._runtime import _core
+from rapidmoe.cache import ExpertCacheConfig
 from rapidmoe.placement.realize import plan_for_model, realize
 from rapidmoe.rpc import RPCServer
 
@@ -87,12 +88,13 @@ def realized_plan(wq: str, wr: str, gpu_mem: int, n_ctx: int, toks: list[int]) -
         llm = Llama(wq, residual_path=wr, n_critical=1, rpc_servers=[srv.endpoint], logits_all=True, verbose=False,
                     n_threads=2, **kw)
         try:  # closed before the server stops: a model whose device is gone hangs or aborts when freed
-            layer = min(kw["expert_cache"])
+            assert llm.expert_cache is not None
+            layer = min(kw["expert_cache"].experts or {})
             info: dict[str, Any] = {"kw": kw, "buffer": llm.tensor_buffer(f"blk.{layer}.ffn_up_exps.cache"),
                     "device": srv.device.buffer_type}
             llm.eval(toks)
             dev = np.array(llm.scores[: len(toks)], dtype=np.float32)
-            info["hit_rate"] = llm.expert_cache_stats().hit_rate
+            info["hit_rate"] = llm.expert_cache.stats().hit_rate
         finally:
             llm.close()
     return ref, (dev, {}), info
@@ -102,7 +104,8 @@ def eval_runs(path: str, toks: list[int], n_decode: int, runs: list[dict[str, An
     """Each run of toks (the last n_decode one token per ubatch): (logits, expert cache stats or None, overlap
     stats or None, captured tensors). A run is Llama arguments plus "plain": True (the plain-layout all-CPU
     reference, `PlainLlama` with the experts overridden to the CPU), "device": True (the stand-in's arguments:
-    the experts stacked in CPU memory, everything else on a local rpc-server, the run's expert_cache on it) and
+    the experts stacked in CPU memory, everything else on a local rpc-server, the run's expert_cache ({layer:
+    [ids]}) there as an ExpertCacheConfig) and
     "capture": [names]. Meant for `without_tiled`."""
     out: list[tuple[Any, ...]] = []
     with RPCServer(threads=1) as srv:
@@ -112,8 +115,9 @@ def eval_runs(path: str, toks: list[int], n_decode: int, runs: list[dict[str, An
             if run.get("plain"):
                 kw["override_tensor"] = "exps=CPU"
             if run.get("device"):
-                kw.update(rpc_servers=[srv.endpoint], n_gpu_layers=-1, override_tensor="exps=CPU",
-                          expert_cache_device=srv.device.buffer_type)
+                kw.update(rpc_servers=[srv.endpoint], n_gpu_layers=-1, override_tensor="exps=CPU")
+                if "expert_cache" in kw:
+                    kw["expert_cache"] = ExpertCacheConfig(experts=kw["expert_cache"], device=srv.device.buffer_type)
             names = run.get("capture", [])
             cap = _core.TensorCapture(names) if names else None
             llm = cls(path, n_ctx=128, logits_all=True, verbose=False, n_threads=2, eval_callback=cap, **kw)
@@ -122,7 +126,7 @@ def eval_runs(path: str, toks: list[int], n_decode: int, runs: list[dict[str, An
                 for t in toks[len(toks) - n_decode:]:  # decode steps: one token per ubatch
                     llm.eval([t])
                 logits = np.array(llm.scores[: len(toks)], dtype=np.float32)
-                stats = llm.expert_cache_stats() if "expert_cache" in kw else None
+                stats = llm.expert_cache.stats() if llm.expert_cache is not None else None
                 ov = llm.overlap_stats() if "residual_path" in kw else None
                 got = {n: [np.asarray(a) for a in cap.get(n)] for n in names} if cap is not None else {}
                 out.append((logits, stats, ov, got))

@@ -6,6 +6,7 @@ and with the default kernels different only where tests/cache_reference.py says)
 count made in numpy from the router's probabilities; bad requests are refused with one clear line."""
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from cache_reference import PlainLlama, eval_runs, run_logits, without_tiled
 
 from rapidmoe import Llama, RapidMoEError
 from rapidmoe._runtime import _core
+from rapidmoe.cache import ExpertCacheConfig
 from rapidmoe.cache.moepic import moe_layers_of
 from rapidmoe.ggufio import GGUFFile
 from rapidmoe.rpc import RPCServer
@@ -51,7 +53,7 @@ def _tokens(path: Path) -> list[int]:
 def _on_device(rpc: RPCServer, cache: dict[int, list[int]]) -> dict:  # type: ignore[type-arg]
     """Llama arguments: experts stacked in CPU memory, everything else and the cache on the stand-in."""
     return {"rpc_servers": [rpc.endpoint], "n_gpu_layers": -1, "override_tensor": "exps=CPU",
-            "expert_cache": cache, "expert_cache_device": rpc.device.buffer_type}
+            "expert_cache": ExpertCacheConfig(experts=cache, device=rpc.device.buffer_type)}
 
 
 def _run(path: Path, toks: list[int], where: tuple[str, ...] = (), capture: list[str] | None = None, **kw):  # type: ignore[no-untyped-def]
@@ -62,7 +64,7 @@ def _run(path: Path, toks: list[int], where: tuple[str, ...] = (), capture: list
     try:
         llm.eval(toks)
         logits = np.array(llm.scores[: len(toks)], dtype=np.float32)
-        stats = llm.expert_cache_stats() if "expert_cache" in kw else None
+        stats = llm.expert_cache.stats() if llm.expert_cache is not None else None
         got = {n: cap.get(n) for n in capture} if cap is not None else {}
         return logits, stats, {n: llm.tensor_buffer(n) for n in where}, got
     finally:
@@ -213,9 +215,10 @@ def test_counters_reset(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-u
     llm = Llama(path, n_ctx=128, verbose=False, n_threads=2, **_on_device(rpc, _half(moe_layers_of(path), n_expert)))
     try:
         llm.eval(toks)
-        first = llm.expert_cache_stats(reset=True)
+        assert llm.expert_cache is not None
+        first = llm.expert_cache.stats(reset=True)
         assert first.slots > 0
-        assert llm.expert_cache_stats().slots == 0
+        assert llm.expert_cache.stats().slots == 0
     finally:
         llm.close()
 
@@ -226,23 +229,65 @@ def test_bad_requests_are_refused(make_tiny, rpc: RPCServer) -> None:  # type: i
     il = moe_layers_of(path)[0]
     dev = _on_device(rpc, {il: [0]})
 
-    def refused(match: str, **kw) -> None:  # type: ignore[no-untyped-def]
+    def refused(match: str, cache: ExpertCacheConfig | None = None, **kw) -> None:  # type: ignore[no-untyped-def]
         with pytest.raises(RapidMoEError, match=match):
-            Llama(path, n_ctx=64, verbose=False, **{**dev, **kw})
+            Llama(path, n_ctx=64, verbose=False, **{**dev, **({"expert_cache": cache} if cache else {}), **kw})
 
-    refused("layer 99 is out of range", expert_cache={99: [0]})
-    refused("layer 0 is not an MoE layer", expert_cache={0: [0]})
-    refused(f"expert id {n_expert} is out of range", expert_cache={il: [1, n_expert]})
-    refused("expert id 2 is listed twice", expert_cache={il: [2, 3, 2]})
-    refused("expert_cache_device 'RPC7' is not a known device", expert_cache_device="RPC7")
-    refused("needs expert_cache_device", expert_cache_device=None)
+    def on(experts: dict[int, list[int]], device: str | None = rpc.device.buffer_type) -> ExpertCacheConfig:
+        return ExpertCacheConfig(experts=experts, device=device)
+
+    refused("layer 99 is out of range", on({99: [0]}))
+    refused("layer 0 is not an MoE layer", on({0: [0]}))
+    refused(f"expert id {n_expert} is out of range", on({il: [1, n_expert]}))
+    refused("expert id 2 is listed twice", on({il: [2, 3, 2]}))
+    refused("expert_cache_device 'RPC7' is not a known device", on({il: [0]}, "RPC7"))
+    refused("needs expert_cache_device", on({il: [0]}, None))
     refused("not in plain host memory", override_tensor=None)  # -ngl put the experts on the device
     refused("does not combine", skip_noncritical=True)
     with pytest.raises(RapidMoEError, match="needs expert_cache="):
-        Llama(path, n_ctx=64, verbose=False, expert_cache_device="CPU")
+        ExpertCacheConfig(device="CPU")
     llm = Llama(path, n_ctx=64, verbose=False)
     try:
-        with pytest.raises(RapidMoEError, match="no expert cache"):
-            llm.expert_cache_stats()
+        assert llm.expert_cache is None and llm.expert_cache_config is None
     finally:
         llm.close()
+
+
+def test_old_keywords_still_work_and_warn(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
+    """The spelling before ExpertCacheConfig, kept one release: expert_cache={layer: ids} with the expert_cache_*
+    keywords builds the same config (one DeprecationWarning naming the new spelling; the same refusals), and the
+    Llama readers (expert_cache_stats, ...) answer as the handle llm.expert_cache does, each with a warning."""
+    assert not [n for n in inspect.signature(Llama.__init__).parameters if n.startswith("expert_cache_")]
+    path = make_tiny("qwen3moe")
+    il = moe_layers_of(path)[0]
+    dev = rpc.device.buffer_type
+    with pytest.warns(DeprecationWarning, match=r"ExpertCacheConfig\(experts=\.\.\., device=\.\.\., policy=") as w:
+        llm = Llama(path, n_ctx=64, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
+                    override_tensor="exps=CPU", expert_cache={il: [0, 1]}, expert_cache_device=dev,
+                    expert_cache_policy="lru")
+    assert len([x for x in w if issubclass(x.category, DeprecationWarning)]) == 1
+    try:
+        assert llm.expert_cache_config == ExpertCacheConfig(experts={il: [0, 1]}, device=dev, policy="lru")
+        assert llm.expert_cache is not None
+        llm.eval(_tokens(path)[:8])
+        with pytest.warns(DeprecationWarning, match=r"llm\.expert_cache\.stats\(\)"):
+            old = llm.expert_cache_stats()
+        assert old == llm.expert_cache.stats() and old.slots > 0
+        with pytest.warns(DeprecationWarning, match=r"llm\.expert_cache\.copies\(\)"):
+            assert llm.expert_cache_copies() == llm.expert_cache.copies()
+        with pytest.warns(DeprecationWarning, match=r"llm\.expert_cache\.experts"):
+            assert llm.expert_cache_set == llm.expert_cache.experts and llm.expert_cache.experts[il] == [0, 1]
+        with pytest.raises(TypeError, match="the config holds them all"):
+            Llama(path, verbose=False, expert_cache=llm.expert_cache_config, expert_cache_device=dev)
+    finally:
+        llm.close()
+    with pytest.warns(DeprecationWarning), pytest.raises(RapidMoEError, match="one of"):
+        Llama(path, verbose=False, expert_cache_policy="belady")
+    with pytest.warns(DeprecationWarning), pytest.raises(RapidMoEError, match="needs expert_cache="):
+        Llama(path, n_ctx=64, verbose=False, expert_cache_device="CPU")
+    plain = Llama(path, n_ctx=64, verbose=False)
+    try:
+        with pytest.warns(DeprecationWarning), pytest.raises(RapidMoEError, match="no expert cache"):
+            plain.expert_cache_stats()
+    finally:
+        plain.close()

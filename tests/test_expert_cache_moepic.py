@@ -2,7 +2,7 @@
 the rest fetched per ubatch, the next layer's predicted experts assembled ahead), and the transfer queue every policy
 copies through. Logits equal the all-CPU run at every step while tops are evicted under a budget smaller than one
 layer's experts, with copies overlapped or waited for at once; the runtime's hits, bytes fetched on demand and
-ahead equal the simulator's replay (placement.cache_policies.MoEpicCache) of the trace recorded in the same run."""
+ahead equal the simulator's replay (rapidmoe.cache.simulator.MoEpicCache) of the trace recorded in the same run."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -13,7 +13,7 @@ import pytest
 from cache_reference import PlainLlama
 
 from rapidmoe import Llama, RapidMoEError, llama_cpp
-from rapidmoe.cache.config import MoEpicSettings, RefreshSettings
+from rapidmoe.cache.config import ExpertCacheConfig, MoEpicSettings, RefreshSettings
 from rapidmoe.cache.moepic import moe_layers_of, wq_expert_bytes
 from rapidmoe.cache.simulator import LRUCache, MoEpicCache, RapidMoECache, replay
 from rapidmoe.rpc import RPCServer
@@ -64,12 +64,15 @@ def test_moepic_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, tm
     settings = MoEpicSettings(split=0.5, capacity=3)  # tops of 3 experts: 1.5 experts' bytes of a layer's 8
     trace = tmp_path / "moepic.trace"
     llm = Llama(path, n_ctx=128, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
-                override_tensor="exps=CPU", expert_cache_device=rpc.device.buffer_type,
-                expert_cache_policy="moepic", expert_cache_moepic=settings, expert_cache_async=overlap, trace=trace)
+                override_tensor="exps=CPU", trace=trace,
+                expert_cache=ExpertCacheConfig(device=rpc.device.buffer_type, policy="moepic", moepic=settings,
+                                               async_copies=overlap))
     try:
         got = _steps(llm, prompt, rest)
-        stats, moved, ml = llm.expert_cache_stats(), llm.expert_cache_bytes(), llm.expert_cache_moepic
-        waited = llm.expert_cache_wait_us()
+        cache = llm.expert_cache
+        assert cache is not None
+        stats, moved, ml = cache.stats(), cache.bytes(), cache.moepic
+        waited = cache.wait_us()
         for name in ("ffn_up_exps.cache", "ffn_down_exps.top"):  # the work area and the resident tops
             assert llm.tensor_buffer(f"blk.{layers[0]}.{name}") == rpc.device.buffer_type
     finally:
@@ -109,13 +112,15 @@ def test_lru_and_refresh_exact_with_copies_waited_at_once(make_tiny, rpc: RPCSer
     eb = wq_expert_bytes(path, layers)
     for policy in ("lru", "rapidmoe"):
         llm = Llama(path, n_ctx=128, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
-                    override_tensor="exps=CPU", expert_cache={il: [3, 0, 5] for il in layers},
-                    expert_cache_device=rpc.device.buffer_type, expert_cache_policy=policy, expert_cache_async=False,
-                    expert_cache_refresh=RefreshSettings(4.0, 1, 0.0) if policy == "rapidmoe" else None)
+                    override_tensor="exps=CPU",
+                    expert_cache=ExpertCacheConfig(
+                        experts={il: [3, 0, 5] for il in layers}, device=rpc.device.buffer_type, policy=policy,
+                        refresh=RefreshSettings(4.0, 1, 0.0) if policy == "rapidmoe" else None, async_copies=False))
         try:
             got = _steps(llm, prompt, rest)
-            moved = llm.expert_cache_bytes()
-            copies = llm.expert_cache_copies()
+            assert llm.expert_cache is not None
+            moved = llm.expert_cache.bytes()
+            copies = llm.expert_cache.copies()
         finally:
             llm.close()
         for i, (a, b) in enumerate(zip(got, want)):
@@ -129,15 +134,17 @@ def test_lru_and_refresh_exact_with_copies_waited_at_once(make_tiny, rpc: RPCSer
 def test_moepic_refusals(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
     path = make_tiny("qwen3moe")
     with pytest.raises(RapidMoEError, match="go together"):
-        Llama(path, verbose=False, expert_cache_policy="moepic")
+        ExpertCacheConfig(policy="moepic")
+    with pytest.raises(RapidMoEError, match="go together"):
+        ExpertCacheConfig(experts={1: [0]}, moepic=MoEpicSettings(0.5, 2))
     with pytest.raises(RapidMoEError, match="not expert_cache"):
-        Llama(path, verbose=False, expert_cache_policy="moepic", expert_cache={1: [0]},
-              expert_cache_moepic=MoEpicSettings(0.5, 2))
+        ExpertCacheConfig(policy="moepic", experts={1: [0]}, moepic=MoEpicSettings(0.5, 2))
     with pytest.raises(RapidMoEError, match="splits in"):
         MoEpicSettings(1.5, 2)
     with pytest.raises(RapidMoEError, match="MoE layers"):
-        Llama(path, verbose=False, expert_cache_policy="moepic", expert_cache_moepic=MoEpicSettings([0.5], 2),
-              expert_cache_device=rpc.device.buffer_type, rpc_servers=[rpc.endpoint])
+        Llama(path, verbose=False, rpc_servers=[rpc.endpoint],
+              expert_cache=ExpertCacheConfig(device=rpc.device.buffer_type, policy="moepic",
+                                             moepic=MoEpicSettings([0.5], 2)))
 
 
 TINY_MOE_A = Path(__file__).resolve().parents[2] / "shared" / "models" / "tiny-moe-a" / "model-f16.gguf"
@@ -160,16 +167,19 @@ def test_tiny_moe_a_runtime_counters_equal_the_replay(rpc: RPCServer, tmp_path: 
     refresh = RefreshSettings(8.0, 2, 0.25)
     for policy in ("lru", "rapidmoe", "moepic"):
         trace = tmp_path / f"{policy}.trace"
-        kw: dict = (dict(expert_cache_moepic=MoEpicSettings(0.5, 8)) if policy == "moepic" else  # type: ignore[type-arg]
-                    dict(expert_cache=initial, expert_cache_refresh=refresh if policy == "rapidmoe" else None))
+        config = (ExpertCacheConfig(device=rpc.device.buffer_type, policy=policy, moepic=MoEpicSettings(0.5, 8))
+                  if policy == "moepic" else
+                  ExpertCacheConfig(experts=initial, device=rpc.device.buffer_type, policy=policy,
+                                    refresh=refresh if policy == "rapidmoe" else None))
         llm = Llama(path, n_ctx=128, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
-                    override_tensor="exps=CPU", expert_cache_device=rpc.device.buffer_type,
-                    expert_cache_policy=policy, trace=trace, **kw)
+                    override_tensor="exps=CPU", expert_cache=config, trace=trace)
         try:
             got = _steps(llm, prompt, rest)
-            stats, moved = llm.expert_cache_stats(), llm.expert_cache_bytes()
-            swapped = llm.expert_cache_refresh_stats().bytes_moved if policy == "rapidmoe" else 0
-            ml = llm.expert_cache_moepic if policy == "moepic" else None
+            cache = llm.expert_cache
+            assert cache is not None
+            stats, moved = cache.stats(), cache.bytes()
+            swapped = cache.refresh_stats().bytes_moved if policy == "rapidmoe" else 0
+            ml = cache.moepic if policy == "moepic" else None
         finally:
             llm.close()
         for i, (a, b) in enumerate(zip(got, want)):
@@ -218,12 +228,13 @@ def test_moepic_on_quantized_wq_with_residuals_is_exact(rpc: RPCServer, tmp_path
     want = _steps(cpu, toks[:8], toks[8:])
     cpu.close()
     llm = Llama(res.wq_path, rpc_servers=[rpc.endpoint], n_gpu_layers=-1, override_tensor="exps=CPU",  # type: ignore[arg-type]
-                expert_cache_device=rpc.device.buffer_type, expert_cache_policy="moepic",
-                expert_cache_moepic=MoEpicSettings(0.5, 3), **kw)
+                expert_cache=ExpertCacheConfig(device=rpc.device.buffer_type, policy="moepic",
+                                               moepic=MoEpicSettings(0.5, 3)), **kw)
     try:
-        ml = llm.expert_cache_moepic
+        assert llm.expert_cache is not None
+        ml = llm.expert_cache.moepic
         got = _steps(llm, toks[:8], toks[8:])
-        stats = llm.expert_cache_stats()
+        stats = llm.expert_cache.stats()
     finally:
         llm.close()
     assert all(m.n_top == 256 and m.n_ff == 512 and 2 * m.top_bytes == m.expert_bytes for m in ml)
@@ -236,8 +247,9 @@ def test_moepic_from_a_gpu_mem_plan_is_exact(make_tiny, rpc: RPCServer) -> None:
     """The path of run/serve --gpu-mem --cache-policy moepic: the planner's per-expert cache for half the routed
     experts, realized on the stand-in, its device memory spent on MoEpic's split experts (fixed point): the logits
     equal the all-CPU run's and the resident tops fit the memory the cache would have used."""
-    from rapidmoe.cli.budget import moepic_placement
+    from rapidmoe.cache import CachePolicy
     from rapidmoe.cache.moepic import moepic_layers
+    from rapidmoe.cli.budget import cache_placement
     from rapidmoe.placement import GPU
     from rapidmoe.placement.realize import plan_for_model, realize
 
@@ -245,20 +257,21 @@ def test_moepic_from_a_gpu_mem_plan_is_exact(make_tiny, rpc: RPCServer) -> None:
     full = plan_for_model(path, gpu_mem=None, n_ctx=128, reserve=0)
     half = plan_for_model(path, gpu_mem=full.vram - full.device_bytes(GPU, "routed experts") // 2, n_ctx=128,
                           reserve=0)
-    place = dict(realize(half, cache_device=rpc.device.buffer_type))
-    assert place.get("expert_cache")
-    kw = {**place, **moepic_placement(path, place, None)}  # type: ignore[arg-type]
-    assert kw["expert_cache"] is None
+    place = realize(half, cache_device=rpc.device.buffer_type)
+    assert "expert_cache" in place and place["expert_cache"].experts
+    kw = cache_placement(path, place, CachePolicy.moepic, None)
+    assert kw["expert_cache"].experts is None and kw["expert_cache"].policy == "moepic"
     prompt, rest, want = _cpu_steps(path, 16)
-    llm = Llama(path, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], expert_cache_policy="moepic", **kw)
+    llm = Llama(path, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], **kw)
     try:
         got = _steps(llm, prompt, rest)
-        ml = llm.expert_cache_moepic
+        assert llm.expert_cache is not None
+        ml = llm.expert_cache.moepic
     finally:
         llm.close()
     for i, (a, b) in enumerate(zip(got, want)):
         assert np.array_equal(a, b), f"step {i}: max |dev - cpu| {np.abs(a - b).max()}"
     layers = [m.layer for m in ml]
-    planned = sum(len(place["expert_cache"].get(il, ())) for il in layers)  # type: ignore[union-attr]
+    planned = sum(len(place["expert_cache"].experts.get(il, ())) for il in layers)  # type: ignore[union-attr]
     rounded = moepic_layers(path, layers, [m.split for m in ml], [m.capacity for m in ml], 1)
     assert sum(m.capacity * m.top_bytes for m in rounded) <= planned * ml[0].expert_bytes

@@ -1,7 +1,7 @@
 """The runtime cache policies on the RPC stand-in: rapidmoe (the expert cache refreshed between decode steps) and
 lru (each ubatch's missing experts copied into least recently used slots before the layer computes). Logits equal
 the all-CPU run at every step while experts move, and the runtime's hits, copies and bytes equal the simulator's
-replay (placement.cache_policies) of the trace recorded in the same run."""
+replay (rapidmoe.cache.simulator) of the trace recorded in the same run."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -12,8 +12,8 @@ import pytest
 
 from rapidmoe import Llama, RapidMoEError, llama_cpp
 from rapidmoe._runtime import _core
+from rapidmoe.cache.config import ExpertCacheConfig, RefreshSettings
 from rapidmoe.cache.moepic import moe_layers_of, wq_expert_bytes
-from rapidmoe.cache.config import RefreshSettings
 from rapidmoe.cache.simulator import LRUCache, RapidMoECache, replay
 from rapidmoe.rpc import RPCServer
 from rapidmoe.trace import read_trace
@@ -58,12 +58,14 @@ def test_refresh_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, t
     cpu.close()
     trace = tmp_path / "run.trace"
     llm = Llama(path, n_ctx=128, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
-                override_tensor="exps=CPU", expert_cache=initial, expert_cache_device=rpc.device.buffer_type,
-                expert_cache_policy="rapidmoe", expert_cache_refresh=settings, trace=trace)
+                override_tensor="exps=CPU", trace=trace,
+                expert_cache=ExpertCacheConfig(experts=initial, device=rpc.device.buffer_type, policy="rapidmoe",
+                                               refresh=settings))
     try:
         got = _steps(llm, prompt, rest)
-        stats, ref = llm.expert_cache_stats(), llm.expert_cache_refresh_stats()
-        final = llm.expert_cache_set
+        assert llm.expert_cache is not None
+        stats, ref = llm.expert_cache.stats(), llm.expert_cache.refresh_stats()
+        final = llm.expert_cache.experts
         assert llm.tensor_buffer(f"blk.{layers[0]}.ffn_up_exps.cache") == rpc.device.buffer_type
     finally:
         llm.close()
@@ -99,11 +101,12 @@ def test_lru_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, tmp_p
     cpu.close()
     trace = tmp_path / "lru.trace"
     llm = Llama(path, n_ctx=128, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
-                override_tensor="exps=CPU", expert_cache=initial, expert_cache_device=rpc.device.buffer_type,
-                expert_cache_policy="lru", trace=trace)
+                override_tensor="exps=CPU", trace=trace,
+                expert_cache=ExpertCacheConfig(experts=initial, device=rpc.device.buffer_type, policy="lru"))
     try:
         got = _steps(llm, prompt, rest)
-        stats, copies = llm.expert_cache_stats(), llm.expert_cache_copies()
+        assert llm.expert_cache is not None
+        stats, copies = llm.expert_cache.stats(), llm.expert_cache.copies()
     finally:
         llm.close()
     for i, (a, b) in enumerate(zip(got, want)):
@@ -126,15 +129,16 @@ def test_refresh_refusals(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no
     path = make_tiny("qwen3moe")
     layers = moe_layers_of(path)
     with pytest.raises(RapidMoEError, match="one of"):
-        Llama(path, verbose=False, expert_cache_policy="belady")
+        ExpertCacheConfig(experts={layers[0]: [0]}, device="CPU", policy="belady")
     with pytest.raises(RapidMoEError, match="need expert_cache"):
-        Llama(path, verbose=False, expert_cache_policy="rapidmoe")
+        ExpertCacheConfig(policy="rapidmoe")
     llm = Llama(path, n_ctx=64, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
-                override_tensor="exps=CPU", expert_cache={layers[0]: [0, 1]},
-                expert_cache_device=rpc.device.buffer_type)
+                override_tensor="exps=CPU",
+                expert_cache=ExpertCacheConfig(experts={layers[0]: [0, 1]}, device=rpc.device.buffer_type))
     try:
+        assert llm.expert_cache is not None
         with pytest.raises(RapidMoEError, match="rapidmoe"):
-            llm.expert_cache_refresh_stats()
+            llm.expert_cache.refresh_stats()
         m = llm._model.model
         with pytest.raises(ValueError, match="is not cached"):
             _core.expert_cache_replace(m, layers[0], 5, 6)
@@ -145,7 +149,7 @@ def test_refresh_refusals(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no
         with pytest.raises(ValueError, match="no expert cache"):
             _core.expert_cache_replace(m, 99, 0, 2)
         _core.expert_cache_replace(m, layers[0], 0, 5)
-        assert llm.expert_cache_stats().layers[0].cached == 2
+        assert llm.expert_cache.stats().layers[0].cached == 2
         if len(layers) > 1:
             with pytest.raises(ValueError, match="needs at least one"):
                 _core.expert_cache_set_lru(m, layers[1], True)  # named with no experts: no slot to load into
@@ -178,7 +182,7 @@ def test_cli_cache_policy(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> N
                               "--cache-policy", "rapidmoe"])
     assert res.exit_code == 0, res.output
     cfg = seen[0]
-    assert cfg.expert_cache_policy == "rapidmoe" and cfg.expert_cache and cfg.expert_cache_device == "CUDA0"
+    assert cfg.expert_cache.policy == "rapidmoe" and cfg.expert_cache.experts and cfg.expert_cache.device == "CUDA0"
     assert cfg.override_tensor == ("exps=CPU",)
     # moepic spends the planned cache's device memory on split experts (MoEpic's fixed point): no expert_cache,
     # per-layer splits and tops whose bytes fit what the cache would have used, at least as many experts' tops
@@ -186,12 +190,13 @@ def test_cli_cache_policy(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> N
                               "--cache-policy", "moepic"])
     assert res.exit_code == 0, res.output
     mcfg = seen[1]
-    assert mcfg.expert_cache_policy == "moepic" and mcfg.expert_cache is None and mcfg.expert_cache_device == "CUDA0"
+    mc = mcfg.expert_cache
+    assert mc.policy == "moepic" and mc.experts is None and mc.device == "CUDA0" and mc.moepic is not None
     from rapidmoe.cache.moepic import moe_layers_of, wq_expert_bytes
 
     layers = moe_layers_of(tiny_qwen)
-    splits, caps = mcfg.expert_cache_moepic.per_layer(len(layers))
+    splits, caps = mc.moepic.per_layer(len(layers))
     eb = wq_expert_bytes(tiny_qwen, layers)
-    planned = sum(len(cfg.expert_cache.get(il, ())) for il in layers)
+    planned = sum(len(cfg.expert_cache.experts.get(il, ())) for il in layers)
     assert sum(c * s * eb[il] for c, s, il in zip(caps, splits, layers)) <= planned * eb[layers[0]] * (1 + 1e-9)
     assert sum(caps) >= planned and all(0 < s <= 1 for s in splits)

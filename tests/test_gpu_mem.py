@@ -84,8 +84,9 @@ def test_partial_cache_on_a_device_is_realized_per_expert(toy: tuple) -> None:  
     m, base, eb = toy
     p = plan(m, preset=PRESET, gpu_mem=base + 19 * eb, reserve=0, n_ctx=CTX)
     kw = realize(p, cache_device="CUDA0")
-    assert kw["expert_cache"] == {il: list(v) for il, v in p.cached.items() if v}
-    assert sum(map(len, kw["expert_cache"].values())) == 19 and kw["expert_cache_device"] == "CUDA0"
+    cache = kw["expert_cache"]
+    assert cache.experts == {il: list(v) for il, v in p.cached.items() if v} and cache.policy == "static"
+    assert sum(map(len, cache.experts.values())) == 19 and cache.device == "CUDA0"
     assert (kw["n_gpu_layers"], kw["n_cpu_moe"], kw["override_tensor"]) == (999, 0, ["exps=CPU"])
     line = describe(p, kw)
     assert "59.4% planned: per-expert WQ cache on CUDA0 (19 experts in 4 layers" in line and "realized" not in line
@@ -108,7 +109,7 @@ def test_planned_cache_on_the_rpc_device_gives_the_cpu_logits(make_split) -> Non
     assert p.cached and not p.realization.exact
     toks = list(range(100, 124))
     (cpu, _), (dev, _), info = without_tiled(realized_plan, str(wq), str(wr), budget, CTX, toks)
-    assert info["kw"]["expert_cache"] == {il: list(v) for il, v in p.cached.items() if v}  # the same plan there
+    assert info["kw"]["expert_cache"].experts == {il: list(v) for il, v in p.cached.items() if v}  # the same plan
     assert info["buffer"] == info["device"]
     print(f"max |dev - cpu| {np.abs(dev - cpu).max()}, hit rate {info['hit_rate']:.3f}")
     assert np.array_equal(dev, cpu)

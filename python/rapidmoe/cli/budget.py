@@ -2,12 +2,15 @@
 --n-cpu-moe / -ot by hand; refuses both at once, and logs one line saying what was placed."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
+
+from ..cache.config import CachePolicy, ExpertCacheConfig
 
 if TYPE_CHECKING:
     from ..placement.realize import LlamaPlacement
@@ -29,24 +32,33 @@ def _given(ctx: typer.Context, names: dict[str, str]) -> list[str]:
     return given
 
 
-def check_cache_policy(policy: str, place: LlamaPlacement) -> str:
+def check_cache_policy(policy: CachePolicy, place: LlamaPlacement) -> CachePolicy:
     """The cache policy for rapidmoe.Llama; a refreshing one needs the per-expert cache a GPU realizes."""
-    if policy != "static" and "expert_cache" not in place:
-        raise typer.BadParameter(f"{policy} refreshes a per-expert WQ cache, which --gpu-mem realizes only on a "
-                                 "machine with a GPU and a budget below the model's WQ (here there is none)",
+    if policy is not CachePolicy.static and "expert_cache" not in place:
+        raise typer.BadParameter(f"{policy.value} refreshes a per-expert WQ cache, which --gpu-mem realizes only on "
+                                 "a machine with a GPU and a budget below the model's WQ (here there is none)",
                                  param_hint="--cache-policy")
     return policy
 
 
-def moepic_placement(model: Path, place: LlamaPlacement, freq: Path | None) -> dict[str, Any]:
-    """--cache-policy moepic: the per-expert cache's device memory spent on MoEpic's split experts instead
-    (rapidmoe.Llama's expert_cache_moepic; no expert_cache), logged in one line."""
+def cache_placement(model: Path, place: LlamaPlacement, policy: CachePolicy, freq: Path | None) -> LlamaPlacement:
+    """The placement with --cache-policy applied to the per-expert cache --gpu-mem realized (a refused policy is a
+    usage error: check_cache_policy). moepic spends that cache's device memory on MoEpic's split experts instead
+    (no experts listed, MoEpic's fixed point on the 24gb profile), logged in one line."""
+    check_cache_policy(policy, place)
+    cache = place.get("expert_cache")
+    if cache is None:
+        return place
+    if policy is not CachePolicy.moepic:
+        return {**place, "expert_cache": dataclasses.replace(cache, policy=policy)}
     from ..cache.moepic import moepic_for_cache  # noqa: PLC0415 - keep --help fast
 
-    settings = moepic_for_cache(model, place.get("expert_cache") or {}, frequency_path=freq)
+    settings = moepic_for_cache(model, cache.experts or {}, frequency_path=freq)
     log.info("moepic: split %s, tops per layer %s (the device memory of the planned cache, MoEpic's fixed point on "
              "the 24gb profile)", settings.split, settings.capacity)
-    return {"expert_cache": None, "expert_cache_moepic": settings}
+    moepic = ExpertCacheConfig(device=cache.device, policy=CachePolicy.moepic, moepic=settings,
+                               async_copies=cache.async_copies)
+    return {**place, "expert_cache": moepic}
 
 
 def gpu_devices() -> list[str]:

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from ..errors import ModelFileError, RapidMoEError
 from . import options
-from .budget import check_cache_policy, moepic_placement, placement
+from .budget import cache_placement, placement
 
 
 def run(
@@ -55,14 +55,12 @@ def run(
         raise ModelFileError(f"--n-predict {n_predict} does not fit in --ctx-size {ctx_size}")
     place = placement(ctx, model=path, residual=residual, ctx_size=ctx_size, gpu_mem=gpu_mem, reserve=reserve,
                       freq=freq, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=override_tensor)
-    cache_policy_name = check_cache_policy(cache_policy.value, place)
-    cache_kw = moepic_placement(path, place, freq) if cache_policy_name == "moepic" else {}
-    llm_place: dict[str, Any] = {**place, **cache_kw}
+    place = cache_placement(path, place, cache_policy, freq)
     try:
         llm = Llama(path, n_threads=threads, n_threads_batch=threads, seed=seed, rpc_servers=rpc_servers,
-                    tensor_split=options.tensor_split(tensor_split), **llm_place,
+                    tensor_split=options.tensor_split(tensor_split), **place,
                     residual_path=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, trace=trace,
-                    expert_cache_policy=cache_policy_name, verbose=verbose)
+                    verbose=verbose)
     except RapidMoEError:
         raise
     except ValueError as e:  # llama_cpp reports load failures as ValueError

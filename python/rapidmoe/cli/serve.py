@@ -9,7 +9,7 @@ import typer
 
 from ..errors import RapidMoEError
 from . import options
-from .budget import check_cache_policy, moepic_placement, placement
+from .budget import cache_placement, placement
 
 
 def serve(
@@ -77,8 +77,7 @@ def serve(
     path = model if model is not None else ensure_default_model()
     place = placement(ctx, model=path, residual=residual, ctx_size=ctx_size, gpu_mem=gpu_mem, reserve=reserve,
                       freq=freq, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=override_tensor)
-    cache_policy_name = check_cache_policy(cache_policy.value, place)
-    cache_kw = moepic_placement(path, place, freq) if cache_policy_name == "moepic" else {}
+    place = cache_placement(path, place, cache_policy, freq)
     config = ServerConfig(
         model=path, host=host, port=port,
         aliases=tuple(a.strip() for a in (alias or "").split(",") if a.strip()),
@@ -87,9 +86,7 @@ def serve(
         threads=threads, n_gpu_layers=place["n_gpu_layers"], n_cpu_moe=place["n_cpu_moe"],
         override_tensor=tuple(place["override_tensor"] or ()), rpc_servers=rpc_servers,
         tensor_split=tuple(options.tensor_split(tensor_split) or ()),
-        expert_cache=cache_kw.get("expert_cache", place.get("expert_cache")),
-        expert_cache_device=place.get("expert_cache_device"),
-        expert_cache_policy=cache_policy_name, expert_cache_moepic=cache_kw.get("expert_cache_moepic"),
+        expert_cache=place.get("expert_cache"),
         residual=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, trace=trace, api_keys=keys, timeout=timeout,
         queue_timeout=queue_timeout, max_body=max_body, max_connections=max_connections,
         header_timeout=header_timeout, body_timeout=body_timeout, keepalive_timeout=keepalive_timeout, chat_template=chat_template, seed=seed, temperature=temp,

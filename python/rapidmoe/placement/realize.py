@@ -10,6 +10,7 @@ from typing import Any, TypedDict
 
 from typing_extensions import NotRequired  # typing has it from Python 3.11
 
+from ..cache.config import ExpertCacheConfig
 from ..errors import ModelFileError
 from ..resplit.presets import Preset
 from .frequency import load_frequency
@@ -30,8 +31,7 @@ class LlamaPlacement(TypedDict):
     n_gpu_layers: int
     n_cpu_moe: int
     override_tensor: list[str] | None
-    expert_cache: NotRequired[dict[int, list[int]]]  # per-expert WQ cache (rapidmoe.Llama), with its device
-    expert_cache_device: NotRequired[str]
+    expert_cache: NotRequired[ExpertCacheConfig]  # per-expert WQ cache (rapidmoe.Llama): experts and device
 
 
 def realize(p: Plan, cache_device: str | None = None) -> LlamaPlacement:
@@ -42,13 +42,14 @@ def realize(p: Plan, cache_device: str | None = None) -> LlamaPlacement:
     A per-expert cache that flags can only coarsen to whole layers is realized exactly when `cache_device` (a
     device name such as "CUDA0", or a buffer type) is given: every layer on the device except the stacked
     routed-expert tensors (`-ngl 999 -ot exps=CPU`), and the planned experts' WQ copied to the device
-    (`expert_cache`, `expert_cache_device`); misses run on the CPU from the stacked tensors."""
+    (`expert_cache`, an ExpertCacheConfig of the static policy); misses run on the CPU from the stacked tensors."""
     if not p.fits:
         raise PlanError(f"the placement plan for {p.model} does not fit: {'; '.join(p.problems)}")
     if cache_device is not None and not p.realization.exact and p.cached:
         return LlamaPlacement(n_ctx=p.n_ctx, n_gpu_layers=999, n_cpu_moe=0, override_tensor=["exps=CPU"],
-                              expert_cache={il: list(v) for il, v in sorted(p.cached.items()) if v},
-                              expert_cache_device=cache_device)
+                              expert_cache=ExpertCacheConfig(
+                                  experts={il: list(v) for il, v in sorted(p.cached.items()) if v},
+                                  device=cache_device))
     args = p.realization.args
     if len(args) % 2:
         raise PlanError(f"placement flags must come in flag/value pairs: {' '.join(args)}")
@@ -113,8 +114,9 @@ def describe(p: Plan, placed: LlamaPlacement | None = None) -> str:
             f"{p.experts_on_gpu}/{p.n_moe_layers * p.n_expert} experts on the GPU")
     parts = [head]
     if placed is not None and "expert_cache" in placed:
-        cache = placed["expert_cache"]
-        parts += [f"GPU hit rate {p.hit_rate:.1%} planned: per-expert WQ cache on {placed['expert_cache_device']} "
+        cache_config = placed["expert_cache"]
+        cache = cache_config.experts or {}
+        parts += [f"GPU hit rate {p.hit_rate:.1%} planned: per-expert WQ cache on {cache_config.device} "
                   f"({sum(map(len, cache.values()))} experts in {len(cache)} layers; the stacked expert tensors "
                   "stay whole in host memory, so DRAM also holds the cached experts' WQ)",
                   "flags -ngl 999 -ot exps=CPU + expert cache"]

@@ -440,8 +440,7 @@ def _load(config: ServerConfig, st: routes.AppState) -> Any:
                     n_threads=threads, n_threads_batch=threads, n_gpu_layers=config.n_gpu_layers,
                     n_cpu_moe=config.n_cpu_moe, override_tensor=list(config.override_tensor) or None,
                     rpc_servers=list(config.rpc_servers) or None, tensor_split=list(config.tensor_split) or None,
-                    expert_cache=config.expert_cache, expert_cache_device=config.expert_cache_device,
-                    expert_cache_policy=config.expert_cache_policy, expert_cache_moepic=config.expert_cache_moepic,
+                    expert_cache=config.expert_cache,
                     residual_path=config.residual, n_critical=config.n_critical, overlap=config.overlap,
                     n_seq_max=config.parallel, trace=config.trace,
                     verbose=config.verbose)

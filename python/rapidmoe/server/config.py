@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from ..cache.config import ExpertCacheConfig
 
 
 @dataclass(frozen=True)
@@ -23,10 +24,8 @@ class ServerConfig:
     threads: int | None = None
     n_gpu_layers: int = 0
     n_cpu_moe: int = 0
-    expert_cache: dict[int, list[int]] | None = None  # per-expert WQ cache (from --gpu-mem on a GPU machine)
-    expert_cache_device: str | None = None
-    expert_cache_moepic: Any = None  # MoEpicSettings with expert_cache_policy "moepic" (from --cache-policy moepic)
-    expert_cache_policy: str = "static"  # "rapidmoe": the cache refreshed after every step (rapidmoe.Llama)
+    # per-expert WQ cache (from --gpu-mem on a GPU machine, its policy from --cache-policy), as rapidmoe.Llama takes it
+    expert_cache: ExpertCacheConfig | None = None
     override_tensor: tuple[str, ...] = ()
     rpc_servers: tuple[str, ...] = ()  # llama.cpp's --rpc: host:port of rpc-servers whose devices the model may use
     tensor_split: tuple[float, ...] = ()  # llama.cpp's -ts: offloaded layers per device (empty: by free memory)

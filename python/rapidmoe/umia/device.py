@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import RapidMoEError
 from ..placement.cost import CostModel
+from .fit import nnls
 
 
 @dataclass(frozen=True)
@@ -155,23 +156,6 @@ class DevicePoint:
         return (self.predicted_ms - self.ms) / self.ms
 
 
-def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with non-negative coefficients (small problems: every column subset)."""
-    n = a.shape[1]
-    best, best_err = np.zeros(n), float(np.sum(y * y))
-    for mask in range(1, 1 << n):
-        cols = [j for j in range(n) if mask >> j & 1]
-        sub, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
-        if (sub < 0).any():
-            continue
-        coef = np.zeros(n)
-        coef[cols] = sub
-        err = float(np.sum((a @ coef - y) ** 2))
-        if err < best_err - 1e-12:
-            best, best_err = coef, err
-    return best
-
-
 def fit_stage_terms(points: Sequence[DevicePoint], n_moe: int, k: int) -> tuple[DeviceCosts, list[DevicePoint]]:
     """One phase's terms from measurements: C's (miss, wr, active) from the concurrent runs' worker times, D's
     (xfer, hit) from their device times, fixed_ms and serial_sync_ms from the step times given those (serial runs
@@ -182,14 +166,14 @@ def fit_stage_terms(points: Sequence[DevicePoint], n_moe: int, k: int) -> tuple[
     if len({(p.r, round(p.hit_rate, 6)) for p in conc}) < 3:
         raise RapidMoEError("fitting the device terms needs concurrent runs at >= 3 (r, hit rate) configurations")
     a_c = np.array([[n_moe * k * (1 - p.hit_rate), n_moe * p.r, n_moe * (p.r > 0)] for p in conc], dtype=float)
-    miss, wr, active = _nnls(a_c, np.array([p.worker_ms for p in conc]))
+    miss, wr, active = nnls(a_c, np.array([p.worker_ms for p in conc]))
     a_d = np.array([[n_moe, n_moe * k * p.hit_rate] for p in conc], dtype=float)
-    xfer, hit = _nnls(a_d, np.array([p.device_ms for p in conc]))
+    xfer, hit = nnls(a_d, np.array([p.device_ms for p in conc]))
     base = DeviceCosts(0.0, float(hit), float(miss), float(wr), float(active), float(xfer), 0.0)
     rest = np.array([predict_ms(base, k, p.hit_rate, [float(p.r)] * n_moe, overlap=p.overlap) for p in points])
     # step time - the stages = fixed + (serial runs with CPU work) n_moe * serial_sync
     extra = [n_moe * float(not p.overlap and layer_ms(base, k, p.hit_rate, p.r, p.r > 0).cpu_ms > 0) for p in points]
-    fixed, serial_sync = _nnls(np.array([[1.0, e] for e in extra]), np.array([p.ms for p in points]) - rest)
+    fixed, serial_sync = nnls(np.array([[1.0, e] for e in extra]), np.array([p.ms for p in points]) - rest)
     costs = DeviceCosts(float(fixed), float(hit), float(miss), float(wr), float(active), float(xfer), 0.0,
                         float(serial_sync))
     out = [DevicePoint(p.phase, p.r, p.hit_rate, p.overlap, p.ms, p.worker_ms, p.device_ms,

@@ -36,6 +36,7 @@ from ..atomic import write_text
 from ..errors import RapidMoEError
 from .device import DeviceCosts, DevicePoint
 from .device import predict_ms as device_predict_ms
+from .fit import nnls
 
 FORMAT = "rapidmoe-latency-model"
 VERSION = 1
@@ -190,24 +191,6 @@ def _design(points: list[Point], n_moe: int, k: int) -> np.ndarray:
     return np.array(rows, dtype=np.float64)
 
 
-def _solve(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0 (costs cannot be negative): the best unconstrained fit over
-    each subset of the columns whose solution is non-negative (exact for our 4 columns: 16 subsets)."""
-    n = a.shape[1]
-    best, best_err = np.zeros(n), float(np.sum(y * y))
-    for mask in range(1, 1 << n):
-        cols = [j for j in range(n) if mask >> j & 1]
-        sub, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
-        if (sub < 0).any():
-            continue
-        coef = np.zeros(n)
-        coef[cols] = sub
-        err = float(np.sum((a @ coef - y) ** 2))
-        if err < best_err - 1e-12:
-            best, best_err = coef, err
-    return best
-
-
 def fit_phase(points: list[Point], n_moe: int, k: int) -> tuple[PhaseCosts, list[Point]]:
     """Least-squares costs of one phase; the points come back with predictions and leave-one-out predictions."""
     if len(points) < N_COEF:
@@ -217,14 +200,14 @@ def fit_phase(points: list[Point], n_moe: int, k: int) -> tuple[PhaseCosts, list
         raise RapidMoEError("the measurements cannot separate the costs: measure r = 0 and at least two r > 0 "
                             "with the WQ path, and one r > 0 with the drop baseline")
     y = np.array([p.ms for p in points])
-    coef = _solve(a, y)
+    coef = nnls(a, y)
     pred = a @ coef
     out = []
     for i, p in enumerate(points):
         keep = np.arange(len(points)) != i
         loo = float("nan")
         if np.linalg.matrix_rank(a[keep]) == N_COEF:
-            loo = float(a[i] @ _solve(a[keep], y[keep]))
+            loo = float(a[i] @ nnls(a[keep], y[keep]))
         out.append(Point(p.phase, p.mode, p.r, p.ms, float(pred[i]), loo))
     return PhaseCosts(float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3])), out
 

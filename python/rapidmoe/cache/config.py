@@ -106,7 +106,8 @@ class ExpertCacheConfig:
     refresh: the rapidmoe policy's RefreshSettings (default RefreshSettings()).
     moepic: the moepic policy's MoEpicSettings (required with it, refused without it).
     async_copies: copies run on the device's transfer queue while compute goes on, each layer waiting for its own
-        right before its device work (default); False: each copy completes before the next step of the graph.
+        right before its device work (default); False: each batch of copies is waited for as soon as it is queued
+        (the serial order).
 
     What the loaded model then does: `Llama.expert_cache` (cache.runtime.ExpertCache)."""
 

@@ -350,42 +350,6 @@ inline float * row_of(ggml_tensor * t, int64_t i1, int64_t i2, int64_t i3 = 0) {
     return (float *) ((char *) t->data + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3]);
 }
 
-// join (gate/up): dst->src = {R, gate, up}; dst [n_ff, k, T, 2] = (gate + R[.., 0], up + R[.., 1])
-void join_gate_up_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const ggml_tensor * r = dst->src[0];
-    const bool ok = join_wait((const rapidmoe_overlap_site *) userdata, r, ith, nth);
-    const int64_t n = dst->ne[0], rows = dst->ne[1] * dst->ne[2];
-    for (int64_t row = ith; row < 2 * rows; row += nth) {
-        const int64_t part = row / rows, i1 = (row % rows) % dst->ne[1], i2 = (row % rows) / dst->ne[1];
-        const float * wq = row_of(dst->src[1 + part], i1, i2);
-        const float * res = row_of(r, i1, i2, part);
-        float * out = row_of(dst, i1, i2, part);
-        for (int64_t i = 0; i < n; ++i) {
-            out[i] = ok ? wq[i] + res[i] : NAN;
-        }
-    }
-}
-
-// join (down): dst->src = {R, WQ down, critical ids}; critical slots: R (a copy) or WQ + R (a residual)
-void join_down_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const auto * site = (const rapidmoe_overlap_site *) userdata;
-    const ggml_tensor * r = dst->src[0];
-    const ggml_tensor * ids = dst->src[2];
-    const bool ok = join_wait(site, r, ith, nth);
-    const bool copy = site->layer->down_is_copy;
-    const int64_t n = dst->ne[0], rows = dst->ne[1] * dst->ne[2];
-    for (int64_t row = ith; row < rows; row += nth) {
-        const int64_t i1 = row % dst->ne[1], i2 = row / dst->ne[1];
-        const bool critical = *(const int32_t *) ((const char *) ids->data + i1 * ids->nb[0] + i2 * ids->nb[1]) >= 0;
-        const float * wq = row_of(dst->src[1], i1, i2);
-        const float * res = row_of(r, i1, i2);
-        float * out = row_of(dst, i1, i2);
-        for (int64_t i = 0; i < n; ++i) {
-            out[i] = !ok ? NAN : critical ? (copy ? res[i] : wq[i] + res[i]) : wq[i];
-        }
-    }
-}
-
 // the serial graph's dev * hit (ggml_mul by a 0/1 mask: dev or a zero of dev's sign) as a select, so nothing is
 // left for a compiler to fuse into a multiply-add
 inline float masked(float dev, float hit) {
@@ -396,48 +360,54 @@ inline float hit_of(const ggml_tensor * hit_mask, int64_t i1, int64_t i2) {
     return *(const float *) ((const char *) hit_mask->data + i1 * hit_mask->nb[1] + i2 * hit_mask->nb[2]);
 }
 
-// join (cached gate/up): dst->src = {R, gate dev, up dev, hit mask}; R parts: gate miss, up miss, gate WR, up WR
-void join_cached_gate_up_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+// The join of every stage and layer kind: dst [n, k, T, P] (P = 2: gate and up; P = 1: down) after waiting for the
+// task of begin's output R. dst->src = {R, the device's WQ results (P of them), the hit mask (CACHED), the critical
+// ids (DOWN)}; R's parts: the misses' WQ (CACHED: one per output part), then the residuals (one per output part).
+//   wq  = CACHED ? miss + dev * hit : dev
+//   out = DOWN ? (critical slots: R (a copy) or wq + R (a residual); the others: wq) : wq + R
+// each the same sum, in the same order, as the serial graph's; NaN when the task failed.
+template <bool CACHED, bool DOWN>
+void join_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto * site = (const rapidmoe_overlap_site *) userdata;
     const ggml_tensor * r = dst->src[0];
-    const ggml_tensor * hit = dst->src[3];
-    const bool ok = join_wait((const rapidmoe_overlap_site *) userdata, r, ith, nth);
+    const int64_t parts = dst->ne[3];
+    const ggml_tensor * hit = CACHED ? dst->src[1 + parts] : nullptr;
+    const ggml_tensor * ids = DOWN ? dst->src[1 + parts + (CACHED ? 1 : 0)] : nullptr;
+    const bool ok = join_wait(site, r, ith, nth);
+    const bool copy = DOWN && site->layer->down_is_copy;
     const int64_t n = dst->ne[0], rows = dst->ne[1] * dst->ne[2];
-    for (int64_t row = ith; row < 2 * rows; row += nth) {
+    for (int64_t row = ith; row < parts * rows; row += nth) {
         const int64_t part = row / rows, i1 = (row % rows) % dst->ne[1], i2 = (row % rows) / dst->ne[1];
-        const float h = hit_of(hit, i1, i2);
+        const bool critical =
+            !DOWN || *(const int32_t *) ((const char *) ids->data + i1 * ids->nb[0] + i2 * ids->nb[1]) >= 0;
+        const float h = CACHED ? hit_of(hit, i1, i2) : 1.0f;
         const float * dev = row_of(dst->src[1 + part], i1, i2);
-        const float * miss = row_of(r, i1, i2, part);
-        const float * res = row_of(r, i1, i2, 2 + part);
+        const float * miss = CACHED ? row_of(r, i1, i2, part) : nullptr;
+        const float * res = row_of(r, i1, i2, (CACHED ? parts : 0) + part);
         float * out = row_of(dst, i1, i2, part);
         for (int64_t i = 0; i < n; ++i) {
-            const float wq = miss[i] + masked(dev[i], h);
-            out[i] = ok ? wq + res[i] : NAN;
+            const float wq = CACHED ? miss[i] + masked(dev[i], h) : dev[i];
+            out[i] = !ok ? NAN : !critical ? wq : copy ? res[i] : wq + res[i];
         }
     }
 }
 
-// join (cached down): dst->src = {R, down dev, hit mask, critical ids}; R parts: down miss, the critical down
-void join_cached_down_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const auto * site = (const rapidmoe_overlap_site *) userdata;
-    const ggml_tensor * r = dst->src[0];
-    const ggml_tensor * hit = dst->src[2];
-    const ggml_tensor * ids = dst->src[3];
-    const bool ok = join_wait(site, r, ith, nth);
-    const bool copy = site->layer->down_is_copy;
-    const int64_t n = dst->ne[0], rows = dst->ne[1] * dst->ne[2];
-    for (int64_t row = ith; row < rows; row += nth) {
-        const int64_t i1 = row % dst->ne[1], i2 = row / dst->ne[1];
-        const bool critical = *(const int32_t *) ((const char *) ids->data + i1 * ids->nb[0] + i2 * ids->nb[1]) >= 0;
-        const float h = hit_of(hit, i1, i2);
-        const float * dev = row_of(dst->src[1], i1, i2);
-        const float * miss = row_of(r, i1, i2, 0);
-        const float * res = row_of(r, i1, i2, 1);
-        float * out = row_of(dst, i1, i2);
-        for (int64_t i = 0; i < n; ++i) {
-            const float wq = miss[i] + masked(dev[i], h);
-            out[i] = !ok ? NAN : critical ? (copy ? res[i] : wq + res[i]) : wq;
-        }
-    }
+// begin's node: [n, k, T, parts] for crit_ids [k, T]; args = {input, critical ids, ...} (see begin_op)
+template <size_t N>
+ggml_tensor * begin_node(ggml_context * ctx, rapidmoe_overlap_site * site, int64_t n, int64_t parts,
+                         ggml_tensor * (&args)[N]) {
+    const ggml_tensor * crit_ids = args[1];
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, n, crit_ids->ne[0], crit_ids->ne[1], parts, args, (int) N, begin_op, 1,
+                          site);
+}
+
+// join's node: R's shape with `parts` output parts; args = {R, ...} (see join_op)
+template <size_t N>
+ggml_tensor * join_node(ggml_context * ctx, rapidmoe_overlap_site * site, int64_t parts, ggml_tensor * (&args)[N],
+                        ggml_custom_op_t op) {
+    const ggml_tensor * r = args[0];
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, r->ne[0], r->ne[1], r->ne[2], parts, args, (int) N, op, GGML_N_TASKS_MAX,
+                          site);
 }
 
 }  // namespace
@@ -445,8 +415,7 @@ void join_cached_down_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 ggml_tensor * rapidmoe_overlap_begin_gate_up(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * x,
                                              ggml_tensor * crit_ids) {
     ggml_tensor * args[2] = { x, crit_ids };
-    const int64_t n_ff = site->layer->gate_wr->ne[1];
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, n_ff, crit_ids->ne[0], crit_ids->ne[1], 2, args, 2, begin_op, 1, site);
+    return begin_node(ctx, site, site->layer->gate_wr->ne[1], 2, args);
 }
 
 ggml_tensor * rapidmoe_overlap_join_gate_up(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * r,
@@ -455,25 +424,21 @@ ggml_tensor * rapidmoe_overlap_join_gate_up(ggml_context * ctx, rapidmoe_overlap
     GGML_ASSERT(ggml_are_same_shape(gate, up) && gate->ne[0] == r->ne[0] && gate->ne[1] == r->ne[1] &&
                 gate->ne[2] == r->ne[2]);
     ggml_tensor * args[3] = { r, gate, up };
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, r->ne[0], r->ne[1], r->ne[2], 2, args, 3, join_gate_up_op,
-                          GGML_N_TASKS_MAX, site);
+    return join_node(ctx, site, 2, args, join_op<false, false>);
 }
 
 ggml_tensor * rapidmoe_overlap_begin_down(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * act,
                                           ggml_tensor * crit_ids) {
     GGML_ASSERT(act->type == GGML_TYPE_F32);
     ggml_tensor * args[2] = { act, crit_ids };
-    const int64_t n_embd = site->layer->down_hi->ne[1];
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, crit_ids->ne[0], crit_ids->ne[1], 1, args, 2, begin_op, 1,
-                          site);
+    return begin_node(ctx, site, site->layer->down_hi->ne[1], 1, args);
 }
 
 ggml_tensor * rapidmoe_overlap_join_down(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * r,
                                          ggml_tensor * experts, ggml_tensor * crit_ids) {
     GGML_ASSERT(experts->type == GGML_TYPE_F32 && ggml_are_same_shape(experts, r));
     ggml_tensor * args[3] = { r, experts, crit_ids };
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, r->ne[0], r->ne[1], r->ne[2], 1, args, 3, join_down_op,
-                          GGML_N_TASKS_MAX, site);
+    return join_node(ctx, site, 1, args, join_op<false, true>);
 }
 
 ggml_tensor * rapidmoe_overlap_begin_cached_gate_up(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * x,
@@ -481,8 +446,7 @@ ggml_tensor * rapidmoe_overlap_begin_cached_gate_up(ggml_context * ctx, rapidmoe
                                                     ggml_tensor * gate_exps, ggml_tensor * up_exps) {
     GGML_ASSERT(ggml_are_same_shape(crit_ids, miss_ids) && gate_exps->ne[1] == site->layer->gate_wr->ne[1]);
     ggml_tensor * args[5] = { x, crit_ids, miss_ids, gate_exps, up_exps };
-    const int64_t n_ff = site->layer->gate_wr->ne[1];
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, n_ff, crit_ids->ne[0], crit_ids->ne[1], 4, args, 5, begin_op, 1, site);
+    return begin_node(ctx, site, site->layer->gate_wr->ne[1], 4, args);
 }
 
 ggml_tensor * rapidmoe_overlap_join_cached_gate_up(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * r,
@@ -492,8 +456,7 @@ ggml_tensor * rapidmoe_overlap_join_cached_gate_up(ggml_context * ctx, rapidmoe_
     GGML_ASSERT(ggml_are_same_shape(gate_dev, up_dev) && gate_dev->ne[0] == r->ne[0] && gate_dev->ne[1] == r->ne[1] &&
                 gate_dev->ne[2] == r->ne[2] && hit_mask->ne[1] == r->ne[1] && hit_mask->ne[2] == r->ne[2]);
     ggml_tensor * args[4] = { r, gate_dev, up_dev, hit_mask };
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, r->ne[0], r->ne[1], r->ne[2], 2, args, 4, join_cached_gate_up_op,
-                          GGML_N_TASKS_MAX, site);
+    return join_node(ctx, site, 2, args, join_op<true, false>);
 }
 
 ggml_tensor * rapidmoe_overlap_begin_cached_down(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * act,
@@ -501,9 +464,7 @@ ggml_tensor * rapidmoe_overlap_begin_cached_down(ggml_context * ctx, rapidmoe_ov
                                                  ggml_tensor * down_exps) {
     GGML_ASSERT(act->type == GGML_TYPE_F32 && ggml_are_same_shape(crit_ids, miss_ids));
     ggml_tensor * args[4] = { act, crit_ids, miss_ids, down_exps };
-    const int64_t n_embd = site->layer->down_hi->ne[1];
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, crit_ids->ne[0], crit_ids->ne[1], 2, args, 4, begin_op, 1,
-                          site);
+    return begin_node(ctx, site, site->layer->down_hi->ne[1], 2, args);
 }
 
 ggml_tensor * rapidmoe_overlap_join_cached_down(ggml_context * ctx, rapidmoe_overlap_site * site, ggml_tensor * r,
@@ -512,6 +473,5 @@ ggml_tensor * rapidmoe_overlap_join_cached_down(ggml_context * ctx, rapidmoe_ove
     GGML_ASSERT(down_dev->type == GGML_TYPE_F32 && hit_mask->type == GGML_TYPE_F32);
     GGML_ASSERT(down_dev->ne[0] == r->ne[0] && down_dev->ne[1] == r->ne[1] && down_dev->ne[2] == r->ne[2]);
     ggml_tensor * args[4] = { r, down_dev, hit_mask, crit_ids };
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, r->ne[0], r->ne[1], r->ne[2], 1, args, 4, join_cached_down_op,
-                          GGML_N_TASKS_MAX, site);
+    return join_node(ctx, site, 1, args, join_op<true, true>);
 }

@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "counter_table.h"
 #include "model_handle.h"
 #include "rapidmoe-llama.h"
 
@@ -71,32 +72,24 @@ void bind_expert_cache(nb::module_ & m) {
           "Cache copies overlap compute (each layer waits for its own right before its device work) or not.");
     m.def("expert_cache_bytes", [](uintptr_t model, bool reset) {
               const llama_model * mdl = as_model(model);
-              const int32_t n_layer = rapidmoe_llama_expert_cache_bytes(mdl, nullptr, 0, false);
-              std::vector<int64_t> buf((size_t) n_layer * 3);
-              const int32_t n = rapidmoe_llama_expert_cache_bytes(mdl, buf.data(), n_layer, reset);
-              buf.resize((size_t) n * 3);
-              auto [data, owner] = owned(std::move(buf));
-              return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(data, {(size_t) n, 3}, owner);
+              return counter_table<int64_t, 2>({3}, [&](int64_t * out, int32_t n_max) {
+                  return rapidmoe_llama_expert_cache_bytes(mdl, out, n_max, reset);
+              });
           }, "model"_a, "reset"_a = false,
           "Per layer, host -> device bytes copied on demand and ahead (prefetch), and microseconds the computing "
           "thread waited for the copies, since the last reset (int64 [n_layer, 3]).");
     m.def("expert_cache_copies", [](uintptr_t model, bool reset) {
               const llama_model * mdl = as_model(model);
-              const int32_t n_layer = rapidmoe_llama_expert_cache_copies(mdl, nullptr, 0, false);
-              std::vector<int64_t> buf((size_t) n_layer);
-              const int32_t n = rapidmoe_llama_expert_cache_copies(mdl, buf.data(), n_layer, reset);
-              buf.resize((size_t) n);
-              auto [data, owner] = owned(std::move(buf));
-              return nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>(data, {(size_t) n}, owner);
+              return counter_table<int64_t, 1>({}, [&](int64_t * out, int32_t n_max) {
+                  return rapidmoe_llama_expert_cache_copies(mdl, out, n_max, reset);
+              });
           }, "model"_a, "reset"_a = false,
           "Per layer, experts the lru policy copied host -> device since the last reset (int64 [n_layer]).");
     m.def("expert_cache_expert_counts", [](uintptr_t model, int32_t il, bool reset) {
               const llama_model * mdl = as_model(model);
-              const int32_t n = rapidmoe_llama_expert_cache_expert_counts(mdl, il, nullptr, 0, false);
-              std::vector<int64_t> buf((size_t) n);
-              rapidmoe_llama_expert_cache_expert_counts(mdl, il, buf.data(), n, reset);
-              auto [data, owner] = owned(std::move(buf));
-              return nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>(data, {(size_t) n}, owner);
+              return counter_table<int64_t, 1>({}, [&](int64_t * out, int32_t n_max) {
+                  return rapidmoe_llama_expert_cache_expert_counts(mdl, il, out, n_max, reset);
+              });
           }, "model"_a, "il"_a, "reset"_a = false,
           "Per expert of cached layer il, the expert slots routed to it since the last reset (int64 [n_expert]; "
           "empty when the layer has no cache).");
@@ -104,12 +97,9 @@ void bind_expert_cache(nb::module_ & m) {
           "model"_a, "Free the model's expert caches; True if there were any.");
     m.def("expert_cache_stats", [](uintptr_t model, bool reset) {
               const llama_model * mdl = as_model(model);
-              const int32_t n_layer = rapidmoe_llama_expert_cache_stats(mdl, nullptr, 0, false);
-              std::vector<int64_t> buf(3 * (size_t) n_layer);
-              const int32_t n = rapidmoe_llama_expert_cache_stats(mdl, buf.data(), n_layer, reset);
-              buf.resize(3 * (size_t) n);
-              auto [data, owner] = owned(std::move(buf));
-              return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(data, {(size_t) n, 3}, owner);
+              return counter_table<int64_t, 2>({3}, [&](int64_t * out, int32_t n_max) {
+                  return rapidmoe_llama_expert_cache_stats(mdl, out, n_max, reset);
+              });
           }, "model"_a, "reset"_a = false,
           "Per layer [cached experts (-1: no cache), slots served from the cache, all slots] since the last reset, "
           "int64 [n_layer, 3] (0 rows without a cache).");

@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "counter_table.h"
 #include "model_handle.h"
 #include "rapidmoe-llama.h"
 
@@ -36,8 +37,9 @@ void bind_residual(nb::module_ & m) {
           "Load a .wr.gguf sidecar into CPU memory and attach it to the llama_model at this address.");
     m.def("residual_unhooked", [](uintptr_t model) {
               const llama_model * mdl = as_model(model);
-              std::vector<int32_t> out((size_t) std::max(0, rapidmoe_llama_residual_unhooked(mdl, nullptr, 0)));
-              out.resize((size_t) rapidmoe_llama_residual_unhooked(mdl, out.data(), (int32_t) out.size()));
+              const std::vector<int32_t> out = counter_rows<int32_t>(1, [&](int32_t * dst, int32_t n_max) {
+                  return rapidmoe_llama_residual_unhooked(mdl, dst, n_max);
+              });
               return std::vector<int>(out.begin(), out.end());
           }, "model"_a,
           "Layers of the attached sidecar that no graph build reached through llama.cpp's build_moe_ffn (check after "
@@ -54,12 +56,9 @@ void bind_residual(nb::module_ & m) {
           "Fixed r (0..k, clamped): each token's r highest-weight experts run in high precision. Returns r.");
     m.def("moe_counters", [](uintptr_t model, bool reset) {
               const llama_model * mdl = as_model(model);
-              const int32_t n_layer = rapidmoe_llama_counters(mdl, nullptr, 0, false);
-              std::vector<int64_t> buf(3 * (size_t) n_layer);
-              const int32_t n = rapidmoe_llama_counters(mdl, buf.data(), n_layer, reset);
-              buf.resize(3 * (size_t) n);
-              auto [data, owner] = owned(std::move(buf));
-              return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(data, {(size_t) n, 3}, owner);
+              return counter_table<int64_t, 2>({3}, [&](int64_t * out, int32_t n_max) {
+                  return rapidmoe_llama_counters(mdl, out, n_max, reset);
+              });
           }, "model"_a, "reset"_a = false,
           "Per layer [tokens, expert slots, critical slots] since the last reset, int64 [n_layer, 3].");
     m.def("set_policy", [](uintptr_t model, nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> p) {
@@ -106,22 +105,21 @@ void bind_residual(nb::module_ & m) {
           "residual worker's threads. The mode is read at graph build: set it before the context.");
     m.def("overlap_stats", [](uintptr_t model, bool reset) {
               const llama_model * mdl = as_model(model); // before anything is allocated: a bad address leaks nothing
-              std::vector<int64_t> buf(10, 0);
-              rapidmoe_llama_overlap_stats(mdl, buf.data(), reset);
-              auto [data, owner] = owned(std::move(buf));
-              return nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(data, {2, 5}, owner);
+              // always both stages (zeros without a sidecar): the C function fills a fixed [2, 5]
+              return counter_table<int64_t, 2>({5}, [&](int64_t * out, int32_t) {
+                  if (out != nullptr) {
+                      rapidmoe_llama_overlap_stats(mdl, out, reset);
+                  }
+                  return 2;
+              });
           }, "model"_a, "reset"_a = false,
           "Overlap timing since the last reset, int64 [stage (0 gate/up, 1 down), 5]: begin/join pairs, then ns "
           "of the worker's matmuls, of the device's work (begin returned -> join started), join's wait, wall.");
     m.def("r_histogram", [](uintptr_t model, bool reset) {
-              constexpr size_t W = RAPIDMOE_LLAMA_MAX_TOP_K + 1;
               const llama_model * mdl = as_model(model);
-              const int32_t n_layer = rapidmoe_llama_r_histogram(mdl, nullptr, 0, false);
-              std::vector<int64_t> buf((size_t) n_layer * 2 * W);
-              const int32_t n = rapidmoe_llama_r_histogram(mdl, buf.data(), n_layer, reset);
-              buf.resize((size_t) n * 2 * W);
-              auto [data, owner] = owned(std::move(buf));
-              return nb::ndarray<nb::numpy, int64_t, nb::ndim<3>>(data, {(size_t) n, 2, W}, owner);
+              return counter_table<int64_t, 3>({2, RAPIDMOE_LLAMA_MAX_TOP_K + 1}, [&](int64_t * out, int32_t n_max) {
+                  return rapidmoe_llama_r_histogram(mdl, out, n_max, reset);
+              });
           }, "model"_a, "reset"_a = false,
           "Tokens per layer, phase (0 decode, 1 prefill) and r since the last reset, int64 [n_layer, 2, max_top_k + 1].");
     m.attr("max_top_k") = RAPIDMOE_LLAMA_MAX_TOP_K;

@@ -8,24 +8,22 @@
 //   ... build: rapidmoe_residual_find / rapidmoe_expert_cache_find search the snapshot (this thread) ...
 //   built()                the slot's graph now matches the snapshot
 //   ~guard                 let go; a detached sidecar is freed here if this was its last user
+//
+// Dependencies run one way: the guard uses the sidecar (rapidmoe-residual.h) and cache (rapidmoe-expert-cache.h)
+// registries and their lookups; they know nothing of it (they bump the generation, rapidmoe-generation.h).
 #pragma once
 
 #include "ggml.h"
 
+#include "rapidmoe-expert-cache.h"
+#include "rapidmoe-generation.h"
+
 #include <cstdint>
 #include <memory>
-#include <vector>
 
 struct llama_model;
 struct rapidmoe_residual_state;
 struct rapidmoe_layer_residual;
-struct rapidmoe_expert_cache_layer;
-
-using rapidmoe_expert_cache_layers = std::vector<std::shared_ptr<rapidmoe_expert_cache_layer>>; // index = layer
-
-// bumped by every attach, detach and cache change (of any model): graphs built before are rebuilt
-uint64_t rapidmoe_attach_generation();
-void rapidmoe_attach_generation_bump();
 
 class rapidmoe_ubatch_guard {
   public:
@@ -38,12 +36,10 @@ class rapidmoe_ubatch_guard {
     bool can_reuse() const;
     void built();
 
-    // the innermost guard of the calling thread, nullptr outside one
-    static const rapidmoe_ubatch_guard * current();
-    const rapidmoe_layer_residual * find_residual(const ggml_tensor * down_exps) const;
-    const rapidmoe_expert_cache_layer * find_cache(const ggml_tensor * up_exps) const;
-
   private:
+    friend const rapidmoe_layer_residual * rapidmoe_residual_find(const ggml_tensor * down_exps);
+    friend const rapidmoe_expert_cache_layer * rapidmoe_expert_cache_find(const ggml_tensor * up_exps);
+
     const void * slot_;
     uint64_t generation_;  // when the snapshot was taken
     bool consistent_;      // nothing was attached or detached while it was taken
@@ -51,3 +47,11 @@ class rapidmoe_ubatch_guard {
     std::shared_ptr<const rapidmoe_expert_cache_layers> cache_;
     const rapidmoe_ubatch_guard * outer_;
 };
+
+// A graph build's lookups: the residual of the layer whose routed-expert down tensor is `down_exps` (every layout
+// has one; up is absent in the merged gate_up layout), and the cache of the layer whose up tensor is `up_exps`;
+// nullptr when there is none. Inside a guard (a graph build for a compute) only the snapshot the calling thread's
+// guard holds is searched, so the pointer stays valid until the compute ends; outside one (the context's reserve
+// graphs, never computed) the registries.
+const rapidmoe_layer_residual * rapidmoe_residual_find(const ggml_tensor * down_exps);
+const rapidmoe_expert_cache_layer * rapidmoe_expert_cache_find(const ggml_tensor * up_exps);

@@ -89,12 +89,17 @@ struct rapidmoe_expert_cache_layer {
     ~rapidmoe_expert_cache_layer();
 };
 
-// the cache of the layer whose routed-expert up tensor is `up_exps`; nullptr when none is set. Inside a ubatch
-// guard (rapidmoe-compute.h) only the caches the guard holds are searched: the pointer outlives the compute.
-const rapidmoe_expert_cache_layer * rapidmoe_expert_cache_find(const ggml_tensor * up_exps);
+using rapidmoe_expert_cache_layers = std::vector<std::shared_ptr<rapidmoe_expert_cache_layer>>; // index = layer
+
+// The one cache lookup: the cache among `layers` of the layer whose routed-expert up tensor is `up_exps`, nullptr
+// when there is none. A graph build searches through rapidmoe_expert_cache_find (rapidmoe-compute.h): the caches
+// its ubatch guard holds, or outside one the registry:
+const rapidmoe_expert_cache_layer * rapidmoe_expert_cache_layer_of(const rapidmoe_expert_cache_layers & layers,
+                                                                   const ggml_tensor * up_exps);
+// the same over every model's caches (the pointer is valid until the caches are cleared)
+const rapidmoe_expert_cache_layer * rapidmoe_expert_cache_find_attached(const ggml_tensor * up_exps);
 // the model's caches (index = layer), held by the caller; nullptr when none is set
-std::shared_ptr<const std::vector<std::shared_ptr<rapidmoe_expert_cache_layer>>> rapidmoe_expert_cache_get(
-    const llama_model * model);
+std::shared_ptr<const rapidmoe_expert_cache_layers> rapidmoe_expert_cache_get(const llama_model * model);
 
 // Cache experts ids[0..n) of layer il on the device (or buffer type) named `device`; an empty list caches nothing
 // but still counts the layer's slots. Returns an empty string or the reason it was refused. Set before a context

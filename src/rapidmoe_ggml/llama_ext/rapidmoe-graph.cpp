@@ -10,6 +10,7 @@
 // the residuals while the device computes the hits: all three at once, summed as the serial graph does.
 #include "rapidmoe-graph.h"
 
+#include "rapidmoe-compute.h"
 #include "rapidmoe-residual.h"
 #include "rapidmoe-stream.h"
 

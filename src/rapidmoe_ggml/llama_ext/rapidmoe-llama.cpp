@@ -3,6 +3,7 @@
 #include "rapidmoe-llama.h"
 
 #include "rapidmoe-expert-cache.h"
+#include "rapidmoe-export.h"
 #include "rapidmoe-residual.h"
 
 #include "llama-model.h" // llama_internal_get_tensor_map
@@ -32,26 +33,8 @@ int64_t rapidmoe_llama_probe_add(int64_t delta) {
     return g_probe.fetch_add(delta) + delta;
 }
 
-// 0 for no error; else the message copied (truncated, NUL-terminated) into err and -1
-static int32_t report(const std::string & msg, char * err, size_t err_size) {
-    if (msg.empty()) {
-        return 0;
-    }
-    if (err != nullptr && err_size > 0) {
-        const size_t n = std::min(msg.size(), err_size - 1);
-        std::memcpy(err, msg.data(), n);
-        err[n] = '\0';
-    }
-    return -1;
-}
-
 int32_t rapidmoe_llama_attach_residual(const llama_model * model, const char * path, char * err, size_t err_size) {
-    return report(rapidmoe_residual_attach(model, path), err, err_size);
-}
-
-int32_t rapidmoe_llama_expert_cache_set(const llama_model * model, int32_t il, const int32_t * ids, int32_t n_ids,
-                                        const char * device, char * err, size_t err_size) {
-    return report(rapidmoe_expert_cache_set(model, il, ids, n_ids, device), err, err_size);
+    return rapidmoe_report(rapidmoe_residual_attach(model, path), err, err_size);
 }
 
 int32_t rapidmoe_llama_residual_unhooked(const llama_model * model, int32_t * out, int32_t n_max) {
@@ -126,14 +109,15 @@ int32_t rapidmoe_llama_overlap_stats(const llama_model * model, int64_t * out, b
     if (st == nullptr || out == nullptr) {
         return 0;
     }
-    for (int stage = 0; stage < RAPIDMOE_OVERLAP_N_STAGES; ++stage) {
-        auto & t = st->overlap_timing[stage];
-        std::atomic<int64_t> * f[5] = { &t.n, &t.cpu_ns, &t.device_ns, &t.wait_ns, &t.wall_ns };
-        for (int i = 0; i < 5; ++i) {
-            out[5 * stage + i] = reset ? f[i]->exchange(0) : f[i]->load();
-        }
-    }
-    return RAPIDMOE_OVERLAP_N_STAGES;
+    return rapidmoe_export_rows(out, RAPIDMOE_OVERLAP_N_STAGES, RAPIDMOE_OVERLAP_N_STAGES, 5,
+                                [&](int32_t stage, int64_t * row) {
+                                    auto & t = st->overlap_timing[stage];
+                                    std::atomic<int64_t> * f[5] = { &t.n, &t.cpu_ns, &t.device_ns, &t.wait_ns,
+                                                                    &t.wall_ns };
+                                    for (int i = 0; i < 5; ++i) {
+                                        row[i] = rapidmoe_take(*f[i], reset);
+                                    }
+                                });
 }
 
 int32_t rapidmoe_llama_r_histogram(const llama_model * model, int64_t * out, int32_t n_layer_max, bool reset) {
@@ -141,20 +125,15 @@ int32_t rapidmoe_llama_r_histogram(const llama_model * model, int64_t * out, int
     if (st == nullptr) {
         return 0;
     }
-    if (out == nullptr) {
-        return (int32_t) st->layers.size();
-    }
-    const int32_t n = std::min<int32_t>(n_layer_max, (int32_t) st->layers.size());
     const int w = RAPIDMOE_UMIA_MAX_K + 1;
-    for (int32_t i = 0; i < n; ++i) {
+    return rapidmoe_export_rows(out, n_layer_max, (int32_t) st->layers.size(), 2 * w, [&](int32_t i, int64_t * row) {
         for (int phase = 0; phase < 2; ++phase) {
             auto & h = st->layers[i].sites[phase]->hist;
             for (int r = 0; r < w; ++r) {
-                out[((int64_t) i * 2 + phase) * w + r] = reset ? h[r].exchange(0) : h[r].load();
+                row[phase * w + r] = rapidmoe_take(h[r], reset);
             }
         }
-    }
-    return n;
+    });
 }
 
 int32_t rapidmoe_llama_counters(const llama_model * model, int64_t * out, int32_t n_layer_max, bool reset) {
@@ -162,25 +141,20 @@ int32_t rapidmoe_llama_counters(const llama_model * model, int64_t * out, int32_
     if (st == nullptr) {
         return 0;
     }
-    if (out == nullptr) {
-        return (int32_t) st->layers.size();
-    }
-    const int32_t n = std::min<int32_t>(n_layer_max, (int32_t) st->layers.size());
-    for (int32_t i = 0; i < n; ++i) {
+    return rapidmoe_export_rows(out, n_layer_max, (int32_t) st->layers.size(), 3, [&](int32_t i, int64_t * row) {
         int64_t tokens = 0, crit = 0;
         for (int phase = 0; phase < 2; ++phase) {
             auto & h = st->layers[i].sites[phase]->hist;
             for (int r = 0; r <= RAPIDMOE_UMIA_MAX_K; ++r) {
-                const int64_t c = reset ? h[r].exchange(0) : h[r].load();
+                const int64_t c = rapidmoe_take(h[r], reset);
                 tokens += c;
                 crit += c * r;
             }
         }
-        out[3 * i + 0] = tokens;
-        out[3 * i + 1] = tokens * st->n_expert_used;
-        out[3 * i + 2] = crit;
-    }
-    return n;
+        row[0] = tokens;
+        row[1] = tokens * st->n_expert_used;
+        row[2] = crit;
+    });
 }
 
 int32_t rapidmoe_llama_take_worker_error(const llama_model * model, char * err, size_t err_size) {
@@ -193,7 +167,7 @@ int32_t rapidmoe_llama_take_worker_error(const llama_model * model, char * err, 
         std::lock_guard<std::mutex> lock(st->error_mutex);
         msg.swap(st->worker_error);
     }
-    return msg.empty() ? 0 : (report(msg, err, err_size), 1);
+    return msg.empty() ? 0 : (rapidmoe_report(msg, err, err_size), 1);
 }
 
 void rapidmoe_llama_worker_fail_next(void) {
@@ -231,7 +205,7 @@ int32_t rapidmoe_llama_worker_selftest(char * out, size_t out_size) {
         check(w.wait(e, 1, nullptr, &err) == rapidmoe_residual_worker::FAILED && err == "begin failed",
               "a task completed as failed reports its error");
     }
-    report(fail.empty() ? std::string("ok") : fail, out, out_size);
+    rapidmoe_report(fail.empty() ? std::string("ok") : fail, out, out_size);
     return fail.empty() ? 0 : -1;
 }
 

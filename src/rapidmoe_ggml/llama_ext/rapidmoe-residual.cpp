@@ -3,7 +3,7 @@
 // checked against the model's own expert tensors, so a mismatched file is refused rather than misread.
 #include "rapidmoe-residual.h"
 
-#include "rapidmoe-compute.h"
+#include "rapidmoe-registry.h"
 
 #include "gguf.h"
 #include "llama-model.h"
@@ -17,10 +17,7 @@
 
 namespace {
 
-std::mutex g_mutex;
-std::map<const llama_model *, std::shared_ptr<rapidmoe_residual_state>> g_states;
-// model's down_exps -> its residual (graph builds outside a ubatch guard: the context's reserve graphs)
-std::map<const ggml_tensor *, const rapidmoe_layer_residual *> g_layers;
+rapidmoe_registry<rapidmoe_residual_state> g_sidecars;
 
 bool same_shape(const ggml_tensor * a, const ggml_tensor * b) {
     return a->ne[0] == b->ne[0] && a->ne[1] == b->ne[1] && a->ne[2] == b->ne[2] && a->ne[3] == b->ne[3];
@@ -138,13 +135,19 @@ void rapidmoe_residual_set_policy(rapidmoe_residual_state & st, const float * pa
     }
 }
 
-const rapidmoe_layer_residual * rapidmoe_residual_find(const ggml_tensor * down_exps) {
-    if (const rapidmoe_ubatch_guard * guard = rapidmoe_ubatch_guard::current()) {
-        return guard->find_residual(down_exps);
+const rapidmoe_layer_residual * rapidmoe_residual_layer_of(const rapidmoe_residual_state & st,
+                                                           const ggml_tensor * down_exps) {
+    for (const auto & lr : st.layers) {
+        if (lr.down_hi != nullptr && lr.base_down == down_exps) {
+            return &lr;
+        }
     }
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_layers.find(down_exps);
-    return it == g_layers.end() ? nullptr : it->second;
+    return nullptr;
+}
+
+const rapidmoe_layer_residual * rapidmoe_residual_find_attached(const ggml_tensor * down_exps) {
+    return g_sidecars.find_any(
+        [&](const rapidmoe_residual_state & st) { return rapidmoe_residual_layer_of(st, down_exps); });
 }
 
 std::vector<int> rapidmoe_residual_unhooked(const llama_model * model) {
@@ -161,29 +164,11 @@ std::vector<int> rapidmoe_residual_unhooked(const llama_model * model) {
 }
 
 std::shared_ptr<rapidmoe_residual_state> rapidmoe_residual_get(const llama_model * model) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_states.find(model);
-    return it == g_states.end() ? nullptr : it->second;
+    return g_sidecars.get(model);
 }
 
 bool rapidmoe_residual_detach(const llama_model * model) {
-    std::shared_ptr<rapidmoe_residual_state> gone; // freed after the lock, unless a ubatch still holds it
-    {
-        std::lock_guard<std::mutex> lock(g_mutex);
-        auto it = g_states.find(model);
-        if (it == g_states.end()) {
-            return false;
-        }
-        for (const auto & lr : it->second->layers) {
-            if (lr.down_hi != nullptr) {
-                g_layers.erase(lr.base_down);
-            }
-        }
-        gone = std::move(it->second);
-        g_states.erase(it);
-        rapidmoe_attach_generation_bump();
-    }
-    return true;
+    return g_sidecars.remove(model);
 }
 
 std::string rapidmoe_residual_attach(const llama_model * model, const char * path) {
@@ -316,16 +301,11 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
     if (!err.empty()) {
         return err;
     }
-    std::lock_guard<std::mutex> lock(g_mutex);
-    if (g_states.count(model) != 0) {
+    std::lock_guard<std::mutex> lock(g_sidecars.mutex);
+    if (g_sidecars.states.count(model) != 0) {
         return "a residual sidecar is already attached to this model";
     }
-    for (const auto & lr : st->layers) {
-        if (lr.down_hi != nullptr) {
-            g_layers[lr.base_down] = &lr;
-        }
-    }
-    g_states[model] = std::move(st);
+    g_sidecars.states[model] = std::move(st);
     rapidmoe_attach_generation_bump();
     return "";
 }

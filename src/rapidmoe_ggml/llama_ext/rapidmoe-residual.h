@@ -82,11 +82,13 @@ void rapidmoe_residual_get_policy(rapidmoe_residual_state & st, float * out);
 // write the policy now when no ubatch of the model computes, else when the running ones have finished
 void rapidmoe_residual_set_policy(rapidmoe_residual_state & st, const float * params);
 
-// the residual of the layer whose routed-expert down tensor is `down_exps` (every layout has one; up is absent in
-// the merged gate_up layout); nullptr when none is attached. Inside a
-// ubatch guard (a graph build for a compute) only the state the guard holds is searched, so the pointer stays
-// valid until the compute ends; outside one (reserve graphs, never computed) the registry.
-const rapidmoe_layer_residual * rapidmoe_residual_find(const ggml_tensor * down_exps);
+// The one residual lookup: the layer of `st` whose routed-expert down tensor is `down_exps` (every layout has one;
+// up is absent in the merged gate_up layout), nullptr when it has none. A graph build searches through
+// rapidmoe_residual_find (rapidmoe-compute.h): the state its ubatch guard holds, or outside one the registry:
+const rapidmoe_layer_residual * rapidmoe_residual_layer_of(const rapidmoe_residual_state & st,
+                                                           const ggml_tensor * down_exps);
+// the same over every attached sidecar (the pointer is valid until the sidecar is detached)
+const rapidmoe_layer_residual * rapidmoe_residual_find_attached(const ggml_tensor * down_exps);
 // layers with a residual that no graph build has reached through build_moe_ffn (see `hooked`)
 std::vector<int> rapidmoe_residual_unhooked(const llama_model * model);
 

@@ -33,13 +33,8 @@ int32_t rapidmoe_stream_min_batch_of(const ggml_tensor * up_exps) {
     std::lock_guard<std::mutex> lock(g_mutex);
     for (const auto & [model, n] : g_min_batch) { // a handful of models at most
         auto layers = rapidmoe_expert_cache_get(model);
-        if (layers == nullptr) {
-            continue;
-        }
-        for (const auto & c : *layers) {
-            if (c != nullptr && c->base_up == up_exps) {
-                return n;
-            }
+        if (layers != nullptr && rapidmoe_expert_cache_layer_of(*layers, up_exps) != nullptr) {
+            return n;
         }
     }
     return 0;

@@ -9,8 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES
 
+from ..ggml_types import block_bytes, block_size
 from ..ggufio import GGUFFile
 from ..placement.cost import CostModel, ModelCosts
 from ..placement.frequency import load_frequency
@@ -223,7 +223,7 @@ def moepic_layers(model_path: str | os.PathLike[str], layers: Sequence[int], spl
     for il, split, cap in zip(layers, splits, capacities, strict=True):
         up, gate, down = (tensors[f"blk.{il}.ffn_{r}_exps.weight"] for r in ("up", "gate", "down"))
         n_embd, n_ff = int(up.shape[0]), int(up.shape[1])
-        block, tsize = GGML_QUANT_SIZES[down.tensor_type]
+        block, tsize = block_size(down.tensor_type.name), block_bytes(down.tensor_type.name)
         n_top = top_rows(split, n_ff, block)
         per_expert = [int(t.n_bytes) // int(t.shape[2]) for t in (up, gate, down)]
         row_up, row_gate = per_expert[0] // n_ff, per_expert[1] // n_ff

@@ -176,9 +176,9 @@ def kernels_key() -> str:
 def umia_policies(wq: Path, wr: Path, calib: Path, work: Path, n: int) -> list[tuple[str, str]]:
     """Calibrate UMIA on `calib` (latency model measured here, then the frontier search) and return up to n of its
     UMIA frontier policies as (label, policy.json path), cached in work/."""
-    from rapidmoe.umia.calibrate import calibrate
+    from rapidmoe.calibration.umia import calibrate
     from rapidmoe.umia.latency import load_latency_model
-    from rapidmoe.umia.measure import calibrate_latency
+    from rapidmoe.calibration.measure import calibrate_latency
     from rapidmoe.umia.policy import policy_from_dict
 
     # one calibration per preset and per build of our kernels (the latency model is measured with them)

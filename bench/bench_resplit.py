@@ -105,7 +105,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from common import ensure_synthetic, kl_stats
-    from rapidmoe.resplit import PRESETS, collect_imatrix, write_imatrix
+    from rapidmoe.calibration.imatrix import collect_imatrix
+    from rapidmoe.resplit import PRESETS, write_imatrix
     from stock_llama import build_stock
 
     OUT.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,7 @@ def measure_decode(wq: Path, wr: Path, policies: list[tuple[str, str, object]], 
                    threads: int) -> dict[str, float]:
     """Decode tokens/s per policy label (drop ones on a drop-mode context)."""
     from rapidmoe import Llama
-    from rapidmoe.umia.measure import decode_step_ms
+    from rapidmoe.calibration.measure import decode_step_ms
 
     out: dict[str, list[float]] = {label: [] for label, _, _ in policies}
     for drop in (False, True):
@@ -69,7 +69,7 @@ def score_heldout(wq: Path, wr: Path, ref: Path, text: Path, policies: list[tupl
                   chunk: int, threads: int, latency: object) -> dict[str, dict[str, float]]:
     from tqdm import tqdm
 
-    from rapidmoe.umia.calibrate import Scorer, evaluate, log_softmax, pick_chunks
+    from rapidmoe.calibration.umia import Scorer, evaluate, log_softmax, pick_chunks
 
     r = Scorer(ref, chunk, threads)
     chunks = pick_chunks(r.llm.tokenize(text.read_text(errors="replace").encode()), tokens, chunk, seed=1)
@@ -110,9 +110,9 @@ def main() -> int:
     a = ap.parse_args()
 
     from rapidmoe.umia import Policy
-    from rapidmoe.umia.calibrate import calibrate
+    from rapidmoe.calibration.umia import calibrate
     from rapidmoe.umia.frontier import pareto
-    from rapidmoe.umia.measure import calibrate_latency
+    from rapidmoe.calibration.measure import calibrate_latency
 
     t_start = time.time()
     a.work.mkdir(parents=True, exist_ok=True)

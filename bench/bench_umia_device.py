@@ -33,7 +33,7 @@ from rapidmoe.umia.profile import profile_report  # noqa: E402
 
 def measure(args: argparse.Namespace) -> dict:
     from rapidmoe.rpc import RPCServer  # noqa: PLC0415 - loads libllama
-    from rapidmoe.umia.measure import measure_device_points  # noqa: PLC0415
+    from rapidmoe.calibration.measure import measure_device_points  # noqa: PLC0415
 
     with RPCServer(threads=args.threads) as srv:
         points, n_moe, k = measure_device_points(

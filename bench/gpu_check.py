@@ -312,8 +312,8 @@ def section_umia_gpu(ctx: Ctx) -> None:
     fixed r = 1, 2, all with the half-WQ cache ("umia": "gpu-calibrated" | "fixed")."""
     import tempfile
 
-    from rapidmoe.umia.calibrate import calibrate
-    from rapidmoe.umia.profile import device_latency_model
+    from rapidmoe.calibration.measure import device_latency_model
+    from rapidmoe.calibration.umia import calibrate
 
     got = _half_cache(ctx)
     if got is None:

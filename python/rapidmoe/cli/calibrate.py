@@ -60,11 +60,11 @@ def calibrate_latency(
     model R that `calibrate` uses; print measured vs predicted time for every fixed-r run. With --machine or
     --device, R gets the device terms instead (umia/device.py): cached experts on the device, misses and
     residuals on the CPU, the max of the overlapped stages per layer."""
-    from ..umia.measure import calibrate_latency as measure  # noqa: PLC0415
+    from ..calibration.measure import calibrate_latency as measure  # noqa: PLC0415  (lazy: keeps --help fast)
 
     _check_files(model, residual)
     if machine is not None or device is not None:
-        from ..umia.profile import device_latency_model  # noqa: PLC0415
+        from ..calibration.measure import device_latency_model  # noqa: PLC0415  (lazy: keeps --help fast)
 
         if machine is not None and device is not None:
             raise typer.BadParameter("give --machine (priced) or --device (measured), not both")
@@ -82,7 +82,7 @@ def calibrate_latency(
             if c is not None:
                 print(f"  {ph:7s} " + ", ".join(f"{k} {v:.4g}" for k, v in c.to_dict().items() if v is not None))
         if lm.device.points:
-            from ..umia.device import points_table  # noqa: PLC0415
+            from ..umia.device import points_table  # noqa: PLC0415  (lazy: keeps --help fast)
 
             print(points_table(lm.device.points))
         for r in (0, 1, 2):
@@ -131,9 +131,9 @@ def calibrate(
 ) -> None:
     """Search UMIA policies on calibration text: KL to the reference vs latency predicted by the measured
     latency model; print and save the Pareto frontier (table + PNG) and write the chosen policy."""
-    from ..umia.calibrate import calibrate as search  # noqa: PLC0415
-    from ..umia.latency import load_latency_model  # noqa: PLC0415
-    from ..umia.measure import calibrate_latency as measure  # noqa: PLC0415
+    from ..calibration.measure import calibrate_latency as measure  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..calibration.umia import calibrate as search  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..umia.latency import load_latency_model  # noqa: PLC0415  (lazy: keeps --help fast)
 
     _check_files(model, residual, text, reference, latency)
     lat_path = latency or model.with_name(model.name.removesuffix(".gguf").removesuffix(".wq") + ".latency.json")

@@ -29,11 +29,12 @@ def convert(
 
     --preset auto (the default) takes cpu-fast where llama.cpp sees no GPU: on the 8.1 GB bench model on 2 CPU cores it decoded 1.52x as fast as stock Q4_K_M at r = 1 with lower KL to F16 (0.063 vs 0.074) and pp512 1.02x; 1.65x at r = 0 (KL 0.133); cpu (Q6_K output head) at r = 2: KL 0.030 at 1.27x (bench/results/frontier-qwen3moe-bench-reps3.md). Where a GPU is found it takes paper (IQ1_M WQ, small enough for the device; needs --imatrix or --calib-text).
     """
-    from ..resplit import collect_imatrix, get_preset, read_imatrix, write_imatrix  # noqa: PLC0415
-    from ..resplit import convert as run_convert  # noqa: PLC0415
-    from ..resplit.presets import default_preset  # noqa: PLC0415
-    from ..resplit.report import format_table  # noqa: PLC0415
-    from .budget import gpu_devices  # noqa: PLC0415
+    from ..calibration.imatrix import collect_imatrix  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..resplit import convert as run_convert  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..resplit import get_preset, read_imatrix, write_imatrix  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..resplit.presets import default_preset  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..resplit.report import format_table  # noqa: PLC0415  (lazy: keeps --help fast)
+    from .budget import gpu_devices  # noqa: PLC0415  (lazy: keeps --help fast)
 
     if preset == "auto":
         gpus = gpu_devices()

@@ -1,23 +1,19 @@
-"""Importance matrices for quantization: read llama.cpp's imatrix files, or collect one with our own build.
+"""Importance matrices for quantization: llama.cpp's imatrix files, read (GGUF or legacy .dat) and written (GGUF).
 
-Collection runs the model on calibration text through rapidmoe.Llama with an eval callback in rapidmoe._core
-that accumulates llama-imatrix's statistics (sum of squared inputs per weight column, per expert); the result
-is saved in llama.cpp's GGUF imatrix layout, so `llama-quantize --imatrix` reads it too.
+Collecting one runs the model, so it lives a layer up: rapidmoe.calibration.imatrix.collect_imatrix.
 """
 from __future__ import annotations
 
-import logging
 import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
+from gguf import GGUFWriter
 
 from ..errors import ModelFileError
-
-log = logging.getLogger(__name__)
+from ..ggufio import GGUFFile
 
 
 @dataclass
@@ -61,8 +57,6 @@ def read_imatrix(path: str | os.PathLike[str]) -> Imatrix:
 
 
 def _read_gguf(p: Path) -> Imatrix:
-    from ..ggufio import GGUFFile  # noqa: PLC0415
-
     r = GGUFFile(p)
     im = Imatrix()
     if r.get("general.type", "imatrix") != "imatrix":
@@ -107,8 +101,6 @@ def _read_legacy(p: Path) -> Imatrix:
 
 def write_imatrix(im: Imatrix, path: str | os.PathLike[str]) -> Path:
     """Write llama.cpp's GGUF imatrix layout (temporary name, then rename)."""
-    from gguf import GGUFWriter  # noqa: PLC0415
-
     p = Path(path)
     tmp = p.with_name(p.name + ".tmp")
     w = GGUFWriter(tmp, arch="imatrix")
@@ -128,33 +120,3 @@ def write_imatrix(im: Imatrix, path: str | os.PathLike[str]) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return p
-
-
-def collect_imatrix(model_path: str | os.PathLike[str], text: str, *, n_ctx: int = 512, max_chunks: int | None = None,
-                    n_threads: int | None = None, progress: bool = True, dataset: str = "text") -> Imatrix:
-    """Run the model over `text` in chunks of n_ctx tokens and collect llama-imatrix statistics."""
-    from .._runtime import _core  # noqa: PLC0415 - the only part of this module needing the build
-    from ..llama import Llama  # noqa: PLC0415
-
-    collector = _core.ImatrixCollector()
-    llm = Llama(model_path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=n_threads,
-                n_threads_batch=n_threads, logits_all=True, verbose=False, eval_callback=collector)
-    try:
-        tokens = llm.tokenize(text.encode(), add_bos=False, special=False)
-        n_chunks = len(tokens) // n_ctx
-        if max_chunks is not None:
-            n_chunks = min(n_chunks, max_chunks)
-        if n_chunks == 0:
-            raise ModelFileError(f"calibration text has {len(tokens)} tokens; need at least n_ctx={n_ctx}")
-        for i in tqdm(range(n_chunks), desc="imatrix", unit="chunk", disable=not progress):
-            llm.reset()
-            llm._ctx.kv_cache_clear()
-            llm.eval(tokens[i * n_ctx: (i + 1) * n_ctx])
-    finally:
-        llm.close()
-    im = Imatrix(datasets=[dataset], chunk_count=n_chunks, chunk_size=n_ctx)
-    for name in collector.names():
-        s, c = collector.get(name)
-        im.in_sum2[name], im.counts[name] = s, c
-    log.info("imatrix: %d matrices from %d chunks of %d tokens", len(im.in_sum2), n_chunks, n_ctx)
-    return im

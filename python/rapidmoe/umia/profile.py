@@ -4,23 +4,20 @@ For a model shape (or a GGUF's header) and a machine profile (placement/machine.
 bandwidth, CPU bandwidth, FLOP/s and cores), the planner's static per-expert cache for the profile's GPU memory
 gives the hit rate; placement/cost.py's roofline gives the terms of umia/device.py for decode (one token per step)
 and prefill (a batch per step); R follows for fixed r, serial and concurrent, with the prefill streaming
-threshold. Projections, not measurements: a measured profile (or `calibrate-latency --device`) replaces them.
+threshold. Projections, not measurements: a measured profile (or `calibrate-latency --device`,
+calibration/measure.py's device_latency_model) replaces them.
 """
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
 from typing import Any
 
-from ..errors import RapidMoEError
 from ..placement.cost import CostModel, ModelCosts
 from ..placement.machine import MachineProfile, load_machine
 from ..placement.planner import plan
 from ..placement.shapes import get_shape_set
-from ..placement.tensors import ModelShapes, read_gguf_shapes
+from ..placement.tensors import ModelShapes
 from ..resplit.presets import Preset, get_preset
-from .device import DeviceCosts, fit_stage_terms, predict_ms, profile_costs, stream_threshold
-from .latency import DeviceModel, LatencyModel, PhaseCosts, describe_machine
+from .device import DeviceCosts, predict_ms, profile_costs, stream_threshold
 
 PREFILL_BATCH = 512
 
@@ -78,45 +75,3 @@ def profile_report(machine_spec: str, shapes: str, preset_name: str = "paper") -
     return {"machine": machine.to_dict(), "shapes": shapes, "preset": preset_name, "hit_rate": t["hit_rate"],
             "stream_threshold": t["stream_threshold"], "decode": t["decode"].to_dict(),
             "prefill": t["prefill"].to_dict(), "rows": rows, "markdown": "\n".join(md)}
-
-
-def device_latency_model(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], *,
-                         machine: str | None = None, device: str | None = None, rpc_servers: Sequence[str] = (),
-                         threads: int | None = None, cache_fractions: Sequence[float] = (0.5, 1.0),
-                         preset_name: str = "paper", repeats: int = 2, decode_tokens: int = 16,
-                         prefill_batch: int = 64, progress: bool = True) -> LatencyModel:
-    """A latency model whose device part is priced from a machine profile (`machine`) or measured on `device`
-    (the hit rate of the first cache fraction prices `calibrate`'s candidates). Its CPU-only part holds the same
-    costs in R(c, a) form (hits and misses blended by the hit rate), for readers that know only that form."""
-    shapes = read_gguf_shapes(wq_path)
-    n_moe, k = len(shapes.moe_layers), shapes.n_expert_used
-    info: dict[str, Any] = {"wq": str(wq_path), "wr": str(wr_path)}
-    if machine is not None:
-        prof = load_machine(machine)
-        t = profile_terms(shapes, prof, get_preset(preset_name), prefill_batch=prefill_batch)
-        dev = DeviceModel(f"profile {prof.name}", t["hit_rate"], True, t["decode"], t["prefill"])
-        info.update(stream_threshold=t["stream_threshold"], preset=preset_name)
-        described: dict[str, Any] = {"profile": prof.to_dict()}
-    elif device is not None:
-        from .measure import measure_device_points  # noqa: PLC0415 - loads libllama
-
-        points, n_moe, k = measure_device_points(
-            wq_path, wr_path, device=device, rpc_servers=rpc_servers, threads=threads,
-            cache_fractions=cache_fractions, decode_tokens=decode_tokens, prefill_batch=prefill_batch,
-            repeats=repeats, progress=progress)
-        dec, dec_pts = fit_stage_terms([p for p in points if p.phase == "decode"], n_moe, k)
-        pre, pre_pts = fit_stage_terms([p for p in points if p.phase == "prefill"], n_moe, k)
-        first = [p.hit_rate for p in dec_pts if p.overlap][: 1] or [0.0]
-        dev = DeviceModel(f"measured on {device}", first[0], True, dec, pre, dec_pts + pre_pts)
-        info.update(cache_fractions=list(cache_fractions), repeats=repeats)
-        described = describe_machine(threads)
-    else:
-        raise RapidMoEError("a device latency model needs a machine profile or a device to measure on")
-
-    def blended(c: DeviceCosts) -> PhaseCosts:
-        h = dev.hit_rate
-        return PhaseCosts(c.fixed_ms + n_moe * (c.xfer_ms + c.sync_ms), h * c.hit_ms + (1 - h) * c.miss_ms,
-                          c.wr_ms, c.active_ms)
-
-    return LatencyModel(n_moe, k, blended(dev.decode), blended(dev.prefill) if dev.prefill else None,
-                        prefill_batch if device is not None else PREFILL_BATCH, [], described, info, device=dev)

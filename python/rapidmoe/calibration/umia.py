@@ -32,10 +32,11 @@ from tqdm import tqdm
 
 from ..atomic import write_text
 from ..errors import RapidMoEError
-from .arbitration import n_critical
-from .frontier import choose, pareto
-from .latency import LatencyModel
-from .policy import Policy
+from ..residual import load_residual_info
+from ..umia.arbitration import n_critical
+from ..umia.frontier import choose, pareto
+from ..umia.latency import LatencyModel
+from ..umia.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +107,10 @@ class CalibrationResult:
 
 def plot_frontier(res: CalibrationResult, path: Path) -> bool:
     try:
-        import matplotlib  # noqa: PLC0415
+        import matplotlib  # noqa: PLC0415  (optional dependency: the bench extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt  # noqa: PLC0415  (optional dependency: the bench extra)
     except ImportError:
         log.warning("matplotlib is not installed (pip install 'rapidmoe[bench]'): no frontier plot")
         return False
@@ -196,7 +197,7 @@ class Scorer:
     """One Llama over the chunks: logits per chunk, with optional capture of the routing weights."""
 
     def __init__(self, path: str | os.PathLike[str], chunk: int, threads: int | None, **kw: Any) -> None:
-        from ..llama import Llama  # noqa: PLC0415
+        from ..llama import Llama  # noqa: PLC0415  (rapidmoe.llama loads the compiled part on import)
 
         self.llm = Llama(path, n_ctx=chunk, n_batch=chunk, n_ubatch=chunk, logits_all=True, n_threads=threads,
                          n_threads_batch=threads, verbose=False, **kw)
@@ -219,8 +220,7 @@ def calibrate(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], 
               betas: tuple[float, ...] | None = (0.0, 0.25, 0.5, 1.0, 2.0), prefill_budget_ms: float | None = None,
               r_min: int = 0, threads: int | None = None, refine: bool = True, progress: bool = True,
               command: str = "") -> CalibrationResult:
-    from .. import _core  # noqa: PLC0415
-    from ..residual import load_residual_info  # noqa: PLC0415
+    from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
 
     info = load_residual_info(wq_path, wr_path, verify=False)
     k, moe_layers = info.n_expert_used, sorted(info.wq_bytes_per_expert)

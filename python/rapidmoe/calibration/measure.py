@@ -2,7 +2,8 @@
 
 Decode: after an 8-token prompt, `decode_tokens` single-token steps (the same tokens every time), the median step
 time. Prefill: one batch of `prefill_batch` tokens, time per token. Each (mode, r) is measured `repeats` times in
-alternating order (so drift of a shared machine spreads over all r) and the median kept.
+alternating order (so drift of a shared machine spreads over all r) and the median kept. `device_latency_model`:
+the device part of the latency model, priced from a machine profile (umia/profile.py) or measured on a device.
 """
 from __future__ import annotations
 
@@ -16,10 +17,17 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..cache.config import ExpertCacheConfig
+from ..cache.moepic import moe_layers_of
 from ..errors import RapidMoEError
+from ..ggufio import GGUFFile
 from ..modelfile import read_model_info
-from .device import DevicePoint
-from .latency import LatencyModel, Point, describe_machine, fit
+from ..placement.machine import load_machine
+from ..placement.tensors import read_gguf_shapes
+from ..resplit.presets import get_preset
+from ..umia.device import DeviceCosts, DevicePoint, fit_stage_terms
+from ..umia.latency import DeviceModel, LatencyModel, PhaseCosts, Point, describe_machine, fit
+from ..umia.profile import PREFILL_BATCH, profile_terms
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +57,7 @@ def default_r_values(k: int) -> tuple[list[int], list[int]]:
 def measure_points(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], *, threads: int | None,
                    r_values: Sequence[int], drop_r_values: Sequence[int], decode_tokens: int = 16,
                    prefill_batch: int = 64, repeats: int = 3, progress: bool = True) -> list[Point]:
-    from ..llama import Llama  # noqa: PLC0415 - loads libllama
+    from ..llama import Llama  # noqa: PLC0415  (rapidmoe.llama loads the compiled part on import)
 
     if decode_tokens < 2 or prefill_batch < 2 or repeats < 1:
         raise RapidMoEError("decode_tokens and prefill_batch must be >= 2, repeats >= 1")
@@ -97,7 +105,6 @@ def calibrate_latency(wq_path: str | os.PathLike[str], wr_path: str | os.PathLik
     """Measure and fit this machine's latency model for a RESplit pair."""
     info = read_model_info(wq_path)
     k = info.n_expert_used
-    from ..ggufio import GGUFFile  # noqa: PLC0415
 
     n_moe = len({t.name.split(".")[1] for t in GGUFFile(wq_path).tensors if t.name.endswith("ffn_up_exps.weight")})
     d_wq, d_drop = default_r_values(k)
@@ -125,8 +132,7 @@ def measure_device_points(wq_path: str | os.PathLike[str], wr_path: str | os.Pat
     """The device part's measurements (umia/device.py): for each share of every MoE layer's experts cached on
     `device` (the lowest ids) and each schedule (serial, concurrent), decode steps and a prefill batch at each r,
     with the hit rate and the per-stage worker/device times the runtime recorded. Returns (points, n_moe, k)."""
-    from ..cache.moepic import moe_layers_of  # noqa: PLC0415
-    from ..llama import Llama  # noqa: PLC0415 - loads libllama
+    from ..llama import Llama  # noqa: PLC0415  (rapidmoe.llama loads the compiled part on import)
 
     info = read_model_info(wq_path)
     k, n_expert = info.n_expert_used, info.n_expert
@@ -144,7 +150,7 @@ def measure_device_points(wq_path: str | os.PathLike[str], wr_path: str | os.Pat
             llm = Llama(wq_path, residual_path=wr_path, n_ctx=n_ctx, n_batch=max(prefill_batch, 64),
                         n_ubatch=max(prefill_batch, 64), n_threads=threads, n_threads_batch=threads,
                         rpc_servers=list(rpc_servers) or None, n_gpu_layers=-1, override_tensor="exps=CPU",
-                        expert_cache={il: list(range(n_cached)) for il in moe}, expert_cache_device=device,
+                        expert_cache=ExpertCacheConfig({il: list(range(n_cached)) for il in moe}, device),
                         overlap="auto" if overlap else "off", verify_residual=False, verbose=False)
             try:
                 toks = llm.tokenize(_TEXT.encode())
@@ -169,7 +175,7 @@ def measure_device_points(wq_path: str | os.PathLike[str], wr_path: str | os.Pat
 def _stage_sums(llm: Any, n_tokens: int) -> tuple[float, float, float]:
     """(hit rate, worker ms per token, device ms per token) since the counters were last reset."""
     st = llm.overlap_stats()
-    hit = llm.expert_cache_stats().hit_rate
+    hit = llm.expert_cache.stats().hit_rate
     worker = (st.gate_up.cpu_ms + st.down.cpu_ms) / n_tokens
     dev = (st.gate_up.device_ms + st.down.device_ms) / n_tokens
     return hit, worker, dev
@@ -179,7 +185,7 @@ def _decode_sample(llm: Any, prompt: Sequence[int], steps: Sequence[int]) -> tup
     llm.reset()
     llm.eval(prompt)
     llm.overlap_stats(reset=True)
-    llm.expert_cache_stats(reset=True)
+    llm.expert_cache.stats(reset=True)
     step_ms = []
     for t in steps:
         t0 = time.perf_counter()
@@ -191,8 +197,48 @@ def _decode_sample(llm: Any, prompt: Sequence[int], steps: Sequence[int]) -> tup
 def _prefill_sample(llm: Any, batch: Sequence[int]) -> tuple[float, float, float, float]:
     llm.reset()
     llm.overlap_stats(reset=True)
-    llm.expert_cache_stats(reset=True)
+    llm.expert_cache.stats(reset=True)
     t0 = time.perf_counter()
     llm.eval(batch)
     ms = 1e3 * (time.perf_counter() - t0) / len(batch)
     return (ms, *_stage_sums(llm, len(batch)))
+
+
+def device_latency_model(wq_path: str | os.PathLike[str], wr_path: str | os.PathLike[str], *,
+                         machine: str | None = None, device: str | None = None, rpc_servers: Sequence[str] = (),
+                         threads: int | None = None, cache_fractions: Sequence[float] = (0.5, 1.0),
+                         preset_name: str = "paper", repeats: int = 2, decode_tokens: int = 16,
+                         prefill_batch: int = 64, progress: bool = True) -> LatencyModel:
+    """A latency model whose device part is priced from a machine profile (`machine`) or measured on `device`
+    (the hit rate of the first cache fraction prices `calibrate`'s candidates). Its CPU-only part holds the same
+    costs in R(c, a) form (hits and misses blended by the hit rate), for readers that know only that form."""
+    shapes = read_gguf_shapes(wq_path)
+    n_moe, k = len(shapes.moe_layers), shapes.n_expert_used
+    info: dict[str, Any] = {"wq": str(wq_path), "wr": str(wr_path)}
+    if machine is not None:
+        prof = load_machine(machine)
+        t = profile_terms(shapes, prof, get_preset(preset_name), prefill_batch=prefill_batch)
+        dev = DeviceModel(f"profile {prof.name}", t["hit_rate"], True, t["decode"], t["prefill"])
+        info.update(stream_threshold=t["stream_threshold"], preset=preset_name)
+        described: dict[str, Any] = {"profile": prof.to_dict()}
+    elif device is not None:
+        points, n_moe, k = measure_device_points(
+            wq_path, wr_path, device=device, rpc_servers=rpc_servers, threads=threads,
+            cache_fractions=cache_fractions, decode_tokens=decode_tokens, prefill_batch=prefill_batch,
+            repeats=repeats, progress=progress)
+        dec, dec_pts = fit_stage_terms([p for p in points if p.phase == "decode"], n_moe, k)
+        pre, pre_pts = fit_stage_terms([p for p in points if p.phase == "prefill"], n_moe, k)
+        first = [p.hit_rate for p in dec_pts if p.overlap][: 1] or [0.0]
+        dev = DeviceModel(f"measured on {device}", first[0], True, dec, pre, dec_pts + pre_pts)
+        info.update(cache_fractions=list(cache_fractions), repeats=repeats)
+        described = describe_machine(threads)
+    else:
+        raise RapidMoEError("a device latency model needs a machine profile or a device to measure on")
+
+    def blended(c: DeviceCosts) -> PhaseCosts:
+        h = dev.hit_rate
+        return PhaseCosts(c.fixed_ms + n_moe * (c.xfer_ms + c.sync_ms), h * c.hit_ms + (1 - h) * c.miss_ms,
+                          c.wr_ms, c.active_ms)
+
+    return LatencyModel(n_moe, k, blended(dev.decode), blended(dev.prefill) if dev.prefill else None,
+                        prefill_batch if device is not None else PREFILL_BATCH, [], described, info, device=dev)

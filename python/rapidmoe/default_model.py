@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from .paths import cache_dir, vocab_dir
+from .synthetic import GENERATOR_VERSION, spec_for, write_model
 
 log = logging.getLogger(__name__)
 
@@ -18,16 +19,12 @@ FILE_VERSION = 2  # 2: carries a chat template (a cached file of an earlier vers
 
 
 def default_model_path() -> Path:
-    from .synthetic import GENERATOR_VERSION  # noqa: PLC0415
-
     name = f"synthetic-{DEFAULT_ARCH}-{DEFAULT_SIZE}-s{DEFAULT_SEED}-g{GENERATOR_VERSION}-v{FILE_VERSION}.gguf"
     return cache_dir() / name
 
 
 def ensure_default_model(progress: bool = True) -> Path:
     """Path of the default model, writing it first if it is not cached yet (a few seconds)."""
-    from .synthetic import spec_for, write_model  # noqa: PLC0415
-
     path = default_model_path()
     if not path.exists():
         log.warning("making the default model %s (once)", path)

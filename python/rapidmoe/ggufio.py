@@ -194,7 +194,7 @@ def tensor_f32(t: Tensor) -> np.ndarray:
 
 def tensor_rows(t: Tensor, first: int, count: int) -> np.ndarray:
     """Rows [first, first+count) of the tensor's 2-D view ([rows, n_per_row]) as float32, reading only those."""
-    from ._runtime import _core  # noqa: PLC0415
+    from ._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
 
     qt = GGMLQuantizationType(int(t.tensor_type))
     n_per_row = int(t.shape[0])

@@ -45,6 +45,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from .errors import RapidMoEError
+from .ggufio import GGUFFile, tensor_f32
 
 log = logging.getLogger(__name__)
 
@@ -285,8 +286,6 @@ class NextLayerPredictor:
     Expert groups (DeepSeek-V3's group-limited routing) are not applied."""
 
     def __init__(self, model_path: str | os.PathLike[str], moe_layers: list[int], k: int) -> None:
-        from .ggufio import GGUFFile, tensor_f32  # noqa: PLC0415
-
         f = GGUFFile(model_path)
         arch = f.get("general.architecture")
         gating = int(f.get(f"{arch}.expert_gating_func", 0) or 0)
@@ -316,7 +315,7 @@ class TraceRecorder:
 
     def __init__(self, path: str | os.PathLike[str], *, moe_layers: list[int], n_expert: int, k: int,
                  meta: dict[str, Any], predictor: NextLayerPredictor | None = None) -> None:
-        from ._runtime import _core  # noqa: PLC0415
+        from ._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
 
         if not moe_layers:
             raise TraceError("the model has no MoE layers: nothing to trace")

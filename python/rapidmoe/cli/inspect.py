@@ -20,9 +20,9 @@ def inspect(
                                          "data are checked).")] = False,
 ) -> None:
     """Show the MoE structure (layers, experts, top-k, expert tensor types and bits) and RESplit pairing."""
-    from ..ggufio import GGUFFile  # noqa: PLC0415
-    from ..modelfile import generation_problem, read_model_info  # noqa: PLC0415
-    from ..resplit.sidecar import SIDECAR_ARCH, check_pair  # noqa: PLC0415
+    from ..ggufio import GGUFFile  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..modelfile import generation_problem, read_model_info  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..resplit.sidecar import SIDECAR_ARCH, check_pair  # noqa: PLC0415  (lazy: keeps --help fast)
 
     info = read_model_info(model)
     r = GGUFFile(model)
@@ -76,7 +76,7 @@ def inspect(
 
 def _shown(key: str, value: object) -> object:
     """A sidecar field as printed: the per-tensor sample digests summarized."""
-    from ..resplit.fingerprint import DIGEST_CHARS  # noqa: PLC0415
+    from ..resplit.fingerprint import DIGEST_CHARS  # noqa: PLC0415  (lazy: keeps --help fast)
 
     if key.endswith(("base_samples", "data_samples")) and isinstance(value, str):
         return f"{len(value) // DIGEST_CHARS} tensors, {DIGEST_CHARS} hex digits each"

@@ -26,8 +26,8 @@ def make_model(
     force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output file.")] = False,
 ) -> None:
     """Write a synthetic MoE model (realistic weight statistics, skewed router, real tokenizer) as GGUF."""
-    from ..paths import vocab_dir  # noqa: PLC0415 - keep --help fast
-    from ..synthetic import describe, spec_for, write_model  # noqa: PLC0415
+    from ..paths import vocab_dir  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..synthetic import describe, spec_for, write_model  # noqa: PLC0415  (lazy: keeps --help fast)
 
     given = {"n_layer": n_layer, "n_embd": n_embd, "n_expert": n_expert, "n_expert_used": n_expert_used,
              "n_ff_exp": n_ff_exp, "dtype": dtype, "vocab": vocab, "chat_template": chat_template}

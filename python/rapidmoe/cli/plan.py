@@ -41,9 +41,9 @@ def plan(
     """Plan placement under memory budgets: VRAM and DRAM per part for RESplit (all WQ on the GPU if it fits, else
     the most frequently routed experts' WQ, misses on the CPU) and for the baselines (all-Q4 CPU-centric offload
     as with --n-cpu-moe, and full GPU), with the GPU hit rate and the `run` flags that realize each plan."""
-    from ..placement import get_shape_set, load_frequency, parse_size, plan_all, read_gguf_shapes  # noqa: PLC0415
-    from ..placement.report import format_plans, write_json  # noqa: PLC0415
-    from ..resplit.presets import get_preset  # noqa: PLC0415
+    from ..placement import get_shape_set, load_frequency, parse_size, plan_all, read_gguf_shapes  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..placement.report import format_plans, write_json  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..resplit.presets import get_preset  # noqa: PLC0415  (lazy: keeps --help fast)
 
     if (model is None) == (shapes is None):
         raise RapidMoEError("give either a MODEL.gguf or --shapes NAME (not both)")
@@ -62,7 +62,7 @@ def plan(
     budgets = {k: None if v is None else parse_size(v) for k, v in (("gpu_mem", gpu_mem), ("cpu_mem", cpu_mem))}
     profile = None
     if machine is not None:
-        from ..placement.machine import load_machine  # noqa: PLC0415
+        from ..placement.machine import load_machine  # noqa: PLC0415  (lazy: keeps --help fast)
 
         profile = load_machine(machine)
         if budgets["gpu_mem"] is None:
@@ -74,10 +74,10 @@ def plan(
     extra: dict[str, object] = {}
     multi = None
     if device_mems is not None:
-        from ..placement.footprint import footprint  # noqa: PLC0415
-        from ..placement.multidevice import plan_across  # noqa: PLC0415
-        from ..placement.planner import plan as plan_one  # noqa: PLC0415
-        from ..placement.typeplan import resplit_types  # noqa: PLC0415
+        from ..placement.footprint import footprint  # noqa: PLC0415  (lazy: keeps --help fast)
+        from ..placement.multidevice import plan_across  # noqa: PLC0415  (lazy: keeps --help fast)
+        from ..placement.planner import plan as plan_one  # noqa: PLC0415  (lazy: keeps --help fast)
+        from ..placement.typeplan import resplit_types  # noqa: PLC0415  (lazy: keeps --help fast)
 
         multi = plan_across(m, device_mems, lambda total: plan_one(
             m, "resplit", preset=p, gpu_mem=total, cpu_mem=budgets["cpu_mem"], n_ctx=ctx_size,
@@ -90,7 +90,7 @@ def plan(
     if multi is not None:
         typer.echo("RESplit " + multi.table())
     if profile is not None:
-        from ..placement.schemes import compare_schemes  # noqa: PLC0415
+        from ..placement.schemes import compare_schemes  # noqa: PLC0415  (lazy: keeps --help fast)
 
         choice, _ = compare_schemes(m, profile, p, frequency=frequency, n_ctx=ctx_size, reserve=parse_size(reserve),
                                     r_critical=r_critical, cache_policy=cache_policy)
@@ -100,7 +100,7 @@ def plan(
         typer.echo(choice.table())
         extra = {"machine": profile.to_dict(), "cache_schemes": [e.__dict__ for e in choice.estimates],
                  "cache_policy": choice.chosen, "cache_policy_forced": choice.forced}
-        from ..umia.profile import profile_terms  # noqa: PLC0415
+        from ..umia.profile import profile_terms  # noqa: PLC0415  (lazy: keeps --help fast)
 
         stream = profile_terms(m, profile, p, r=r_critical, n_ctx=ctx_size, reserve=parse_size(reserve),
                                frequency=frequency)["stream_threshold"]

@@ -30,7 +30,7 @@ def rpc_server(
 
     Runs the package's own rpc-server (llama.cpp's tools/rpc, same pin and patches) in place of this process; its
     flags are llama.cpp's. One client at a time."""
-    from ..rpc import server_command  # noqa: PLC0415 - keep --help fast
+    from ..rpc import server_command  # noqa: PLC0415  (lazy: keeps --help fast)
 
     cmd = server_command(host=host, port=port, threads=threads, devices=device, cache=cache)
     try:

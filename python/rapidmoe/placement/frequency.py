@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import RapidMoEError
+from ..resplit.imatrix import read_imatrix
 
 
 class FrequencyError(RapidMoEError, ValueError):
@@ -109,8 +110,6 @@ def read_frequency(path: str | os.PathLike[str], layers: list[int], n_layer: int
 
 
 def _from_imatrix(p: Path) -> dict[int, np.ndarray]:
-    from ..resplit.imatrix import read_imatrix  # noqa: PLC0415
-
     im = read_imatrix(p)
     out: dict[int, np.ndarray] = {}
     for name, c in im.counts.items():

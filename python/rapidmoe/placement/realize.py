@@ -13,6 +13,7 @@ from typing_extensions import NotRequired  # typing has it from Python 3.11
 from ..cache.config import ExpertCacheConfig
 from ..errors import ModelFileError
 from ..resplit.presets import Preset
+from ..resplit.sidecar import read_sidecar_meta
 from .frequency import load_frequency
 from .planner import DEFAULT_RESERVE, NOT_EXPRESSIBLE, Plan, PlanError, plan
 from .tensors import read_gguf_shapes
@@ -72,8 +73,6 @@ def realize(p: Plan, cache_device: str | None = None) -> LlamaPlacement:
 
 def sidecar_preset(residual_path: str | os.PathLike[str]) -> Preset:
     """The preset a RESplit sidecar was made with, from its metadata (ModelFileError if it has none)."""
-    from ..resplit.sidecar import read_sidecar_meta  # noqa: PLC0415
-
     meta = read_sidecar_meta(residual_path)
     names = [f.name for f in fields(Preset)]
     missing = [n for n in names if f"preset.{n}" not in meta]

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelFileError
+from ..ggufio import GGUFFile
+from ..modelfile import require_moe
 
 # parts of a model, in the order the report lists them
 ATTENTION = "attention"
@@ -114,9 +116,6 @@ def _per_layer(value: object, n_layer: int) -> list[int]:
 
 def read_gguf_shapes(path: str | os.PathLike[str]) -> ModelShapes:
     """ModelShapes of a GGUF from its header (refuses dense models with a one-line ModelFileError)."""
-    from ..ggufio import GGUFFile  # noqa: PLC0415
-    from ..modelfile import require_moe  # noqa: PLC0415
-
     info = require_moe(path)
     r = GGUFFile(path)
     arch = info.architecture

@@ -103,7 +103,7 @@ def _int_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
 
 
 def schema_converter() -> Any:
-    from .._llama_cpp.llama_grammar import SchemaConverter  # noqa: PLC0415 - the ctypes layer loads lazily
+    from .._llama_cpp.llama_grammar import SchemaConverter  # noqa: PLC0415  (compiled part: the ctypes layer, loaded on first use)
 
     class Converter(SchemaConverter):
         """llama-cpp-python's converter, plus integer bounds (which it ignores): a bounded range becomes its

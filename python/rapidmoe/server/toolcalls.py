@@ -127,7 +127,7 @@ def tool_grammar(req: ToolRequest, open_think: bool) -> str:
     """GBNF that admits only tool calls in the family's format (one, or several with parallel_tool_calls), each
     with arguments valid for its tool's parameter schema; for "required" any tool, for "named" that one.
     `open_think`: the prompt left a `<think>` open, so the answer first closes it (empty)."""
-    from .structured import schema_converter  # noqa: PLC0415 - structured imports llama_cpp's converter lazily
+    from .structured import schema_converter  # noqa: PLC0415  (structured loads the compiled part on import)
 
     tools = [t for t in req.tools if req.choice != "named" or t.name == req.named]
     conv = schema_converter()

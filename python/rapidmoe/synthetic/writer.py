@@ -14,8 +14,10 @@ from typing import Any
 
 import gguf
 import numpy as np
+from tqdm import tqdm
 
 from ..ggufio import GGUFFile
+from ..paths import templates_dir as shipped_templates_dir
 from .spec import SyntheticSpec, TensorPlan, tensor_plan
 from .weights import GENERATOR_VERSION, generate
 
@@ -65,9 +67,7 @@ def read_chat_template(spec: SyntheticSpec, templates_dir: Path | None) -> str |
     if name is None:
         return None
     if templates_dir is None:
-        from ..paths import templates_dir as shipped  # noqa: PLC0415 - only where a template is asked for
-
-        templates_dir = shipped()
+        templates_dir = shipped_templates_dir()
     path = Path(templates_dir) / f"{name}.jinja"
     if not path.is_file():
         raise FileNotFoundError(f"chat template {path} not found (chat_template {spec.chat_template!r}, "
@@ -164,8 +164,6 @@ def write_model(spec: SyntheticSpec, path: Path, vocab_dir: Path | None, *, prog
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         if progress:
-            from tqdm import tqdm  # noqa: PLC0415
-
             bar = tqdm(total=total, unit="B", unit_scale=True, desc=path.name)
         for t in plan:
             data = generate(spec, t)

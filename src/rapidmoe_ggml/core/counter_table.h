@@ -30,8 +30,8 @@ std::vector<T> counter_rows(size_t width, Rows rows) {
 
 // The table as a numpy array [rows, row_shape...] (a fresh one, owned by Python).
 template <typename T, size_t NDim, typename Rows>
-nanobind::ndarray<nanobind::numpy, T, nanobind::ndim<NDim>> counter_table(const std::array<size_t, NDim - 1> & row_shape,
-                                                                          Rows rows) {
+nanobind::ndarray<nanobind::numpy, T, nanobind::ndim<NDim>>
+counter_table(const std::array<size_t, NDim - 1> & row_shape, Rows rows) {
     size_t width = 1;
     for (size_t d : row_shape) {
         width *= d;

@@ -522,6 +522,7 @@ int32_t rapidmoe_llama_expert_cache_expert_counts(const llama_model * model, int
         return 0;
     }
     const int32_t n = (int32_t) c->uses.size();
-    rapidmoe_export_rows(out, n_max, n, 1, [&](int32_t e, int64_t * dst) { dst[0] = rapidmoe_take(c->uses[e], reset); });
+    rapidmoe_export_rows(out, n_max, n, 1,
+                         [&](int32_t e, int64_t * dst) { dst[0] = rapidmoe_take(c->uses[e], reset); });
     return n; // the layer's expert count, however many were written
 }

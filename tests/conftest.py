@@ -1,21 +1,97 @@
-"""Shared fixtures: tiny synthetic models (made once per session) and the stock llama.cpp reference build; a
-session-end check that no test left a process running."""
+"""Shared fixtures: tiny synthetic models (made once per session), the stock llama.cpp reference build, a local
+rpc-server; a session-end check that no test left a process running; under CI, a skip that should not happen there
+fails (CI_LEGITIMATE_SKIPS). Shared constants: tests/testkit.py."""
 from __future__ import annotations
 
 import os
 import signal
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+from rapidmoe.paths import vocab_dir as find_vocab_dir
+from rapidmoe.resplit import convert, get_preset
+from rapidmoe.synthetic import spec_for, write_model
+
+if TYPE_CHECKING:
+    from rapidmoe.rpc import RPCServer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ARCHS = ("qwen3moe", "deepseek2")
+
+# Under CI (the environment variable CI set, as our CI runs .ci/run: CI=true) a test or module that skips FAILS
+# instead, with its reason, unless the reason starts with one of these keys: the skips that are legitimate there.
+# Everything else CI provides (the test extra, Chromium and chromedriver, the pinned sdist and vendor/llama.cpp from
+# the build, llama.cpp's vocab GGUFs, ../shared/models, Linux), so any other skip there would hide a test that
+# silently stopped running. xfail is not a skip here: pyproject's xfail_strict fails an unexpected pass.
+CI_LEGITIMATE_SKIPS = {
+    "stock llama-server not built": "test_server_choices.py compares with stock llama-server, a 10-minute build "
+                                    "(python tools/stock_llama.py llama-server) that CI does not do",
+    "a GPU may be present": "test_gpu_check.py's no-GPU path cannot run on a machine with nvidia-smi",
+}
+
+
+def _ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _forbidden_skip(rep: pytest.TestReport | pytest.CollectReport) -> str | None:
+    """The reason of a skip CI must not take (None: not a skip, not CI, an xfail, or a legitimate skip)."""
+    if not rep.skipped or hasattr(rep, "wasxfail") or not _ci():
+        return None
+    reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    return None if reason.startswith(tuple(CI_LEGITIMATE_SKIPS)) else reason
+
+
+def _ci_message(reason: str) -> str:
+    return (f"skipped under CI (CI={os.environ.get('CI')}): {reason}\nCI must run this; if the skip is legitimate "
+            "there, add its reason to CI_LEGITIMATE_SKIPS in tests/conftest.py, saying why")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
+    outcome = yield
+    rep: pytest.TestReport = outcome.get_result()  # type: ignore[attr-defined]
+    reason = _forbidden_skip(rep)
+    if reason is not None:
+        rep.outcome = "failed"
+        rep.longrepr = _ci_message(reason)
+
+
+class _SkippedUnderCI(pytest.Item):
+    """Stands for a test module that skipped as a whole while collected under CI: fails with the skip's reason (a
+    failed collection would stop the whole session before any test ran)."""
+
+    def __init__(self, *, reason: str, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.reason = reason
+
+    def runtest(self) -> None:
+        pytest.fail(_ci_message(self.reason), pytrace=False)
+
+    def reportinfo(self) -> tuple[Path, int | None, str]:
+        return self.path, None, self.name
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, None, None]:
+    """A module that skips as a whole when imported (pytest.skip(allow_module_level=True), importorskip): the same
+    rule, as one failing test in that module's place."""
+    outcome = yield
+    rep: pytest.CollectReport = outcome.get_result()  # type: ignore[attr-defined]
+    reason = _forbidden_skip(rep)
+    if reason is not None:
+        rep.outcome = "passed"
+        rep.longrepr = None
+        rep.result = [_SkippedUnderCI.from_parent(collector, name="module_skipped_under_CI", reason=reason)]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -82,10 +158,8 @@ def no_leaked_processes() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def vocab_dir() -> Path:
-    from rapidmoe.paths import vocab_dir as find
-
     try:
-        return find()
+        return find_vocab_dir()
     except FileNotFoundError as e:
         pytest.skip(str(e))
 
@@ -96,8 +170,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _make(model_dir: Path, vocab_dir: Path, arch: str, dtype: str) -> Path:
-    from rapidmoe.synthetic import spec_for, write_model
-
     path = model_dir / f"tiny-{arch}-{dtype}.gguf"
     if not path.exists():
         write_model(spec_for(arch, "tiny", seed=0, dtype=dtype), path, vocab_dir)
@@ -124,8 +196,6 @@ def make_tiny(model_dir: Path, vocab_dir: Path):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def make_split(model_dir: Path, vocab_dir: Path):  # type: ignore[no-untyped-def]
     """make_split(arch, preset="cpu") -> (F16 source, .wq.gguf, .wr.gguf), converted once per session."""
-    from rapidmoe.resplit import convert, get_preset
-
     done: dict[tuple[str, str], tuple[Path, Path, Path]] = {}
 
     def make(arch: str, preset: str = "cpu") -> tuple[Path, Path, Path]:
@@ -138,9 +208,19 @@ def make_split(model_dir: Path, vocab_dir: Path):  # type: ignore[no-untyped-def
     return make
 
 
+@pytest.fixture(scope="module")
+def rpc(request: pytest.FixtureRequest) -> Iterator[RPCServer]:
+    """A local rpc-server (llama.cpp's RPC backend: the stand-in second device), one per test module; the module's
+    RPC_THREADS sets its threads (default 1)."""
+    from rapidmoe.rpc import RPCServer  # noqa: PLC0415 - the extension (conftest imports without a build)
+
+    with RPCServer(threads=getattr(request.module, "RPC_THREADS", 1)) as srv:
+        yield srv
+
+
 @pytest.fixture(scope="session")
 def stock_bin() -> Path:
     """Folder with STOCK (unpatched) libllama of the same pin; built on first use, reused after."""
-    from stock_llama import build_stock
+    from stock_llama import build_stock  # noqa: PLC0415 - tools/, on sys.path from this file's top
 
     return build_stock(["llama"])

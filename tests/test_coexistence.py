@@ -22,11 +22,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from testkit import PIN, ROOT
+from testkit import PINNED_SDIST as SDIST
 
-ROOT = Path(__file__).resolve().parent.parent
-SDIST = ROOT / "vendor" / "downloads" / "llama_cpp_python-0.3.36.tar.gz"
-
-pytestmark = [pytest.mark.slow,
+# native: the wheel it packs is the installed build (rapidmoe._core, libllama)
+pytestmark = [pytest.mark.slow, pytest.mark.native,
               pytest.mark.skipif(not SDIST.exists(), reason="the build has not downloaded the pinned sdist")]
 
 
@@ -176,7 +176,7 @@ def test_both_install_orders(order: str, wheels: tuple[Path, Path], tiny_qwen: P
     name, path, generated = got["ours"]
     assert name == "rapidmoe._llama_cpp" and Path(str(path)).is_relative_to(purelib / "rapidmoe") and generated
     name, path, version = got["theirs"]
-    assert name == "llama_cpp" and Path(str(path)).is_relative_to(purelib / "llama_cpp") and version == "0.3.36"
+    assert name == "llama_cpp" and Path(str(path)).is_relative_to(purelib / "llama_cpp") and version == PIN["version"]
     for gone in ("llama_cpp_python", "rapidmoe"):
         ok, err = got[f"without {gone}"]
         assert ok, f"{order}: uninstalling {gone} broke the other: {err}"
@@ -192,4 +192,4 @@ def test_the_check_sees_a_clash(wheels: tuple[Path, Path], tiny_qwen: Path, tmp_
     old = _pack_our_wheel(tmp_path, extra)
     got = _install_and_check(old, theirs, tiny_qwen, tmp_path)
     _, bad = got["rapidmoe"]
-    assert any(str(b).startswith("llama_cpp/") for b in bad), got["rapidmoe"]  # type: ignore[union-attr]
+    assert any(str(b).startswith("llama_cpp/") for b in bad), got["rapidmoe"]  # type: ignore[attr-defined]

@@ -6,18 +6,19 @@ compared bit for bit: all-CPU with overlap forced on vs off, and with the WQ exp
 (where "auto" overlaps) vs all-CPU. The serial graph itself is checked against numpy in test_split_routing."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from testkit import TEXT
 
 from rapidmoe import Llama, RapidMoEError
 from rapidmoe.overlap import OverlapStats, overlap_mode
 from rapidmoe.rpc import RPCServer
 from rapidmoe.umia import Policy
-
-TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense."
 
 
 def _run(wq: Path, wr: Path, r: int | Policy, decode: int = 3, **kw) -> tuple[np.ndarray, OverlapStats]:  # type: ignore[no-untyped-def]
@@ -34,18 +35,13 @@ def _run(wq: Path, wr: Path, r: int | Policy, decode: int = 3, **kw) -> tuple[np
         llm.close()
 
 
-@pytest.fixture(scope="module")
-def rpc() -> Iterator[RPCServer]:
-    with RPCServer(threads=1) as srv:
-        yield srv
-
-
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
 def test_overlapped_graph_equals_serial_on_the_cpu(arch: str, make_split) -> None:  # type: ignore[no-untyped-def]
     """All-CPU, overlap forced on: the same logits as the serial graph, bit for bit, at r = 0, 1, k, under a UMIA
     policy and for the drop baseline; every split layer ran one begin/join pair per stage and graph."""
     _, wq, wr = make_split(arch)
     llm = Llama(wq, residual_path=wr, vocab_only=False, n_ctx=32, verbose=False)
+    assert llm.residual is not None
     k, n_moe = llm.residual.n_expert_used, len(llm.moe_layers)
     llm.close()
     for r in (0, 1, k, Policy(theta=0.6, alpha=0.5, beta=0.25)):
@@ -78,7 +74,7 @@ def test_overlap_with_wq_on_the_rpc_device(arch: str, make_split, rpc: RPCServer
     has no repacked Q8_0 layout); the cpu preset's Q4_K attention would be repacked on the CPU and not on the
     stand-in (a different summation order), so "exactly" would compare two kernels rather than two schedules."""
     _, wq, wr = make_split(arch, "cpu-q8")
-    on_device = {"rpc_servers": [rpc.endpoint], "override_tensor": f"exps={rpc.device.buffer_type}"}
+    on_device: dict[str, Any] = {"rpc_servers": [rpc.endpoint], "override_tensor": f"exps={rpc.device.buffer_type}"}
     for r in (1, 2):
         cpu, _ = _run(wq, wr, r, overlap="off")
         auto, s_auto = _run(wq, wr, r, **on_device)
@@ -106,9 +102,6 @@ def test_bad_overlap_arguments(make_split) -> None:  # type: ignore[no-untyped-d
 def test_cli_run_overlap_and_stats(make_split) -> None:  # type: ignore[no-untyped-def]
     """`run --overlap on --stats` reports the overlap timing; greedy text equals `--overlap off`; a bad mode is
     a usage error naming the choices."""
-    import subprocess
-    import sys
-
     _, wq, wr = make_split("qwen3moe")
     base = [sys.executable, "-m", "rapidmoe.cli", "run", str(wq), "--residual", str(wr), "-p", "Hello", "-n", "8",
             "--temp", "0", "-c", "128", "--stats"]

@@ -5,34 +5,24 @@ sidecar stays in this process's CPU memory and its masked matmuls run here. Logi
 at every r and under a UMIA policy, and the tensors must really be where the placement says."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from testkit import EXACT_PRESET, TEXT
 
 from rapidmoe import Llama, RapidMoEError
 from rapidmoe.ggufio import GGUFFile
 from rapidmoe.rpc import RPCServer, parse_endpoint
 from rapidmoe.umia import Policy
 
-# The CPU-vs-stand-in comparisons use preset cpu-q8: its non-expert matrices are Q8_0, which x86 CPUs run with
-# the same kernel in both processes (no repacked Q8_0 layout there). The cpu preset's Q4_K attention is repacked
-# on this CPU and not on the stand-in (its CPU backend keeps the plain layout): two kernels with different
-# summation orders, which a random-weight model amplifies past any tolerance that would still catch a bug.
-EXACT_PRESET = "cpu-q8"
-
-TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense."
 TOL = 1e-3  # relative L2 of the logits (measured: 0, the same CPU kernels run in both processes)
+RPC_THREADS = 2  # conftest's rpc fixture: the stand-in's threads
 
 
-@pytest.fixture(scope="module")
-def rpc() -> Iterator[RPCServer]:
-    with RPCServer(threads=2) as srv:
-        yield srv
-
-
-def _logits(path: Path, toks: list[int], n_critical: int | Policy | None = None, **kw) -> tuple[np.ndarray, dict[str, str]]:  # type: ignore[no-untyped-def]
+def _logits(path: Path, toks: list[int], n_critical: int | Policy | None = None,
+            **kw: Any) -> tuple[np.ndarray, dict[str, str]]:
     """Logits of every position, and where the named tensors ended up."""
     names = kw.pop("where", [])
     if isinstance(n_critical, Policy):
@@ -112,7 +102,8 @@ def test_split_routing_with_wq_on_the_rpc_device(arch: str, placement: str, make
         cpu, _ = _logits(wq, toks, r, residual_path=wr)
         dev, where = _logits(wq, toks, r, residual_path=wr, rpc_servers=[rpc.endpoint], where=names + side, **placed)
         assert all(where[n] == buft for n in names), where
-        assert all(where[n] in ("CPU", "CPU_REPACK") for n in side), where  # the sidecar never leaves this process's memory
+        # the sidecar never leaves this process's memory
+        assert all(where[n] in ("CPU", "CPU_REPACK") for n in side), where
         print(f"{arch} {placement} r={r}: rel {_rel(dev, cpu):.2e}")
         assert _rel(dev, cpu) < TOL, (r, _rel(dev, cpu))
         by_r[r] = dev

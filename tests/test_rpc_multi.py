@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from testkit import EXACT_PRESET, TEXT  # EXACT_PRESET: Q8_0 runs the same CPU kernel in every process
 
 from rapidmoe import Llama, RapidMoEError, _children
 from rapidmoe.ggufio import GGUFFile
@@ -25,8 +26,6 @@ from rapidmoe.rpc import RPC_SERVER, RPCServer, _free_port, parse_servers, serve
 
 pytestmark = pytest.mark.native
 
-EXACT_PRESET = "cpu-q8"  # tests/test_rpc_device.py: Q8_0 runs the same CPU kernel in every process
-TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense."
 TOL = 1e-3  # relative L2 of the logits (measured: 0)
 
 

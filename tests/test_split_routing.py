@@ -3,6 +3,7 @@ stock llama.cpp on the .wq.gguf (r = 0), stock on an F32 model of deq(WQ)+deq(WR
 layer (0 < r < k), KL to the F16 model falling with r, the masked mul_mat_id op against numpy."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -13,13 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
+from reference.numpy_forward import ffn, load, route
+from testkit import TEXT
 
 from rapidmoe import Llama, ModelFileError, RapidMoEError, _core
+from rapidmoe import llama_cpp as lc
 from rapidmoe.ggufio import GGUFFile, copy_metadata, tensor_f32
-from rapidmoe.resplit import convert, get_preset
+from rapidmoe.resplit import Preset, convert, get_preset
 
 ROOT = Path(__file__).resolve().parent.parent
-TOKENS_TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense."
 EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 
@@ -31,7 +34,7 @@ def split_pair(request: pytest.FixtureRequest, make_split):  # type: ignore[no-u
 
 def _tokens(path: Path) -> list[int]:
     llm = Llama(path, n_ctx=128, vocab_only=True, verbose=False)
-    toks = llm.tokenize(TOKENS_TEXT, add_bos=False)[:24]
+    toks = llm.tokenize(TEXT, add_bos=False)[:24]
     llm.close()
     return toks
 
@@ -118,8 +121,6 @@ def _split_references(src: Path, wq: Path, wr: Path, il: int, h: np.ndarray, k: 
     """numpy: one MoE layer's routed output, for r = 0..k, with each token's top-r (by weight) slots using
     deq(WQ)+deq(WR) for gate/up and the down copy, the others deq(WQ). Router and hparams from the F16 source
     (the router stays F32 in the .wq.gguf); expert weights dequantized from the converted files."""
-    from reference.numpy_forward import ffn, load, route
-
     m = load(src)
     base, side = GGUFFile(wq), GGUFFile(wr)
     p = f"blk.{il}."
@@ -170,7 +171,7 @@ def test_r_changes_at_run_time_and_counts_decode(split_pair) -> None:  # type: i
     _, wq, wr = split_pair
     llm = Llama(wq, n_ctx=128, verbose=False, residual_path=wr, n_critical=0)
     k = llm.residual.n_expert_used  # type: ignore[union-attr]
-    a = llm.create_completion("Hello there", max_tokens=6, temperature=0.0)["choices"][0]["text"]
+    a = llm.create_completion("Hello there", max_tokens=6, temperature=0.0)["choices"][0]["text"]  # type: ignore[index]
     first = llm.moe_counters(reset=True)
     assert first and all(c.critical_slots == 0 and c.tokens > 0 for c in first)
     assert llm.set_n_critical(k) == k
@@ -204,8 +205,6 @@ def test_mismatched_sidecar_is_refused(split_pair, make_tiny, tmp_path: Path) ->
 def test_kl_to_f16_falls_as_r_grows(split_pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Monotone with a Q4_K residual. With the cpu preset's Q2_K residual the last step (adding the
     lowest-weight expert's residual) can cost more than it gains: deepseek2 tiny went 0.068 -> 0.072."""
-    from rapidmoe.resplit import Preset
-
     src = split_pair[0]
     res = convert(src, tmp_path, Preset("q2k-q4k", "Q2_K", "Q4_K", "copy", "Q4_K"), progress=False)
     wq, wr = res.wq_path, res.wr_path
@@ -228,7 +227,7 @@ def test_kl_to_f16_falls_as_r_grows(split_pair, tmp_path: Path) -> None:  # type
         llm.eval(toks)
         kls.append(kl(np.array(llm.scores[: len(toks)], dtype=np.float64)))
     llm.close()
-    assert all(a > b for a, b in zip(kls, kls[1:])), kls
+    assert all(a > b for a, b in itertools.pairwise(kls)), kls
 
 
 def _experts(rng: np.random.Generator, n_as: int, n_out: int, n_in: int,
@@ -324,8 +323,6 @@ def test_repacked_mul_mat_id_gemm_rows_match_the_gemv(type_name: str, masked: bo
 
 def _decode_batch(llm: Llama, seqs: list[list[int]]) -> list[np.ndarray]:
     """One llama_decode of several sequences (ids 0..n-1); the logits of each sequence's last token."""
-    from rapidmoe import llama_cpp as lc
-
     n = sum(len(s) for s in seqs)
     batch = lc.llama_batch_init(n, 0, len(seqs))
     i = 0
@@ -358,7 +355,7 @@ def test_batch_of_several_sequences(split_pair, make_split) -> None:  # type: ig
     together = _decode_batch(both, seqs)
     counters = both.moe_counters()
     both.close()
-    for seq, got in zip(seqs, together):
+    for seq, got in zip(seqs, together, strict=True):
         alone = Llama(wq, n_ctx=128, verbose=False, residual_path=wr, n_critical=1)
         ref = _decode_batch(alone, [seq])[0]
         alone.close()

@@ -2,6 +2,7 @@
 
 Pure numpy + gguf: no llama.cpp build needed.
 """
+# ruff: noqa: RUF001, RUF003 - DeepSeek's special tokens really are written with U+FF5C (fullwidth vertical bar)
 from __future__ import annotations
 
 import hashlib
@@ -16,8 +17,9 @@ from types import ModuleType
 import gguf
 import numpy as np
 import pytest
+from reference.numpy_forward import route
+from testkit import PIN, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
@@ -44,7 +46,7 @@ ARCHS = ("qwen3moe", "deepseek2")
 def vocab_dir() -> Path:
     candidates = [Path(os.environ["RAPIDMOE_VOCAB_DIR"])] if os.environ.get("RAPIDMOE_VOCAB_DIR") else []
     candidates += [ROOT / "vendor" / "llama.cpp" / "models",
-                   Path("/tmp/dl/llama_cpp_python-0.3.36/vendor/llama.cpp/models")]
+                   Path(f"/tmp/dl/llama_cpp_python-{PIN['version']}/vendor/llama.cpp/models")]
     for c in candidates:
         if (c / "ggml-vocab-deepseek-coder.gguf").is_file():
             return c
@@ -64,24 +66,24 @@ def _sha256(path: Path) -> str:
 # --- spec validation ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("arch", "changes", "message"), [
-    ("qwen3moe", dict(n_expert=0), "zero experts"),
-    ("deepseek2", dict(n_expert=0), "zero experts"),
-    ("qwen3moe", dict(n_expert_used=9), "n_expert_used"),
-    ("qwen3moe", dict(n_expert_used=0), "n_expert_used"),
-    ("qwen3moe", dict(n_embd=250), "multiples of 32"),
-    ("qwen3moe", dict(n_ff_exp=100), "multiples of 32"),
-    ("qwen3moe", dict(n_layer=0), "n_layer must be a positive integer"),
-    ("qwen3moe", dict(n_head_kv=3), "multiple of n_head_kv"),
-    ("qwen3moe", dict(head_dim=63), "even"),
-    ("qwen3moe", dict(dtype="q4_0"), "dtype"),
-    ("qwen3moe", dict(n_expert_shared=1), "deepseek2 parameter"),
-    ("deepseek2", dict(n_group=3), "must divide n_expert"),
-    ("deepseek2", dict(n_group_used=4), "n_group_used"),
-    ("deepseek2", dict(n_expert_used=8), "cannot hold"),
-    ("deepseek2", dict(n_layer_dense_lead=3), "n_layer_dense_lead"),
-    ("deepseek2", dict(kv_lora_rank=0), "kv_lora_rank"),
-    ("deepseek2", dict(qk_rope_head_dim=31), "even"),
-    ("deepseek2", dict(n_layer=27), "lite"),
+    ("qwen3moe", {"n_expert": 0}, "zero experts"),
+    ("deepseek2", {"n_expert": 0}, "zero experts"),
+    ("qwen3moe", {"n_expert_used": 9}, "n_expert_used"),
+    ("qwen3moe", {"n_expert_used": 0}, "n_expert_used"),
+    ("qwen3moe", {"n_embd": 250}, "multiples of 32"),
+    ("qwen3moe", {"n_ff_exp": 100}, "multiples of 32"),
+    ("qwen3moe", {"n_layer": 0}, "n_layer must be a positive integer"),
+    ("qwen3moe", {"n_head_kv": 3}, "multiple of n_head_kv"),
+    ("qwen3moe", {"head_dim": 63}, "even"),
+    ("qwen3moe", {"dtype": "q4_0"}, "dtype"),
+    ("qwen3moe", {"n_expert_shared": 1}, "deepseek2 parameter"),
+    ("deepseek2", {"n_group": 3}, "must divide n_expert"),
+    ("deepseek2", {"n_group_used": 4}, "n_group_used"),
+    ("deepseek2", {"n_expert_used": 8}, "cannot hold"),
+    ("deepseek2", {"n_layer_dense_lead": 3}, "n_layer_dense_lead"),
+    ("deepseek2", {"kv_lora_rank": 0}, "kv_lora_rank"),
+    ("deepseek2", {"qk_rope_head_dim": 31}, "even"),
+    ("deepseek2", {"n_layer": 27}, "lite"),
 ])
 def test_spec_validation(arch: str, changes: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -158,7 +160,7 @@ def test_failed_write_leaves_nothing(vocab_dir: Path, tmp_path: Path, monkeypatc
 def test_missing_vocab_dir_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="vocab_dir is required"):
         syn.write_model(syn.spec_for("qwen3moe", "tiny"), tmp_path / "x.gguf", None)
-    with pytest.raises(FileNotFoundError, match="ggml-vocab-deepseek-coder.gguf"):
+    with pytest.raises(FileNotFoundError, match=r"ggml-vocab-deepseek-coder\.gguf"):
         syn.write_model(syn.spec_for("qwen3moe", "tiny"), tmp_path / "x.gguf", tmp_path)
 
 
@@ -247,7 +249,7 @@ def test_models_carry_a_chat_template_that_fits_their_tokenizer(arch: str, tiny_
 
 
 def test_chat_template_choice(vocab_dir: Path, tmp_path: Path) -> None:
-    small = dict(n_layer=1, n_embd=64, n_head=2, n_expert=4, n_expert_used=2, n_ff_exp=32)
+    small = {"n_layer": 1, "n_embd": 64, "n_head": 2, "n_expert": 4, "n_expert_used": 2, "n_ff_exp": 32}
     spec = syn.spec_for("qwen3moe", "tiny", **small)
 
     def template_of(**changes: object) -> object:
@@ -265,7 +267,7 @@ def test_chat_template_choice(vocab_dir: Path, tmp_path: Path) -> None:
     assert template_of(chat_template="none") is None
     assert template_of(vocab="qwen2", chat_template="none") is None  # not even the vocab file's own (Qwen2.5's)
     assert template_of(vocab="gpt-2", chat_template="llama-cpp-deepseek-r1") == r1
-    with pytest.raises(FileNotFoundError, match="no-such-template.jinja not found"):
+    with pytest.raises(FileNotFoundError, match=r"no-such-template\.jinja not found"):
         syn.write_model(spec.replace(chat_template="no-such-template"), tmp_path / "x.gguf", vocab_dir)
     assert not (tmp_path / "x.gguf").exists()
     for bad in ("", "../Qwen-Qwen3-0.6B", "Qwen-Qwen3-0.6B.jinja"):
@@ -312,8 +314,6 @@ def test_router_skew_is_controllable() -> None:
 
 
 def test_reference_routing_agrees_with_generator() -> None:
-    from reference.numpy_forward import route
-
     spec = syn.spec_for("deepseek2", "tiny")
     plan = {t.name: t for t in syn.tensor_plan(spec, 1024)}
     gate = syn.generate(spec, plan["blk.1.ffn_gate_inp.weight"]).astype(np.float64)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from testkit import repeated_text
 
 import rapidmoe
 from rapidmoe import RapidMoEError
@@ -69,7 +70,7 @@ def _router_weights(rng: np.random.Generator, T: int, k: int) -> np.ndarray:
     Policy(theta=0.7, alpha=1.0, beta=1.0, r_min=1, r_max=3),
     Policy(theta=0.3, beta=0.8, phase="decode"),
     Policy(theta=0.3, beta=0.8, phase="prefill"),
-    Policy(theta=0.9, layer_scale=[1.1, 0.5, 0.9, 1.0]),
+    Policy(theta=0.9, layer_scale=[1.1, 0.5, 0.9, 1.0]),  # type: ignore[arg-type]  # a list, as JSON has it
     Policy(theta=0.6, alpha=0.2, beta=0.3, depth_cutoff=0.5),
 ], ids=lambda p: p.describe() if isinstance(p, Policy) else str(p))
 def test_op_matches_numpy_every_layer_and_phase(policy: Policy, phase: int) -> None:
@@ -165,10 +166,8 @@ def test_policy_files(tmp_path: Path) -> None:
     assert load_policy(pol.save(tmp_path / "p.json")) == pol
     assert not list(tmp_path.glob("*.tmp"))
     with pytest.raises(PolicyError, match="layer_scale has 2 values, the model has 4 MoE layers"):
-        Policy(layer_scale=[1.0, 1.0]).to_array(N_LAYER, MOE_LAYERS, 8)
+        Policy(layer_scale=[1.0, 1.0]).to_array(N_LAYER, MOE_LAYERS, 8)  # type: ignore[arg-type]
 
-
-TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense. " * 2
 
 
 def _scores(llm: rapidmoe.Llama, toks: list[int]) -> np.ndarray:
@@ -182,8 +181,9 @@ def _scores(llm: rapidmoe.Llama, toks: list[int]) -> np.ndarray:
 def test_policy_in_the_model(make_split, arch: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     _, wq, wr = make_split(arch)
     llm = rapidmoe.Llama(wq, residual_path=wr, n_ctx=128, logits_all=True, verbose=False, n_threads=2)
+    assert llm.residual is not None
     k = llm.residual.n_expert_used
-    toks = llm.tokenize(TEXT)[:40]
+    toks = llm.tokenize(repeated_text(2))[:40]
     fixed = {r: (llm.set_n_critical(r), _scores(llm, toks))[1] for r in (0, k)}
     llm.r_histogram(reset=True)
     # theta = 1 is fixed r = k, theta = 0 is fixed r = 0, bit for bit
@@ -227,10 +227,11 @@ def test_policy_in_the_model(make_split, arch: str, tmp_path: Path) -> None:  # 
 @pytest.mark.native
 def test_drop_baseline(make_split) -> None:  # type: ignore[no-untyped-def]
     _, wq, wr = make_split("qwen3moe")
-    toks = rapidmoe.Llama(wq, n_ctx=64, vocab_only=True, verbose=False).tokenize(TEXT)[:24]
+    toks = rapidmoe.Llama(wq, n_ctx=64, vocab_only=True, verbose=False).tokenize(repeated_text(2))[:24]
     normal = rapidmoe.Llama(wq, residual_path=wr, n_ctx=64, logits_all=True, verbose=False, n_threads=2)
     drop = rapidmoe.Llama(wq, residual_path=wr, n_ctx=64, logits_all=True, verbose=False, n_threads=2,
                  skip_noncritical=True)
+    assert normal.residual is not None
     k = normal.residual.n_expert_used
     for llm in (normal, drop):
         llm.set_n_critical(k)

@@ -1,21 +1,16 @@
 """The pinned upstream: tarball verification, deterministic patching, and a patch set that still applies."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from testkit import PINNED_SDIST as SDIST
+from testkit import ROOT
+from testkit import fetch_upstream as fetch
 
-ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("fetch_upstream", ROOT / "src/rapidmoe_ggml/fetch_upstream.py")
-assert spec is not None and spec.loader is not None
-fetch = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(fetch)
-
-SDIST = ROOT / "vendor" / "downloads" / fetch.load_pin()["sdist"]
 needs_sdist = pytest.mark.skipif(not SDIST.exists(), reason="the build has not downloaded the pinned sdist")
 
 
@@ -54,7 +49,7 @@ def test_broken_patch_is_named(tmp_path: Path) -> None:
     fetch.extract_pristine(SDIST, tmp_path)
     bad = tmp_path / "9999-does-not-apply.patch"
     bad.write_text("--- a/src/llama.cpp\n+++ b/src/llama.cpp\n@@ -1,1 +1,1 @@\n-no such line here\n+x\n")
-    with pytest.raises(fetch.UpstreamError, match="9999-does-not-apply.patch no longer applies"):
+    with pytest.raises(fetch.UpstreamError, match=r"9999-does-not-apply\.patch no longer applies"):
         fetch.apply_patches(tmp_path / "llama.cpp", [bad])
 
 
@@ -97,7 +92,7 @@ def test_fuzzy_hunk_is_refused(tmp_path: Path) -> None:
     probe = subprocess.run(["patch", "-p1", "--dry-run", "--batch", "-d", str(tree), "-i", str(fuzzy)],
                            capture_output=True, text=True)
     assert probe.returncode == 0 and "fuzz" in probe.stdout, probe.stdout  # default fuzz takes it...
-    with pytest.raises(fetch.UpstreamError, match="9998-fuzzy.patch no longer applies"):
+    with pytest.raises(fetch.UpstreamError, match=r"9998-fuzzy\.patch no longer applies"):
         fetch.apply_patches(tree, [fuzzy])  # ...ours refuses it
     assert "rapidmoe" not in (tree / "src" / "llama-graph.cpp").read_text()
 

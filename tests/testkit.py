@@ -1,0 +1,40 @@
+"""Constants the test modules share, defined once (fixtures live in conftest.py). Pure Python: imports neither the
+compiled parts nor rapidmoe, so every test module may import it, the no-build run (test_pure_python.py) included."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The prompt the engine tests tokenize (repeated_text(n) where they need more tokens).
+TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense."
+
+
+def repeated_text(n: int) -> bytes:
+    """TEXT n times, each followed by a space: the prompt of the tests that need more tokens."""
+    return (TEXT + b" ") * n
+
+
+# The CPU-vs-stand-in comparisons use preset cpu-q8: its non-expert matrices are Q8_0, which x86 CPUs run with
+# the same kernel in both processes (no repacked Q8_0 layout there). The cpu preset's Q4_K attention is repacked
+# on this CPU and not on the stand-in (its CPU backend keeps the plain layout): two kernels with different
+# summation orders, which a random-weight model amplifies past any tolerance that would still catch a bug.
+EXACT_PRESET = "cpu-q8"
+
+
+def _load_fetch_upstream() -> ModuleType:
+    """src/rapidmoe_ggml/fetch_upstream.py (the build's pin and patch tool; not an installed module)."""
+    spec = importlib.util.spec_from_file_location("fetch_upstream", ROOT / "src/rapidmoe_ggml/fetch_upstream.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+fetch_upstream = _load_fetch_upstream()
+# The pinned llama-cpp-python (src/rapidmoe_ggml/upstream.json) and its sdist as the build downloads it: a pin bump
+# moves every test that uses it along.
+PIN: dict[str, str] = fetch_upstream.load_pin()
+PINNED_SDIST = ROOT / "vendor" / "downloads" / PIN["sdist"]

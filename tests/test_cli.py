@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from rapidmoe.cli import budget
 from rapidmoe.cli.app import app
+from rapidmoe.resplit import read_sidecar_meta
+from rapidmoe.resplit.presets import CPU_DEFAULT, GPU_DEFAULT, default_preset
 
 runner = CliRunner()
 
@@ -20,6 +23,7 @@ def test_help(args: list[str]) -> None:
     assert "Usage" in res.output
 
 
+@pytest.mark.native
 def test_run_streams_and_reports_speed(tiny_qwen: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "rapidmoe.cli", "run", str(tiny_qwen), "-p", "Hello", "-n", "12",
                           "--temp", "0", "-t", "2"], capture_output=True, text=True, timeout=300)
@@ -30,6 +34,7 @@ def test_run_streams_and_reports_speed(tiny_qwen: Path) -> None:
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.native
 def test_run_without_model_uses_cached_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAPIDMOE_CACHE", str(tmp_path))
     res = runner.invoke(app, ["run", "-p", "Hi", "-n", "4", "--temp", "0"])
@@ -49,6 +54,7 @@ def _one_line_error(args: list[str]) -> str:
     return lines[-1] if lines else ""
 
 
+@pytest.mark.native
 def test_run_bad_model_files(tmp_path: Path, tiny_qwen: Path, vocab_dir: Path) -> None:
     assert "model file not found" in _one_line_error(["run", str(tmp_path / "nope.gguf")])
     txt = tmp_path / "notes.txt"
@@ -61,6 +67,7 @@ def test_run_bad_model_files(tmp_path: Path, tiny_qwen: Path, vocab_dir: Path) -
     assert "dense qwen2 model" in _one_line_error(["run", str(vocab_dir / "ggml-vocab-qwen2.gguf")])
 
 
+@pytest.mark.native
 def test_run_bad_flags(tiny_qwen: Path) -> None:
     assert "does not fit in --ctx-size" in _one_line_error(["run", str(tiny_qwen), "-n", "100", "-c", "64"])
     assert "exceed --ctx-size" in _one_line_error(["run", str(tiny_qwen), "-n", "40", "-c", "64",
@@ -92,13 +99,10 @@ def test_make_model_writes_and_refuses_overwrite(tmp_path: Path) -> None:
     assert runner.invoke(app, ["make-model", "-o", str(out), "--force"]).exit_code == 0
 
 
+@pytest.mark.native
 def test_convert_picks_the_machines_preset(tiny_qwen: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without --preset, convert takes the CPU frontier's winner where llama.cpp sees no GPU and the paper's preset
     where it sees one (both named in its output and recorded in the sidecar's metadata)."""
-    from rapidmoe.cli import budget
-    from rapidmoe.resplit import read_sidecar_meta
-    from rapidmoe.resplit.presets import CPU_DEFAULT, GPU_DEFAULT, default_preset
-
     assert default_preset(False) == CPU_DEFAULT != default_preset(True) == GPU_DEFAULT
     monkeypatch.setattr(budget, "gpu_devices", lambda: [])
     res = runner.invoke(app, ["convert", str(tiny_qwen), "-o", str(tmp_path / "cpu"), "--name", "m"])

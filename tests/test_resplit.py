@@ -2,12 +2,15 @@
 in numpy with gguf-py's own dequantizers, independent of ggml), outputs pair up, bad inputs are refused."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -19,6 +22,7 @@ from rapidmoe.resplit import Preset, check_pair, convert, get_preset
 from rapidmoe.resplit.convert import _Converter
 from rapidmoe.resplit.imatrix import Imatrix
 from rapidmoe.resplit.presets import WQ_TYPES, WR_TYPES
+from rapidmoe.synthetic import spec_for, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,8 +34,6 @@ WR_RATIO_MAX = {"Q2_K": 0.40, "Q3_K": 0.24, "Q4_K": 0.13}
 @pytest.fixture(scope="module")
 def micro(model_dir: Path, vocab_dir: Path) -> Path:
     """One layer, 4 experts of 256x256: small enough to convert 15 times."""
-    from rapidmoe.synthetic import spec_for, write_model
-
     path = model_dir / "micro-qwen3moe.gguf"
     if not path.exists():
         write_model(spec_for("qwen3moe", "tiny", n_layer=1, n_expert=4, n_expert_used=2, vocab="gpt-2"), path,
@@ -64,13 +66,14 @@ def _rel(err: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(err.ravel().astype(np.float64)) / np.linalg.norm(ref.ravel().astype(np.float64)))
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("wq", WQ_TYPES)
 @pytest.mark.parametrize("wr", WR_TYPES)
 def test_every_pair_round_trips(micro: Path, tmp_path: Path, wq: str, wr: str) -> None:
     preset = Preset(f"{wq}+{wr}", wq, wr, "residual")
     res = convert(micro, tmp_path, preset, imatrix=_uniform_imatrix(micro), progress=False, report_experts=None)
     src, base, side = _tensors(micro), _tensors(res.wq_path), _tensors(res.wr_path)
-    reported = {t["name"]: t["rel_error"] for t in res.report["tensors"]}  # type: ignore[union-attr]
+    reported = {t["name"]: t["rel_error"] for t in res.report["tensors"]}  # type: ignore[attr-defined]
     for role in ("gate", "up", "down"):
         name = f"blk.0.ffn_{role}_exps.weight"
         w = _f32(*src[name])
@@ -89,6 +92,7 @@ def test_every_pair_round_trips(micro: Path, tmp_path: Path, wq: str, wr: str) -
         assert reported[name]["Q8_0"] < reported[name]["Q4_K"] < e_wq
 
 
+@pytest.mark.native
 def test_paper_preset_down_copy_and_bits(micro: Path, tmp_path: Path) -> None:
     res = convert(micro, tmp_path, get_preset("paper"), imatrix=_uniform_imatrix(micro), progress=False)
     side = _tensors(res.wr_path)
@@ -106,9 +110,10 @@ def test_paper_preset_down_copy_and_bits(micro: Path, tmp_path: Path) -> None:
     assert base["blk.0.attn_norm.weight"][0] == GGMLQuantizationType.F32
 
 
+@pytest.mark.native
 def test_ggml_dequantize_matches_gguf_py(micro: Path) -> None:
     """_core.dequantize (the kernels' view) equals gguf-py's independent numpy decoder."""
-    from rapidmoe import _core
+    from rapidmoe import _core  # noqa: PLC0415 - the compiled parts (the module imports without them)
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((8, 512)).astype(np.float32)
@@ -118,6 +123,7 @@ def test_ggml_dequantize_matches_gguf_py(micro: Path) -> None:
         np.testing.assert_allclose(_core.dequantize(q, int(qt), 512), np_dequantize(q, qt), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.native
 def test_sidecar_pairs_only_with_its_base(micro: Path, tmp_path: Path) -> None:
     im = _uniform_imatrix(micro)
     a = convert(micro, tmp_path / "a", get_preset("cpu"), progress=False)
@@ -138,16 +144,18 @@ def test_sidecar_pairs_only_with_its_base(micro: Path, tmp_path: Path) -> None:
         check_pair(a.wq_path, a.wr_path, verify=False, verify_data=True)
 
 
+@pytest.mark.native
 def test_wq_runs_in_ours(micro: Path, tmp_path: Path) -> None:
-    from rapidmoe import Llama
+    from rapidmoe import Llama  # noqa: PLC0415 - the compiled parts (the module imports without them)
 
     res = convert(micro, tmp_path, get_preset("cpu"), progress=False)
     llm = Llama(res.wq_path, n_ctx=64, verbose=False)
-    out = llm.create_completion("Hello", max_tokens=6, temperature=0.0)
+    out: Any = llm.create_completion("Hello", max_tokens=6, temperature=0.0)  # not streamed: one dict
     assert out["usage"]["completion_tokens"] == 6
     llm.close()
 
 
+@pytest.mark.native
 @pytest.mark.stock
 def test_wq_runs_in_stock_llama_cpp(micro: Path, tmp_path: Path, stock_bin: Path) -> None:
     res = convert(micro, tmp_path, get_preset("cpu"), progress=False)
@@ -159,9 +167,8 @@ def test_wq_runs_in_stock_llama_cpp(micro: Path, tmp_path: Path, stock_bin: Path
     assert out.stdout.strip().splitlines()[-1] == "6"
 
 
+@pytest.mark.native
 def test_refuses_bad_inputs(micro: Path, tmp_path: Path, vocab_dir: Path) -> None:
-    import gguf
-
     with pytest.raises(ModelFileError, match="dense"):
         convert(vocab_dir / "ggml-vocab-gpt-2.gguf", tmp_path, get_preset("cpu"), progress=False)
     with pytest.raises(RapidMoEError, match="IQ1_M needs an importance matrix"):
@@ -192,8 +199,6 @@ def test_refuses_bad_inputs(micro: Path, tmp_path: Path, vocab_dir: Path) -> Non
 
 def test_incomplete_experts_of_any_architecture_are_refused(tmp_path: Path, micro: Path) -> None:
     """The architecture's name decides nothing; a layer whose experts are up alone cannot be split."""
-    import gguf
-
     src = GGUFFile(micro)
     path = tmp_path / "foo.gguf"
     w = gguf.GGUFWriter(path, arch="foomoe")
@@ -209,6 +214,7 @@ def test_incomplete_experts_of_any_architecture_are_refused(tmp_path: Path, micr
         convert(path, tmp_path / "out", get_preset("cpu"), progress=False)
 
 
+@pytest.mark.native
 def test_interrupted_conversion_leaves_nothing(micro: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"n": 0}
     real = _Converter.convert_expert
@@ -225,15 +231,14 @@ def test_interrupted_conversion_leaves_nothing(micro: Path, tmp_path: Path, monk
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("preset", ["cpu", "cpu-fast"])
 def test_mixture_preset_matches_llama_quantize(micro: Path, tmp_path: Path, preset: str) -> None:
     """The cpu presets' non-expert tensors take llama-quantize's Q4_K_M mixture (patch 0003) with the preset's
     token-embedding and output types given as llama-quantize's own --token-embedding-type / --output-tensor-type:
     the same type and the same bytes as llama.cpp's quantization of the same file, tensor by tensor; only the
     routed experts differ."""
-    import ctypes
-
-    from rapidmoe import llama_cpp
+    from rapidmoe import llama_cpp  # noqa: PLC0415 - the compiled parts (the module imports without them)
 
     p = get_preset(preset)
     res = convert(micro, tmp_path / "split", p, progress=False)

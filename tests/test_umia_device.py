@@ -115,6 +115,7 @@ def test_fit_recovers_the_terms_and_predicts_serial_runs() -> None:
         fit_stage_terms([p for p in pts if p.r == 0], n_moe, k)
 
 
+@pytest.mark.native
 def test_profile_report_and_plan_print_the_threshold() -> None:
     rep = profile_report("24gb", "deepseek-v3", "paper")
     t = profile_terms(get_shape_set("deepseek-v3").model_shapes(), MACHINES["24gb"], get_preset("paper"))

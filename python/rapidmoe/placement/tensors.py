@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import ModelFileError
 from ..ggufio import GGUFFile
 from ..modelfile import require_moe
+from ..resplit.typechoice import EXPERT_RE  # llama.cpp's routed-expert tensors (RESplit's, and -ot's)
 
 # parts of a model, in the order the report lists them
 ATTENTION = "attention"
@@ -26,8 +27,6 @@ ROUTED = "routed experts"
 OTHER = "other"
 PARTS = (ATTENTION, DENSE_FFN, SHARED, ROUTER, NORMS, OUTPUT, EMBEDDINGS, ROUTED, OTHER)
 
-# llama.cpp's routed-expert tensors (the same names RESplit converts and -ot patterns match)
-EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 KV_CACHE_BYTES_PER_ELEMENT = 2  # llama.cpp's default F16 K/V cache
 

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from arch_sweep import make_models, sweep_one
 from gguf import GGUFValueType, GGUFWriter
 
 from rapidmoe import Llama, ModelFileError
 from rapidmoe.ggufio import GGUFFile, copy_metadata
 from rapidmoe.resplit import convert, get_preset
+from rapidmoe.synthetic import spec_for, write_model
 
 pytestmark = [pytest.mark.native, pytest.mark.stock]
 
@@ -29,15 +31,11 @@ DEFAULT_ARCHS = ("gpt-oss", "qwen35moe", "deepseek2", "llama4")
 
 @pytest.fixture(scope="session")
 def arch_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from arch_sweep import make_models
-
     return make_models(tmp_path_factory.mktemp("arch-models"))
 
 
 @pytest.fixture(scope="session")
 def sweep(arch_models: dict[str, Path], stock_bin: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    from arch_sweep import sweep_one
-
     work = tmp_path_factory.mktemp("arch-sweep")
     return lambda arch: sweep_one(arch_models[arch], work / arch, stock_bin)
 
@@ -174,8 +172,6 @@ def test_array_keys_survive_conversion(arch_models: dict[str, Path], tmp_path: P
 def test_a_layer_the_split_cannot_reach_is_refused_at_load(vocab_dir: Path, tmp_path: Path) -> None:
     """65 experts per token is beyond what the split handles (64): the hook leaves that layer stock, and the load
     says so instead of silently running without the sidecar. The same model at k = 8 splits."""
-    from rapidmoe.synthetic import spec_for, write_model
-
     for k, n_expert in ((65, 66), (8, 66)):
         src = tmp_path / f"k{k}.gguf"
         write_model(spec_for("qwen3moe", "tiny", n_layer=1, n_embd=128, n_ff_exp=64, n_expert=n_expert,

@@ -77,8 +77,8 @@ def _gone_within(pid: int, born: str, seconds: float) -> bool:
 
 
 def _run_child(how: str, then: str, *extra: str) -> tuple[subprocess.Popen[str], int, str, str]:
-    py = subprocess.Popen([sys.executable, "-c", CHILD, how, then, *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+    py = subprocess.Popen([sys.executable, "-c", CHILD, how, then, *extra], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert py.stdout is not None
     line = py.stdout.readline()
     if not line:

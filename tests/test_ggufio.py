@@ -20,7 +20,7 @@ def test_same_as_gguf_py(tiny_qwen: Path) -> None:
         value = f.contents()
         assert (list(mine.value) if isinstance(value, list) else mine.value) == value, key
     assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
-    for a, b in zip(ours.tensors, ref.tensors):
+    for a, b in zip(ours.tensors, ref.tensors, strict=True):
         assert (a.data_offset, a.n_bytes, a.tensor_type) == (int(b.data_offset), int(b.n_bytes), b.tensor_type)
         assert np.array_equal(np.asarray(a.data), np.asarray(b.data)), a.name
 

@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import rapidmoe._llama_cpp._logger as lg
+from reference.numpy_forward import forward
 
 from rapidmoe import Llama, ModelFileError, RapidMoEError, llama_cpp
 
@@ -58,8 +61,6 @@ def test_greedy_tokens_match_stock_llama_cpp(tiny_model: Path, stock_bin: Path) 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
 def test_logits_match_numpy_reference(make_tiny, arch: str) -> None:  # type: ignore[no-untyped-def]
-    from reference.numpy_forward import forward
-
     path = make_tiny(arch, "f32")
     llm = Llama(path, n_ctx=64, n_threads=2, logits_all=True, verbose=False)
     toks = llm.tokenize(b"Hello world, this is a test of the mixture of experts", add_bos=True)[:16]
@@ -74,14 +75,14 @@ def test_logits_match_numpy_reference(make_tiny, arch: str) -> None:  # type: ig
 
 def test_completion_chat_and_streaming_api(tiny_qwen: Path) -> None:
     llm = Llama(tiny_qwen, n_ctx=256, n_threads=2, verbose=False, seed=1)
-    full = llm.create_completion(PROMPT, max_tokens=8, temperature=0.0)
+    full: Any = llm.create_completion(PROMPT, max_tokens=8, temperature=0.0)  # not streamed: one dict
     assert full["object"] == "text_completion" and full["usage"]["completion_tokens"] == 8
-    streamed = "".join(c["choices"][0]["text"]
-                       for c in llm.create_completion(PROMPT, max_tokens=8, temperature=0.0, stream=True))
+    chunks: Any = llm.create_completion(PROMPT, max_tokens=8, temperature=0.0, stream=True)
+    streamed = "".join(c["choices"][0]["text"] for c in chunks)
     assert streamed == full["choices"][0]["text"]
-    again = llm(PROMPT, max_tokens=8, temperature=0.0)  # __call__
+    again: Any = llm(PROMPT, max_tokens=8, temperature=0.0)  # __call__
     assert again["choices"][0]["text"] == full["choices"][0]["text"]
-    chat = llm.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0)
+    chat: Any = llm.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0)
     assert chat["choices"][0]["message"]["role"] == "assistant"
     text = "Mixture of experts"
     assert llm.detokenize(llm.tokenize(text.encode(), add_bos=False)).decode() == text
@@ -97,16 +98,12 @@ def _capture_llama_log(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     def cb(level: int, text: bytes, user: ctypes.c_void_p) -> None:
         lines.append(text.decode(errors="replace"))
 
-    import rapidmoe._llama_cpp._logger as lg
-
     llama_cpp.llama_log_set(cb, ctypes.c_void_p(0))
     monkeypatch.setattr(lg, "_test_cb", cb, raising=False)  # keep the callback alive for the test
     return lines
 
 
 def test_override_tensor_and_n_cpu_moe_reach_llama_cpp(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import rapidmoe._llama_cpp._logger as lg
-
     lines = _capture_llama_log(monkeypatch)
     try:
         llm = Llama(tiny_qwen, n_ctx=64, n_cpu_moe=1, override_tensor=r"blk\.1\.ffn_down_exps=CPU", verbose=True)
@@ -128,7 +125,7 @@ def test_placement_knobs_do_not_change_results(tiny_qwen: Path) -> None:
 
 
 def test_bad_placement_arguments(tiny_qwen: Path) -> None:
-    with pytest.raises(RapidMoEError, match="unknown buffer type 'NOPE'.*available: .*CPU"):
+    with pytest.raises(RapidMoEError, match=r"unknown buffer type 'NOPE'.*available: .*CPU"):
         Llama(tiny_qwen, override_tensor="exps=NOPE", verbose=False)
     with pytest.raises(RapidMoEError, match="expected <tensor name pattern>=<buffer type>"):
         Llama(tiny_qwen, override_tensor="exps", verbose=False)
@@ -137,8 +134,6 @@ def test_bad_placement_arguments(tiny_qwen: Path) -> None:
 
 
 def test_repack_off_keeps_the_plain_layout(make_split, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    import rapidmoe._llama_cpp._logger as lg
-
     _, wq, _ = make_split("qwen3moe")  # Q2_K experts: llama.cpp repacks them for its AVX kernels by default
     buffers = {}
     for repack in (True, False):
@@ -154,7 +149,7 @@ def test_repack_off_keeps_the_plain_layout(make_split, monkeypatch: pytest.Monke
 
 def test_unknown_keyword_arguments_are_refused(tiny_qwen: Path) -> None:
     # llama_cpp.Llama drops unknown keywords silently: a misspelt option would run with its default
-    with pytest.raises(TypeError, match="unexpected keyword argument.*n_ctxx, use_extra_bufts"):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument.*n_ctxx, use_extra_bufts"):
         Llama(tiny_qwen, n_ctxx=64, use_extra_bufts=False, verbose=False)
 
 

@@ -55,8 +55,8 @@ def test_runs_fit_and_llama_cpp_places_them(shapes: str, preset: str, budgets: l
     want = multi.plan.vram - multi.plan.device_bytes(GPU, ROUTED) + realized + (len(mems) - 1) * reserve
     assert want - m.n_layer * 2 <= sum(s.bytes for s in multi.shares) <= want
     # llama.cpp with -ngl 999 -ts <tensor_split> puts layer il on the device whose run holds it, the head on the last
-    want = [next(i for i, r in enumerate(runs) if il in r) for il in range(m.n_layer)] + [len(mems) - 1]
-    assert llama_cpp_devices(multi.tensor_split, m.n_layer) == want
+    devices = [next(i for i, r in enumerate(runs) if il in r) for il in range(m.n_layer)] + [len(mems) - 1]
+    assert llama_cpp_devices(multi.tensor_split, m.n_layer) == devices
     assert multi.args[-2] == "-ts" and multi.args[-1] == ",".join(map(str, multi.tensor_split))
 
 

@@ -181,7 +181,7 @@ def test_renamed_copy_is_accepted(pair: Pair, tmp_path: Path) -> None:
     assert check_pair(wq2, wr2, verify_data=True)["checked"][-1] == \
         "sha256 of every byte of the base and of the sidecar's data"
     llm = Llama(wq2, residual_path=wr2, n_ctx=32, verbose=False)
-    assert llm.create_completion("Hi", max_tokens=2, temperature=0.0)["usage"]["completion_tokens"] == 2
+    assert llm.create_completion("Hi", max_tokens=2, temperature=0.0)["usage"]["completion_tokens"] == 2  # type: ignore[index]
     llm.close()
 
 

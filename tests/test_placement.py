@@ -14,13 +14,27 @@ from typer.testing import CliRunner
 
 from rapidmoe.cli.app import app
 from rapidmoe.ggufio import GGUFFile
-from rapidmoe.placement import (CPU, GPU, SHAPE_SETS, ExpertFrequency, FrequencyError, PlanError, ShapeSet,
-                                SizeError, get_shape_set, load_frequency, parse_size, plan, plan_all,
-                                read_gguf_shapes)
+from rapidmoe.placement import (
+    CPU,
+    GPU,
+    SHAPE_SETS,
+    ExpertFrequency,
+    FrequencyError,
+    PlanError,
+    ShapeSet,
+    SizeError,
+    get_shape_set,
+    load_frequency,
+    parse_size,
+    plan,
+    plan_all,
+    read_gguf_shapes,
+)
 from rapidmoe.placement.footprint import footprint
 from rapidmoe.placement.tensors import ROUTED, classify
 from rapidmoe.placement.typeplan import native_types, q4_k_m_types, resplit_types
-from rapidmoe.resplit import get_preset
+from rapidmoe.resplit import Imatrix, convert, get_preset, write_imatrix
+from rapidmoe.synthetic.writer import read_spec
 
 runner = CliRunner()
 GiB = 1 << 30
@@ -32,7 +46,7 @@ TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "
 
 @pytest.mark.native
 def test_type_table_matches_ggml() -> None:
-    from rapidmoe._runtime import _core
+    from rapidmoe._runtime import _core  # noqa: PLC0415 - the compiled parts (the module imports without them)
 
     for name in TYPES:
         qt = GGMLQuantizationType[name]
@@ -58,8 +72,6 @@ def test_native_bytes_match_the_gguf(tiny_model: Path) -> None:
 
 def test_shape_set_layout_is_the_gguf_layout(tiny_model: Path) -> None:
     """A shape set with the tiny model's hyperparameters lists exactly the file's tensors (names and shapes)."""
-    from rapidmoe.synthetic.writer import read_spec
-
     spec = read_spec(tiny_model)
     assert spec is not None
     r = GGUFFile(tiny_model)
@@ -78,8 +90,6 @@ def test_shape_set_layout_is_the_gguf_layout(tiny_model: Path) -> None:
 
 @pytest.mark.native
 def test_resplit_bytes_match_a_conversion(tiny_qwen: Path, tmp_path: Path) -> None:
-    from rapidmoe.resplit import convert
-
     preset = get_preset("cpu-q8")  # K-quants: no importance matrix needed; one type for the rest (planned exactly)
     res = convert(tiny_qwen, tmp_path, preset, progress=False, report_experts=1)
     m = read_gguf_shapes(tiny_qwen)
@@ -92,7 +102,7 @@ def test_resplit_bytes_match_a_conversion(tiny_qwen: Path, tmp_path: Path) -> No
 
 @pytest.mark.native
 def test_q4_k_m_types_are_llama_quantize_s(tiny_model: Path, tmp_path: Path) -> None:
-    from rapidmoe import llama_cpp
+    from rapidmoe import llama_cpp  # noqa: PLC0415 - the compiled parts (the module imports without them)
 
     out = tmp_path / "q4km.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
@@ -148,7 +158,7 @@ def toy() -> tuple[object, int, int]:
     return m, full.vram - full.device_bytes(GPU, ROUTED), expert
 
 
-def test_everything_fits(toy: tuple) -> None:  # type: ignore[type-arg]
+def test_everything_fits(toy: tuple) -> None:
     m, base, eb = toy
     p = plan(m, preset=PRESET, gpu_mem=base + 32 * eb, cpu_mem=64 << 20, reserve=0)
     assert p.fits and p.scheme == "resplit" and p.vram == base + 32 * eb
@@ -158,7 +168,7 @@ def test_everything_fits(toy: tuple) -> None:  # type: ignore[type-arg]
     assert "--n-cpu-moe" not in p.realization.args
 
 
-def test_partial_cache_takes_the_hottest_experts(toy: tuple) -> None:  # type: ignore[type-arg]
+def test_partial_cache_takes_the_hottest_experts(toy: tuple) -> None:
     m, base, eb = toy
     counts = np.ones((4, 8))
     counts[0, 5], counts[2, 1], counts[0, 3] = 50, 40, 30  # layer 0: sum 86, layer 2: sum 47
@@ -171,7 +181,7 @@ def test_partial_cache_takes_the_hottest_experts(toy: tuple) -> None:  # type: i
     assert any("cannot be expressed" in n for n in p.notes)
 
 
-def test_uniform_cache_spreads_over_layers(toy: tuple) -> None:  # type: ignore[type-arg]
+def test_uniform_cache_spreads_over_layers(toy: tuple) -> None:
     m, base, eb = toy
     p = plan(m, preset=PRESET, gpu_mem=base + 19 * eb, reserve=0)
     assert p.cached == {0: (0, 1, 2, 3, 4), 1: (0, 1, 2, 3, 4), 2: (0, 1, 2, 3, 4), 3: (0, 1, 2, 3)}
@@ -180,7 +190,7 @@ def test_uniform_cache_spreads_over_layers(toy: tuple) -> None:  # type: ignore[
     assert p.realization.args[:4] == ("-ngl", "999", "--n-cpu-moe", "2") and p.realization.hit_rate == 0.5
 
 
-def test_too_small_gpu_falls_back_to_cpu_only(toy: tuple) -> None:  # type: ignore[type-arg]
+def test_too_small_gpu_falls_back_to_cpu_only(toy: tuple) -> None:
     m, base, _ = toy
     p = plan(m, preset=PRESET, gpu_mem=base - 1, reserve=0)
     assert p.scheme == "cpu-only" and p.vram == 0 and p.hit_rate == 0.0 and p.fits
@@ -190,7 +200,7 @@ def test_too_small_gpu_falls_back_to_cpu_only(toy: tuple) -> None:  # type: igno
     assert not off.fits and not full.fits and "GPU memory" in off.problems[0]
 
 
-def test_baselines(toy: tuple) -> None:  # type: ignore[type-arg]
+def test_baselines(toy: tuple) -> None:
     m, _, _ = toy
     off, full = plan(m, "cpu-offload", reserve=0), plan(m, "full-gpu", reserve=0)
     assert off.device_bytes(GPU, ROUTED) == 0 and off.hit_rate == 0.0
@@ -200,7 +210,7 @@ def test_baselines(toy: tuple) -> None:  # type: ignore[type-arg]
     assert off.device_bytes(CPU, ROUTED) == footprint(m, q4_k_m_types(m)).routed_bytes
 
 
-def test_dram_budget_and_bad_arguments(toy: tuple) -> None:  # type: ignore[type-arg]
+def test_dram_budget_and_bad_arguments(toy: tuple) -> None:
     m, _, _ = toy
     p = plan(m, preset=PRESET, cpu_mem=1024)
     assert not p.fits and "CPU memory" in p.problems[0]
@@ -247,8 +257,6 @@ def test_frequency_files(tmp_path: Path) -> None:
 
 
 def test_frequency_from_an_imatrix(tmp_path: Path) -> None:
-    from rapidmoe.resplit import Imatrix, write_imatrix
-
     im = Imatrix(datasets=["t"], chunk_count=1, chunk_size=8)
     for il, c in ((1, [4, 0, 0, 4]), (2, [1, 1, 1, 5])):
         for role in ("up", "gate", "down"):

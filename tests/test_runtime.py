@@ -1,6 +1,7 @@
 """One libllama in the process: llama_cpp's ctypes layer and rapidmoe._core share it, and it is ours."""
 from __future__ import annotations
 
+import ast
 import ctypes
 import os
 import subprocess
@@ -57,8 +58,6 @@ def test_foreign_lib_path_is_ignored(tmp_path: Path) -> None:
 
 def test_core_ships_type_stubs() -> None:
     """nanobind's stubgen output is installed beside _core and names every binding; the package is marked typed."""
-    import ast
-
     stub = Path(_core.__file__).with_name("_core.pyi")
     assert stub.is_file(), f"no stub beside {_core.__file__}"
     tree = ast.parse(stub.read_text())

@@ -139,7 +139,7 @@ def test_chat_roles(server: ServerProc) -> None:
         assert status == 400 and r["error"]["type"] == "invalid_request_error", r
         assert r["error"]["message"].startswith("messages[4]: invalid role 'error'"), r
     with pytest.raises(openai.BadRequestError, match="invalid role"):
-        client(server).chat.completions.create(model="tiny", messages=bad, max_tokens=1)  # type: ignore[arg-type]
+        client(server).chat.completions.create(model="tiny", messages=bad, max_tokens=1)
     status, r = server.request("POST", "/apply-template", {"messages": [{"role": "developer", "content": "d"}, *ok]})
     assert r == {"prompt": "<<system>>d\n<<system>>s\n<<user>>u\n<<assistant>>a\n<<tool>>t\n<<assistant>>"}, r
     status, r = server.request("POST", "/v1/chat/completions",
@@ -230,12 +230,12 @@ def _open_stream(s: ServerProc, n_predict: int) -> socket.socket:
     return sock
 
 
-def _wait_idle(s: ServerProc, timeout: float = 5.0) -> list[dict]:  # type: ignore[type-arg]
+def _wait_idle(s: ServerProc, timeout: float = 5.0) -> list[dict]:
     t0 = time.monotonic()
     while True:
         _, slots = s.request("GET", "/slots", headers=KEY)
         if not any(x["is_processing"] for x in slots) or time.monotonic() - t0 > timeout:
-            return slots  # type: ignore[no-any-return]
+            return slots
         time.sleep(0.05)
 
 

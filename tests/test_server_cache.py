@@ -28,7 +28,7 @@ def srv(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
 
 
 def _toks(s: ServerProc, text: str) -> list[int]:
-    return s.request("POST", "/tokenize", {"content": text, "add_special": True})[1]["tokens"]  # type: ignore[no-any-return]
+    return s.request("POST", "/tokenize", {"content": text, "add_special": True})[1]["tokens"]
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -38,11 +38,11 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _complete(s: ServerProc, prompt: str, **kw: object) -> dict:  # type: ignore[type-arg]
+def _complete(s: ServerProc, prompt: str, **kw: object) -> dict:
     status, r = s.request("POST", "/completion", {"prompt": prompt, "n_predict": 12, "ignore_eos": True,
                                                   "return_tokens": True, **GREEDY, **kw})
     assert status == 200, r
-    return r  # type: ignore[no-any-return]
+    return r
 
 
 def _metric(s: ServerProc, name: str) -> float:

@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -67,7 +68,7 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("path,body,field", REFUSED, ids=[r[2] for r in REFUSED])
-def test_unsupported_field_is_refused_by_name(srv: ServerProc, path: str, body: dict, field: str) -> None:  # type: ignore[type-arg]
+def test_unsupported_field_is_refused_by_name(srv: ServerProc, path: str, body: dict, field: str) -> None:
     status, r = srv.request("POST", path, body)
     assert status == 501, r
     assert r["error"]["type"] == "not_supported_error" and f'"{field}"' in r["error"]["message"], r
@@ -100,7 +101,7 @@ def test_openai_client_sees_the_refusal(srv: ServerProc) -> None:
 
 # ---- DRY and top-n-sigma (llama.cpp's samplers) ----
 
-def _tokens(s: ServerProc, body: dict) -> tuple[list[int], list[int]]:  # type: ignore[type-arg]
+def _tokens(s: ServerProc, body: dict) -> tuple[list[int], list[int]]:
     """(prompt tokens as the server tokenizes them, generated tokens)."""
     status, r = s.request("POST", "/completion", {**body, "return_tokens": True})
     assert status == 200, r
@@ -172,7 +173,7 @@ def test_response_fields(srv: ServerProc) -> None:
 
 # ---- structured output: grammar, json_schema, response_format ----
 
-SCHEMAS = {
+SCHEMAS: dict[str, dict[str, Any]] = {
     "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                 "age": {"type": "integer", "minimum": 0, "maximum": 150}},
                "required": ["name", "age"]},
@@ -191,7 +192,7 @@ SCHEMAS = {
 }
 
 
-def _valid(text: str, schema: dict) -> object:  # type: ignore[type-arg]
+def _valid(text: str, schema: dict) -> object:
     import jsonschema  # noqa: PLC0415 - a test extra, only needed here
 
     doc = json.loads(text)
@@ -265,7 +266,7 @@ BAD_STRUCTURED = [
 
 
 @pytest.mark.parametrize("extra,msg", BAD_STRUCTURED, ids=[b[1][:24] for b in BAD_STRUCTURED])
-def test_bad_grammar_or_schema_is_400_naming_the_problem(srv: ServerProc, extra: dict, msg: str) -> None:  # type: ignore[type-arg]
+def test_bad_grammar_or_schema_is_400_naming_the_problem(srv: ServerProc, extra: dict, msg: str) -> None:
     for path, body in (("/completion", {"prompt": "a"}), ("/v1/chat/completions", {"messages": MSGS})):
         status, r = srv.request("POST", path, {**body, **extra, "n_predict": 2})
         assert status == 400 and msg in r["error"]["message"], r
@@ -289,14 +290,14 @@ def _ref_logprobs(path: Path, tokens: list[int]) -> np.ndarray:
 
     x = forward(path, tokens).astype(np.float64)
     x -= x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))  # type: ignore[no-any-return]
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 LP_TOL = 0.02  # llama.cpp's f32 logits against numpy's float64 forward pass
 
 
 def _check_against_reference(path: Path, prompt: list[int], gen: list[int], probs: list[dict], k: int,
-                             greedy: bool) -> None:  # type: ignore[type-arg]
+                             greedy: bool) -> None:
     ref = _ref_logprobs(path, prompt + gen[:-1])
     assert [p["id"] for p in probs] == gen
     for i, p in enumerate(probs):

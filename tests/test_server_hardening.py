@@ -318,7 +318,7 @@ class _FakeServer:
 
 
 def _handler() -> Any:
-    h = app.Handler.__new__(app.Handler)
+    h: Any = app.Handler.__new__(app.Handler)
     h.wfile, h.server = io.BytesIO(), _FakeServer()
     h.request_version, h.command, h.path, h.requestline = "HTTP/1.1", "POST", "/completion", "POST /completion"
     h.headers, h.close_connection, h._sent, h.client_address = HTTPMessage(), False, False, ("127.0.0.1", 1)

@@ -4,6 +4,7 @@ default model, carries as made: its tokenizer is DeepSeek's). The tiny model's o
 random, so the answers whose parsing is checked are forced to exact strings with a grammar; `tool_choice`
 "required" and named tools are enforced by the server's own grammar and checked against the tools' schemas.
 """
+# ruff: noqa: RUF001 - DeepSeek's special tokens really are written with U+FF5C (fullwidth vertical bar)
 from __future__ import annotations
 
 import json
@@ -16,16 +17,19 @@ from typing import Any
 import pytest
 from server_proc import ServerProc
 
+from rapidmoe.server.toolcalls import OutputParser
+from rapidmoe.synthetic import spec_for, write_model
+
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "vendor" / "llama.cpp" / "models" / "templates"
 GREEDY = {"temperature": 0}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+WEATHER: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {
                                                 "city": {"type": "string", "maxLength": 12},
                                                 "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+TIME: dict[str, Any] = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
     "required": ["zone"]}}}
 TOOLS = [WEATHER, TIME]
@@ -68,7 +72,8 @@ def forced(text: str) -> dict[str, Any]:
 
 def _stream(s: ServerProc, **kw: Any) -> tuple[str, str, list[dict[str, Any]], str]:
     """(reasoning, content, tool calls accumulated from the deltas, finish_reason) of a streamed answer."""
-    reasoning, content, calls, finish = "", "", {}, ""
+    reasoning, content, finish = "", "", ""
+    calls: dict[int, dict[str, Any]] = {}
     for ch in client(s).chat.completions.create(model="x", stream=True, **kw):
         if not ch.choices:
             continue
@@ -91,7 +96,7 @@ QWEN_ANSWER = ('<think>\nThe user wants the weather.\n</think>\n\nLet me check.\
 
 
 def test_qwen3_template_renders_tools_and_tool_results(qwen3: ServerProc) -> None:
-    history = MSGS + [{"role": "assistant", "content": None, "tool_calls": [
+    history = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                           "arguments": '{"city": "Paris", "unit": "c"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
@@ -176,14 +181,12 @@ BAD_TOOLS = [
 
 
 @pytest.mark.parametrize("extra,status,msg", BAD_TOOLS, ids=[b[2][:20] for b in BAD_TOOLS])
-def test_bad_tools_are_refused(qwen3: ServerProc, extra: dict, status: int, msg: str) -> None:  # type: ignore[type-arg]
+def test_bad_tools_are_refused(qwen3: ServerProc, extra: dict, status: int, msg: str) -> None:
     got, r = qwen3.request("POST", "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, **extra})
     assert got == status and msg in r["error"]["message"], r
 
 
 def test_tools_need_a_template_that_writes_them(vocab_dir: Path, tmp_path: Path) -> None:
-    from rapidmoe.synthetic import spec_for, write_model
-
     plain = write_model(spec_for("qwen3moe", "tiny", chat_template="none"), tmp_path / "plain.gguf", vocab_dir)
     s = ServerProc(plain, "-t", "1", "-c", "1024", log_path=tmp_path / "plain.log")
     try:
@@ -244,11 +247,9 @@ def test_r1_required_tool_call_follows_the_schema(r1: ServerProc) -> None:
 ])
 def test_output_parser_streaming_equals_whole(family: str, text: str, starts: bool,
                                               expect: tuple[str, str, list[str]]) -> None:
-    from rapidmoe.server.toolcalls import OutputParser
-
     def run(pieces: list[str]) -> tuple[str, str, list[str]]:
         p = OutputParser(family=family, parse_tools=True, reasoning=True, starts_in_thinking=starts)
-        reasoning, content, names = "", "", []
+        reasoning, content, names = "", "", list[str]()
         for piece in pieces:
             d = p.feed(piece)
             reasoning, content, names = reasoning + d.reasoning, content + d.content, names + [c.name for _, c in

@@ -23,6 +23,16 @@ import sys
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+from stock_llama import build_stock
+
+from rapidmoe.errors import RapidMoEError
+from rapidmoe.ggufio import GGUFFile, copy_metadata, tensor_f32
+from rapidmoe.resplit import convert, get_preset
+from rapidmoe.resplit.convert import EXPERT_RE
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -59,10 +69,6 @@ class ArchResult:
 
 def make_models(out: Path, seed: int = SEED) -> dict[str, Path]:
     """Build test-llama-archs (stock, pinned) and write its models into `out` once; {architecture: MoE model}."""
-    from stock_llama import build_stock
-
-    from rapidmoe.ggufio import GGUFFile
-
     out.mkdir(parents=True, exist_ok=True)
     stamp = out / f".made-seed-{seed}"
     if not stamp.exists():
@@ -76,15 +82,11 @@ def make_models(out: Path, seed: int = SEED) -> dict[str, Path]:
 
 
 def _tokens(n_vocab: int) -> list[int]:
-    import numpy as np
-
     return [int(t) for t in np.random.default_rng(0).integers(0, n_vocab, N_TOKENS)]
 
 
-def _logits(path: Path, toks: list[int], **kw: object) -> object:
-    import numpy as np
-
-    from rapidmoe import Llama
+def _logits(path: Path, toks: list[int], **kw: Any) -> np.ndarray:
+    from rapidmoe import Llama  # noqa: PLC0415 - the compiled parts, loaded in the child that runs an architecture
 
     llm = Llama(path, n_ctx=64, n_batch=64, logits_all=True, verbose=False, n_threads=THREADS, **kw)
     try:
@@ -96,12 +98,6 @@ def _logits(path: Path, toks: list[int], **kw: object) -> object:
 
 def write_f32_expert_model(src: Path, wq: Path, out: Path) -> None:
     """The reference for the split: the .wq.gguf with every routed-expert tensor replaced by the source's F32 one."""
-    import numpy as np
-    from gguf import GGMLQuantizationType, GGUFWriter
-
-    from rapidmoe.ggufio import GGUFFile, copy_metadata, tensor_f32
-    from rapidmoe.resplit.convert import EXPERT_RE
-
     base, source = GGUFFile(wq), GGUFFile(src)
     w = GGUFWriter(out, arch=str(base.get("general.architecture")))
     copy_metadata(base, w)
@@ -124,12 +120,6 @@ def _one_line(e: BaseException) -> str:
 
 def ours(src: Path, work: Path) -> ArchResult:
     """In this process: plain run, conversion, r = 0 and r = k runs (logits saved into `work`)."""
-    import numpy as np
-
-    from rapidmoe.errors import RapidMoEError
-    from rapidmoe.ggufio import GGUFFile
-    from rapidmoe.resplit import convert, get_preset
-
     g = GGUFFile(src)
     arch = str(g.get("general.architecture"))
     res = ArchResult(arch, src.name, k=int(g.get(f"{arch}.expert_used_count", 0)))
@@ -173,8 +163,6 @@ def ours(src: Path, work: Path) -> ArchResult:
 
 def sweep_one(src: Path, work: Path, stock_bin: Path | None = None, timeout: float = 300) -> ArchResult:
     """One architecture: ours in a child process, then stock llama.cpp on the .wq.gguf in another."""
-    import numpy as np
-
     work.mkdir(parents=True, exist_ok=True)
     # an abort is a result: no backtrace (ggml's forks a debugger helper that can hang without one)
     # RAPIDMOE_REPACK_MMID_GEMM=0: our repacked MUL_MAT_ID keeps upstream's row order (bit-equal to stock)
@@ -189,8 +177,6 @@ def sweep_one(src: Path, work: Path, stock_bin: Path | None = None, timeout: flo
     if res.err_r0 is None:
         return res
     if stock_bin is None:
-        from stock_llama import build_stock
-
         stock_bin = build_stock(["llama"])
     env = dict(env, LLAMA_CPP_LIB_PATH=str(stock_bin), PYTHONPATH=str(ROOT / "vendor" / "llama_cpp_py"))
     s = subprocess.run([sys.executable, "-c", STOCK_LOGITS, str(work / "m.wq.gguf"), (work / "tokens.json").read_text(),

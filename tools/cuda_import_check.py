@@ -62,10 +62,10 @@ def reference_command(site: Path, sys_path: list[str]) -> tuple[list[str], dict[
 
 
 def _logits(n_gpu_layers: int) -> dict[str, object]:
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - imported after use_site() / the reference child's sys.path is set
 
-    import rapidmoe
-    from rapidmoe.default_model import ensure_default_model
+    import rapidmoe  # noqa: PLC0415 - imported after use_site() / the reference child's sys.path is set
+    from rapidmoe.default_model import ensure_default_model  # noqa: PLC0415 - imported after use_site() / the reference child's sys.path is set
 
     llm = rapidmoe.Llama(str(ensure_default_model(progress=False)), n_ctx=128, n_gpu_layers=n_gpu_layers,
                          logits_all=True, verbose=False)
@@ -93,7 +93,7 @@ def reference_child(site: Path, sys_path: list[str]) -> int:
 
 def check_backend(name: str) -> dict[str, Any]:
     """The backend `name` is loaded from this rapidmoe's library folder and registered, its devices listed."""
-    from rapidmoe._runtime import LIB_DIR, _core
+    from rapidmoe._runtime import LIB_DIR, _core  # noqa: PLC0415 - imported after use_site() / the reference child's sys.path is set
 
     lib = f"libggml-{name.lower()}.so"
     maps = Path("/proc/self/maps").read_text()
@@ -124,7 +124,7 @@ def check_backend(name: str) -> dict[str, Any]:
 def compare_with_reference(site: Path, sys_path: list[str], ours: dict[str, Any]) -> dict[str, Any]:
     """Run the reference child; {"skipped": why} without a CPU-only install, else the comparison (SystemExit when
     the child fails or imported the build under test)."""
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - imported after use_site() / the reference child's sys.path is set
 
     cmd, env = reference_command(site, sys_path)
     child = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -161,7 +161,7 @@ def main() -> int:
 
     own_sys_path = list(sys.path)  # before use_site: what the reference child starts from
     use_site(site)
-    import rapidmoe
+    import rapidmoe  # noqa: PLC0415 - imported after use_site() / the reference child's sys.path is set
 
     where = Path(rapidmoe.__file__ or "?").resolve()
     if not under(where, site):

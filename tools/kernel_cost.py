@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from stock_llama import STOCK, build_stock
+
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "tools" / "kernel_cost.cpp"
 sys.path.insert(0, str(ROOT / "tools"))
@@ -25,11 +27,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 def build_dirs(which: str) -> tuple[Path, Path]:
     """(ggml include dir, lib dir) of our build or the stock one (built on first use)."""
     if which == "ours":
-        from rapidmoe._runtime import LIB_DIR
+        from rapidmoe._runtime import LIB_DIR  # noqa: PLC0415 - the compiled parts: only for our build
 
         return ROOT / "vendor" / "llama.cpp" / "ggml" / "include", LIB_DIR
-    from stock_llama import STOCK, build_stock
-
     lib = build_stock(["llama"])
     return STOCK / "src" / "llama.cpp" / "ggml" / "include", lib
 

@@ -17,12 +17,12 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from stock_llama import build_stock
 
 ROOT = Path(__file__).resolve().parent.parent
 FREQ = 4000  # perf samples per second of CPU time
@@ -107,9 +107,6 @@ def main() -> int:
     env = dict(os.environ)
     cwd = None
     if args.stock:
-        sys.path.insert(0, str(ROOT / "tools"))
-        from stock_llama import build_stock
-
         env.update(LLAMA_CPP_LIB_PATH=str(build_stock(["llama"])), PYTHONPATH=str(ROOT / "vendor" / "llama_cpp_py"))
         cwd = ROOT / "vendor"
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,7 +127,8 @@ def main() -> int:
     for line in rep.splitlines():
         parts = line.split()
         if len(parts) >= 4 and parts[0].endswith("%") and parts[2].startswith("["):
-            rows.append((float(parts[0][:-1]), int(parts[1]) / FREQ * 1e3 / args.steps / max(args.pp, 1), " ".join(parts[3:])))
+            ms = int(parts[1]) / FREQ * 1e3 / args.steps / max(args.pp, 1)
+            rows.append((float(parts[0][:-1]), ms, " ".join(parts[3:])))
     cpu_ms = sum(r[1] for r in rows)
     print(f"{args.model.name} {'stock' if args.stock else 'ours'} r={args.r if args.residual else '-'} "
           f"threads={args.threads}: {res['ms_per_token']:.3f} ms/token wall over {args.steps} "

@@ -14,13 +14,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 STOCK = ROOT / "build" / "stock"
 
 
-def _fetch_module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("fetch_upstream", ROOT / "src" / "rapidmoe_ggml" / "fetch_upstream.py")
+def _fetch_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fetch_upstream",
+                                                  ROOT / "src" / "rapidmoe_ggml" / "fetch_upstream.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -59,7 +61,8 @@ def build_stock(targets: list[str], jobs: int | None = None, quiet: bool = True)
         subprocess.run(["cmake", "-S", str(src / "llama.cpp"), "-B", str(build), *amx], check=True, stdout=out)
     if any(t.startswith("test-") for t in targets) and "LLAMA_BUILD_TESTS:BOOL=ON" not in cache.read_text():
         # llama.cpp's test programs (test-llama-archs writes its random-weight models per architecture)
-        subprocess.run(["cmake", "-S", str(src / "llama.cpp"), "-B", str(build), "-DLLAMA_BUILD_TESTS=ON"], check=True, stdout=out)
+        subprocess.run(["cmake", "-S", str(src / "llama.cpp"), "-B", str(build), "-DLLAMA_BUILD_TESTS=ON"],
+                       check=True, stdout=out)
     cmd = ["cmake", "--build", str(build), "--config", "Release", "-j", str(jobs or os.cpu_count() or 2),
            "--target", *targets]
     subprocess.run(cmd, check=True, stdout=out)

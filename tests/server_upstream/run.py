@@ -72,7 +72,8 @@ def main() -> int:
              f"of {len(rows)}.", "", "| file | test | outcome | first line of the failure |", "|---|---|---|---|"]
     lines += [f"| {c} | `{n}` | {o} | {w.replace('|', '/')} |" for c, n, o, w in rows]
     (HERE / "results.md").write_text("\n".join(lines) + "\n")
-    print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped; see {HERE / 'results.md'}")
+    print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped; "
+          f"see {HERE / 'results.md'}")
     return 0
 
 

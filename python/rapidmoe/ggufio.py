@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+from .ggml_types import block_bytes, block_size
 
 _SCALAR = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
@@ -141,7 +143,7 @@ class GGUFFile:
         start += (-start) % align
         self.data_start = start
         for name, shape, qt, offset in infos:
-            block, tsize = GGML_QUANT_SIZES[qt]
+            block, tsize = block_size(qt.name), block_bytes(qt.name)
             n = int(np.prod(shape, dtype=np.int64))
             self.tensors.append(Tensor(name, shape, qt, start + offset, n // block * tsize, self))
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from rapidmoe import RapidMoEError
 from rapidmoe.cli.app import app
 from rapidmoe.umia import load_policy
-from rapidmoe.umia.calibrate import pick_chunks, theta_for_level
+from rapidmoe.calibration.umia import pick_chunks, theta_for_level
 from rapidmoe.umia.frontier import choose, knee, pareto
 from rapidmoe.umia.latency import Point, fit, load_latency_model
 
@@ -179,7 +179,7 @@ def test_device_latency_and_beta_search_end_to_end(make_split, tmp_path: Path) -
     run's step time predicted); calibrate prices its candidates with it and searches beta with prefill thresholds:
     the realised critical slots grow with beta, and a prefill budget picks the lowest prompt KL within it."""
     from rapidmoe.rpc import RPCServer  # noqa: PLC0415 - the extension: native tests only
-    from rapidmoe.umia.calibrate import calibrate  # noqa: PLC0415
+    from rapidmoe.calibration.umia import calibrate  # noqa: PLC0415
     from rapidmoe.umia.latency import load_latency_model  # noqa: PLC0415
 
     _, wq, wr = make_split("qwen3moe", "cpu-q8")

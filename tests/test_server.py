@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 from server_proc import ServerProc, sse_json
+from testkit import GREEDY
 
 from rapidmoe.server.text import TextAssembler
 
 openai = pytest.importorskip("openai")
 
 TEMPLATE = "{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\n{% endfor %}<<assistant>>"
-GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 from server_proc import ServerProc
+from testkit import GREEDY
 
 from rapidmoe.server.chat import CHATML  # chat requests here keep ChatML, whatever the model carries
 
 openai = pytest.importorskip("openai")
-
-GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 from server_proc import ServerProc, sse_json
+from testkit import GREEDY
 
 openai = pytest.importorskip("openai")
 
-GREEDY = {"temperature": 0}
 # Sampled answers are compared token for token only when computed the same way: one slot, whole prompt in one
 # batch (logits of a sequence batched with others, or of a prompt partly reused from the KV, differ in the last
 # bits, enough to move a draw at a high temperature).

@@ -15,13 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 from server_proc import ServerProc, sse_json
+from testkit import GREEDY
 
 from rapidmoe.server.chat import CHATML  # chat requests here keep ChatML, whatever the model carries
 from rapidmoe.server.params import UNSUPPORTED
 
 openai = pytest.importorskip("openai")
-
-GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,9 @@ def repeated_text(n: int) -> bytes:
     return (TEXT + b" ") * n
 
 
+# The server tests' greedy sampling (request fields), spread into a request: {**GREEDY, "n": 2}
+GREEDY = {"temperature": 0}
+
 # The CPU-vs-stand-in comparisons use preset cpu-q8: its non-expert matrices are Q8_0, which x86 CPUs run with
 # the same kernel in both processes (no repacked Q8_0 layout there). The cpu preset's Q4_K attention is repacked
 # on this CPU and not on the stand-in (its CPU backend keeps the plain layout): two kernels with different

@@ -11,9 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from rapidmoe import RapidMoEError
-from rapidmoe.cli.app import app
-from rapidmoe.umia import load_policy
 from rapidmoe.calibration.umia import pick_chunks, theta_for_level
+from rapidmoe.cli.app import app
+from rapidmoe.umia import Policy, load_policy
+from rapidmoe.umia.arbitration import n_critical
 from rapidmoe.umia.frontier import choose, knee, pareto
 from rapidmoe.umia.latency import Point, fit, load_latency_model
 
@@ -109,15 +110,13 @@ def test_choice_under_budget_and_knee() -> None:
     assert choose(lat, kl, budget=2.0) == 1
     assert choose(lat, kl, budget=None) == knee(lat, kl) == 1  # the big drop is 1 -> 2 ms; after it, little gain
     assert choose(lat, kl, budget=3.2, allowed=[0, 1, 5]) == 1
-    with pytest.raises(RapidMoEError, match="no candidate meets the latency budget 0.50"):
+    with pytest.raises(RapidMoEError, match=r"no candidate meets the latency budget 0\.50"):
         choose(lat, kl, budget=0.5)
 
 
 def test_theta_for_level_hits_the_target_and_chunks_are_seeded() -> None:
     rng = np.random.default_rng(0)
     w = [np.exp(rng.normal(size=(400, 8)) * 2).astype(np.float32) for _ in range(4)]
-    from rapidmoe.umia import Policy
-    from rapidmoe.umia.arbitration import n_critical
 
     for alpha in (0.0, 0.5):
         for level in (1.5, 2.0, 3.0):
@@ -178,8 +177,8 @@ def test_device_latency_and_beta_search_end_to_end(make_split, tmp_path: Path) -
     """calibrate-latency --device on the RPC stand-in writes a latency model with measured device terms (every
     run's step time predicted); calibrate prices its candidates with it and searches beta with prefill thresholds:
     the realised critical slots grow with beta, and a prefill budget picks the lowest prompt KL within it."""
-    from rapidmoe.rpc import RPCServer  # noqa: PLC0415 - the extension: native tests only
     from rapidmoe.calibration.umia import calibrate  # noqa: PLC0415
+    from rapidmoe.rpc import RPCServer  # noqa: PLC0415 - the extension: native tests only
     from rapidmoe.umia.latency import load_latency_model  # noqa: PLC0415
 
     _, wq, wr = make_split("qwen3moe", "cpu-q8")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import logging
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from rapidmoe import Llama
 from rapidmoe.cli.app import app
 from rapidmoe.errors import ModelFileError
 from rapidmoe.ggufio import GGUFFile, copy_metadata
-from rapidmoe.resplit import check_pair, convert, fingerprint, get_preset, sidecar
+from rapidmoe.resplit import check_pair, convert, get_preset, sidecar
 from rapidmoe.resplit.fingerprint import SampleScheme, absolute_windows
 from rapidmoe.resplit.sidecar import FINGERPRINT_KEYS, KEY, SIDECAR_ARCH, file_sha256, layout_sha256
 from rapidmoe.synthetic import spec_for, write_model
@@ -206,14 +207,14 @@ def test_cheap_check_reads_a_few_mb(pair: Pair, monkeypatch: pytest.MonkeyPatch)
         raise AssertionError(f"the default check hashed all of {path}")
 
     read: list[int] = []
-    pread = fingerprint.os.pread
+    pread = os.pread  # the os module fingerprint reads with
 
     def counting(fd: int, n: int, off: int) -> bytes:
         read.append(n)
         return pread(fd, n, off)
 
     monkeypatch.setattr(sidecar, "file_sha256", no_full_hash)
-    monkeypatch.setattr(fingerprint.os, "pread", counting)
+    monkeypatch.setattr(os, "pread", counting)
     check_pair(wq, wr)
     n_tensors = len(GGUFFile(wq).tensors) + len(GGUFFile(wr).tensors)
     scheme = SampleScheme()

@@ -32,7 +32,7 @@ from stock_llama import build_stock
 from rapidmoe.errors import RapidMoEError
 from rapidmoe.ggufio import GGUFFile, copy_metadata, tensor_f32
 from rapidmoe.resplit import convert, get_preset
-from rapidmoe.resplit.convert import EXPERT_RE
+from rapidmoe.resplit.typechoice import EXPERT_RE
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))

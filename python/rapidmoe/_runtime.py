@@ -18,6 +18,8 @@ LIB_DIR = Path(llama_cpp.__file__).resolve().parent / "lib"
 # library (the loader matches its soname); the other order would map the file twice
 from . import _core as _core  # noqa: E402
 
+__all__ = ["LIB_DIR", "_core", "check_single_instance", "llama_cpp", "loaded_library_path"]
+
 
 def loaded_library_path() -> Path:
     """The libllama file the ctypes layer loaded."""

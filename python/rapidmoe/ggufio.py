@@ -205,4 +205,5 @@ def tensor_rows(t: Tensor, first: int, count: int) -> np.ndarray:
         return np.ascontiguousarray(flat[first: first + count], dtype=np.float32)
     rs = _core.row_size(int(qt), n_per_row)
     flat = np.asarray(t.data).view(np.uint8).reshape(-1, rs)
-    return _core.dequantize(np.ascontiguousarray(flat[first: first + count]), int(qt), n_per_row)
+    rows: np.ndarray = _core.dequantize(np.ascontiguousarray(flat[first: first + count]), int(qt), n_per_row)
+    return rows  # float32 [count, n_per_row] (_core.pyi; the build's stub is outside mypy's view)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import NDArray
 
 from .config import CachePolicyError
 
@@ -15,13 +16,13 @@ class RoutingStats:
     """Per MoE layer of a real trace: expert popularity, token-to-token reuse, next-layer prediction accuracy."""
 
     popularity: np.ndarray  # [n_moe, n_expert] shares
-    reuse: np.ndarray  # [n_moe] mean share of a token's experts the previous token also used
+    reuse: NDArray[np.float64]  # [n_moe] mean share of a token's experts the previous token also used
     accuracy: np.ndarray  # [n_moe] share of a layer's experts the predictor named (nan without predictions)
-    chance: np.ndarray  # [n_moe] the reuse independent draws by popularity would give
+    chance: NDArray[np.float64]  # [n_moe] the reuse independent draws by popularity would give
     k: int = 1
 
     @property
-    def excess_reuse(self) -> np.ndarray:
+    def excess_reuse(self) -> NDArray[np.float64]:
         """Reuse beyond chance, (reuse - chance) / (1 - chance), >= 0: the locality that carries over to a shape
         with more experts (where chance reuse is much smaller)."""
         return np.clip((self.reuse - self.chance) / np.maximum(1e-12, 1.0 - self.chance), 0.0, 1.0)

@@ -148,13 +148,15 @@ def plot_frontier(res: CalibrationResult, path: Path) -> bool:
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     x = x - x.max(axis=-1, keepdims=True)
-    return (x - np.log(np.exp(x).sum(axis=-1, keepdims=True))).astype(np.float32)
+    logp: np.ndarray = (x - np.log(np.exp(x).sum(axis=-1, keepdims=True))).astype(np.float32)
+    return logp
 
 
 def _kl(ref_logp: np.ndarray, logits: np.ndarray) -> np.ndarray:
     lq = log_softmax(logits).astype(np.float64)
     lp = ref_logp.astype(np.float64)
-    return (np.exp(lp) * (lp - lq)).sum(axis=-1)
+    kl: np.ndarray = (np.exp(lp) * (lp - lq)).sum(axis=-1)  # one per row; numpy types a sum over an axis Any
+    return kl
 
 
 def pick_chunks(tokens: list[int], n_tokens: int, chunk: int, seed: int) -> list[list[int]]:

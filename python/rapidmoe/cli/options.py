@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..cache.config import CachePolicy
+from ..cache.config import CachePolicy as CachePolicy  # re-exported: run and serve default --cache-policy with it
 
 ModelArg = Annotated[Optional[Path], typer.Argument(
     help="GGUF model file (MoE). Default: the tiny synthetic model, made once and cached.",
@@ -64,7 +64,7 @@ OverlapOpt = Annotated[OverlapMode, typer.Option(
 
 def _size(value: str) -> int:
     """A memory size read with the planner's unit parser; a bad one is a usage error naming the option."""
-    from ..placement.units import SizeError, parse_size  # noqa: PLC0415 - keep --help fast
+    from ..placement.units import SizeError, parse_size  # noqa: PLC0415  (lazy: keeps --help fast)
 
     try:
         return parse_size(value)

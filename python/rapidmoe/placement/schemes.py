@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..cache.config import CachePolicy
 from ..cache.moepic import hit_curve, moepic_config
@@ -75,7 +76,7 @@ class SchemeChoice:
         return "\n".join(rows)
 
 
-def _distinct(p_tok: np.ndarray, n_tokens: int) -> np.ndarray:
+def _distinct(p_tok: NDArray[np.float64], n_tokens: int) -> NDArray[np.float64]:
     """Per expert, the probability a batch of n_tokens uses it (each token picks it with probability p_tok)."""
     return 1.0 - np.power(1.0 - np.clip(p_tok, 0.0, 1.0), n_tokens)
 

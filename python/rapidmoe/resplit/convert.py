@@ -250,24 +250,24 @@ class _Converter:
             w.write_ti_data_to_file()
         total = sum(int(t.n_bytes) for t, _ in plan)
         with tqdm(total=total, unit="B", unit_scale=True, desc="resplit", disable=not progress) as bar:
-            for t, qt in plan:
+            for t, target in plan:
                 bar.set_postfix_str(t.name, refresh=False)
-                if qt is None:
+                if target is None:
                     wq_data, hi_data = self.convert_expert(t)
                     wq.write_tensor_data(wq_data)
                     wr.write_tensor_data(hi_data)
                 else:
-                    if qt == GGMLQuantizationType(int(t.tensor_type)):  # kept as stored (a mixture keeps some)
+                    if target == GGMLQuantizationType(int(t.tensor_type)):  # kept as stored (a mixture keeps some)
                         wq.write_tensor_data(np.asarray(t.data).reshape(-1).view(np.uint8))
                         bar.update(int(t.n_bytes))
                         continue
                     rows = tensor_rows(t, 0, n_rows(t))
-                    if qt == GGMLQuantizationType.F32:
+                    if target == GGMLQuantizationType.F32:
                         data = rows.reshape(tuple(int(x) for x in reversed(t.shape)))
-                    elif qt == GGMLQuantizationType.F16:
+                    elif target == GGMLQuantizationType.F16:
                         data = rows.astype(np.float16).reshape(tuple(int(x) for x in reversed(t.shape)))
                     else:
-                        data = _core.quantize(rows, int(qt)).reshape(_byte_shape(t, qt))
+                        data = _core.quantize(rows, int(target)).reshape(_byte_shape(t, target))
                     wq.write_tensor_data(data)
                 bar.update(int(t.n_bytes))
         wq.close()

@@ -111,7 +111,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
 
 
 # `convert`'s preset when none is named: on a machine with a GPU the paper's (WQ small enough for the device), on
-# one without the preset that won the CPU frontier (bench/results/frontier-qwen3moe-bench-reps3.md; every stock type: frontier-qwen3moe-bench.md)
+# one without the preset that won the CPU frontier (bench/results/frontier-qwen3moe-bench-reps3.md; every stock
+# type: frontier-qwen3moe-bench.md)
 GPU_DEFAULT = "paper"
 CPU_DEFAULT = "cpu-fast"
 

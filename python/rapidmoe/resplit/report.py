@@ -34,7 +34,9 @@ class ErrorAccumulator:
             self.ref2[k] = self.ref2.get(k, 0.0) + v
 
     def summary(self) -> dict[str, float]:
-        rel = lambda e2, w2: float(np.sqrt(e2 / w2)) if w2 > 0 else 0.0  # noqa: E731
+        def rel(e2: float, w2: float) -> float:
+            return float(np.sqrt(e2 / w2)) if w2 > 0 else 0.0
+
         out = {"wq_only": rel(self.wq2, self.w2), "critical": rel(self.crit2, self.w2)}
         for k, v in sorted(self.ref2.items()):
             out[k] = rel(v, self.ref_w2)

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from .._runtime import llama_cpp as lc
 from .params import GenerationParams
 from .sampling import SlotSampler
 from .text import TextAssembler
+
+if TYPE_CHECKING:
+    from ..llama import Llama
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +203,7 @@ class _Slot:
 
 
 class Engine:
-    def __init__(self, llm: Any, *, n_parallel: int, queue_size: int, n_batch: int, queue_timeout: float) -> None:
+    def __init__(self, llm: Llama, *, n_parallel: int, queue_size: int, n_batch: int, queue_timeout: float) -> None:
         self.llm = llm
         self._ctx = llm.ctx
         self._vocab = llm._model.vocab
@@ -496,7 +499,8 @@ class Engine:
         logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, i_batch), shape=(self.n_vocab,))
         x = logits.astype(np.float64)
         x -= x.max()
-        return x - np.log(np.exp(x).sum())
+        logp: np.ndarray = x - np.log(np.exp(x).sum())
+        return logp
 
     def _token_prob(self, tok: int, logprobs: np.ndarray, n_top: int) -> TokenProb:
         top: tuple[tuple[int, bytes, float], ...] = ()

@@ -39,7 +39,10 @@ class SlotSampler:
                 data=self._one.ctypes.data_as(ctypes.POINTER(lc.llama_token_data)), size=1, selected=-1,
                 sorted=False)
         self.chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-        add = lambda s: lc.llama_sampler_chain_add(self.chain, s)  # noqa: E731 - the chain takes ownership
+
+        def add(s: lc.llama_sampler_p) -> None:  # the chain takes ownership
+            lc.llama_sampler_chain_add(self.chain, s)
+
         if p.logit_bias:
             arr = (lc.llama_logit_bias * len(p.logit_bias))()
             for i, (tok, bias) in enumerate(p.logit_bias):

@@ -15,6 +15,7 @@ import tempfile
 import threading
 from typing import Any
 
+from .._llama_cpp.llama_grammar import SchemaConverter
 from .._runtime import llama_cpp as lc
 from .errors import invalid_request
 
@@ -102,36 +103,37 @@ def _int_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
     return (None if lo is None else math.ceil(lo)), (None if hi is None else math.floor(hi))
 
 
-def schema_converter() -> Any:
-    from .._llama_cpp.llama_grammar import SchemaConverter  # noqa: PLC0415  (compiled part: the ctypes layer, loaded on first use)
+class Converter(SchemaConverter):
+    """llama-cpp-python's converter, plus integer bounds (which it ignores): a bounded range becomes its
+    values as alternatives, `minimum` 0 or 1 alone a digit pattern; other bounds are refused."""
 
-    class Converter(SchemaConverter):
-        """llama-cpp-python's converter, plus integer bounds (which it ignores): a bounded range becomes its
-        values as alternatives, `minimum` 0 or 1 alone a digit pattern; other bounds are refused."""
+    def visit(self, schema: dict[str, Any], name: str) -> str:
+        if isinstance(schema, dict) and schema.get("type") == "integer" and any(
+                k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+            lo, hi = _int_bounds(schema)
+            rule_name = name or "root"
+            if lo is not None and hi is not None:
+                if hi < lo:
+                    raise ValueError(f"integer range [{lo}, {hi}] at {name or '/'} is empty")
+                if hi - lo + 1 > _MAX_ENUMERATED:
+                    raise ValueError(f"integer range [{lo}, {hi}] is too wide (at most {_MAX_ENUMERATED} values)")
+                alts = " | ".join(f'"{v}"' for v in range(lo, hi + 1))
+                return str(self._add_rule(rule_name, f"({alts}) space"))
+            if hi is None and lo in (0, 1):
+                digits = "[1-9] [0-9]{0,15}" + (' | "0"' if lo == 0 else "")
+                return str(self._add_rule(rule_name, f"({digits}) space"))
+            raise ValueError("integer bounds are supported as a [minimum, maximum] range or minimum 0 or 1")
+        # the base's visit, named by its class (as super() would find it) so that mypy sees llama-cpp-python's
+        # unannotated method, whose calls pyproject's untyped_calls_exclude admits
+        return str(SchemaConverter.visit(self, schema, name))
 
-        def visit(self, schema: dict[str, Any], name: str) -> str:
-            if isinstance(schema, dict) and schema.get("type") == "integer" and any(
-                    k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
-                lo, hi = _int_bounds(schema)
-                rule_name = name or "root"
-                if lo is not None and hi is not None:
-                    if hi < lo:
-                        raise ValueError(f"integer range [{lo}, {hi}] at {name or '/'} is empty")
-                    if hi - lo + 1 > _MAX_ENUMERATED:
-                        raise ValueError(f"integer range [{lo}, {hi}] is too wide (at most {_MAX_ENUMERATED} values)")
-                    alts = " | ".join(f'"{v}"' for v in range(lo, hi + 1))
-                    return str(self._add_rule(rule_name, f"({alts}) space"))
-                if hi is None and lo in (0, 1):
-                    digits = "[1-9] [0-9]{0,15}" + (' | "0"' if lo == 0 else "")
-                    return str(self._add_rule(rule_name, f"({digits}) space"))
-                raise ValueError("integer bounds are supported as a [minimum, maximum] range or minimum 0 or 1")
-            return str(super().visit(schema, name))
+    def visit_checked(self, schema: Any, name: str) -> str:
+        """The rule name for `schema` (checked for keywords the grammar cannot enforce, $refs resolved)."""
+        _check_schema(schema, "")
+        return self.visit(self.resolve_refs(schema, "input"), name)
 
-        def visit_checked(self, schema: Any, name: str) -> str:
-            """The rule name for `schema` (checked for keywords the grammar cannot enforce, $refs resolved)."""
-            _check_schema(schema, "")
-            return self.visit(self.resolve_refs(schema, "input"), name)
 
+def schema_converter() -> Converter:
     return Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
 
 

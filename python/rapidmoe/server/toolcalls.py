@@ -146,7 +146,7 @@ def tool_grammar(req: ToolRequest, open_think: bool) -> str:
             f"{_literal(DS_CALLS_BEGIN)} {one} {_literal(DS_CALLS_END)}"
     prefix = f"{_literal(THINK_CLOSE + chr(10) + chr(10))} " if open_think else ""
     rules.insert(0, f"root ::= {prefix}{calls}")
-    return "\n".join(rules) + "\n" + conv.format_grammar()
+    return "\n".join(rules) + "\n" + str(conv.format_grammar())
 
 
 def _tool_alternative(conv: Any, family: str, i: int, t: Tool) -> str:

@@ -60,7 +60,8 @@ def _heavy(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
 def _scales(rng: np.random.Generator, n: int, sigma: float) -> np.ndarray:
     """Log-normal scales with mean square 1."""
     s = np.exp(sigma * rng.standard_normal(n))
-    return (s / np.sqrt(np.mean(s * s))).astype(np.float32)
+    scales: np.ndarray = (s / np.sqrt(np.mean(s * s))).astype(np.float32)  # numpy types a mean's quotient Any
+    return scales
 
 
 def massive_channels(spec: SyntheticSpec) -> tuple[np.ndarray, np.ndarray]:

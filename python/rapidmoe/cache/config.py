@@ -45,7 +45,7 @@ class RefreshSettings:
 
     @property
     def decay_per_token(self) -> float:
-        return 0.5 ** (1.0 / self.half_life_tokens)
+        return float(0.5 ** (1.0 / self.half_life_tokens))  # float ** float is typed Any (it may be complex)
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,7 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
     raw_requestline: bytes  # set by http.server before parse_request
+    connection: socket.socket  # the accepted TCP socket (typeshed types socketserver's attribute Any)
     server_version = "rapidmoe"
     sys_version = ""
     _reading_headers = False  # the header deadline is armed (from the request's start until its headers are in)

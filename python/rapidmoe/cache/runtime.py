@@ -26,7 +26,7 @@ from .simulator import refresh_swaps
 
 def _native() -> Any:
     """rapidmoe._core, loaded on first use: the checks and dataclasses here import without the compiled part."""
-    from .._runtime import _core  # noqa: PLC0415 - the compiled part (see the docstring)
+    from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use: see the docstring)
 
     return _core
 

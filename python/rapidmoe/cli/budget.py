@@ -51,7 +51,7 @@ def cache_placement(model: Path, place: LlamaPlacement, policy: CachePolicy, fre
         return place
     if policy is not CachePolicy.moepic:
         return {**place, "expert_cache": dataclasses.replace(cache, policy=policy)}
-    from ..cache.moepic import moepic_for_cache  # noqa: PLC0415 - keep --help fast
+    from ..cache.moepic import moepic_for_cache  # noqa: PLC0415  (lazy: keeps --help fast)
 
     settings = moepic_for_cache(model, cache.experts or {}, frequency_path=freq)
     log.info("moepic: split %s, tops per layer %s (the device memory of the planned cache, MoEpic's fixed point on "
@@ -63,7 +63,7 @@ def cache_placement(model: Path, place: LlamaPlacement, policy: CachePolicy, fre
 
 def gpu_devices() -> list[str]:
     """Names of the GPU devices llama.cpp would offload to here (none on a CPU-only machine or build)."""
-    from .._runtime import _core  # noqa: PLC0415 - the compiled part, loaded only when --gpu-mem asks for devices
+    from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded only when --gpu-mem asks for devices)
 
     return [name for name, _, kind, reg, _ in _core.devices() if reg != "RPC" and kind in ("gpu", "igpu")]
 
@@ -84,8 +84,8 @@ def placement(ctx: typer.Context, *, model: Path, residual: Path | None, ctx_siz
     if manual:
         raise typer.BadParameter(f"--gpu-mem computes the placement itself and cannot be combined with "
                                  f"{', '.join(manual)}; give either the budget or the flags", param_hint="--gpu-mem")
-    from ..placement.planner import DEFAULT_RESERVE  # noqa: PLC0415 - keep --help fast
-    from ..placement.realize import describe, plan_for_model, realize  # noqa: PLC0415 - keep --help fast
+    from ..placement.planner import DEFAULT_RESERVE  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..placement.realize import describe, plan_for_model, realize  # noqa: PLC0415  (lazy: keeps --help fast)
 
     p = plan_for_model(model, residual, gpu_mem=gpu_mem, n_ctx=ctx_size,
                        reserve=DEFAULT_RESERVE if reserve is None else reserve, frequency_path=freq)

@@ -43,10 +43,10 @@ def run(
     """Generate text from PROMPT with MODEL, streaming tokens as they come, then print prefill and decode speed.
 
     Placement: -ngl/--n-cpu-moe/-ot by hand, or --gpu-mem BUDGET to let the planner choose them (logged)."""
-    from ..default_model import ensure_default_model  # noqa: PLC0415 - keep --help fast
-    from ..llama import Llama  # noqa: PLC0415
-    from ..modelfile import require_moe  # noqa: PLC0415
-    from ..rpc import parse_servers  # noqa: PLC0415
+    from ..default_model import ensure_default_model  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..llama import Llama  # noqa: PLC0415  (lazy: keeps --help fast; loads the compiled part)
+    from ..modelfile import require_moe  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..rpc import parse_servers  # noqa: PLC0415  (lazy: keeps --help fast)
 
     rpc_servers = parse_servers(rpc)
     path = model if model is not None else ensure_default_model()

@@ -63,9 +63,9 @@ def serve(
     --host says otherwise; logs one line per request. Placement: -ngl/--n-cpu-moe/-ot by hand, or --gpu-mem
     BUDGET to let the planner choose them for the whole context (-c), logged before the model loads.
     """
-    from ..default_model import ensure_default_model  # noqa: PLC0415 - keep --help fast
-    from ..rpc import parse_servers  # noqa: PLC0415
-    from ..server import ServerConfig, run_server  # noqa: PLC0415
+    from ..default_model import ensure_default_model  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..rpc import parse_servers  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..server import ServerConfig, run_server  # noqa: PLC0415  (lazy: keeps --help fast)
 
     if chat_template_file is not None:
         try:

@@ -21,8 +21,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import ModelFileError, RapidMoEError
+from ..llama import Llama
+from ..modelfile import require_moe
+from ..umia import load_policy
 from . import routes, sse
+from .chat import CHATML, ChatTemplate
 from .config import ServerConfig
+from .engine import Engine
 from .errors import ApiError, authentication, invalid_request, not_found, payload_too_large, unavailable
 
 log = logging.getLogger(__name__)
@@ -420,21 +425,14 @@ class Handler(BaseHTTPRequestHandler):
                 close()
 
 
-def _load(config: ServerConfig, st: routes.AppState) -> Any:
+def _load(config: ServerConfig, st: routes.AppState) -> Llama:
     """Load the model (HTTP already answering 503), then hand the engine to the routes."""
-    from ..llama import Llama  # noqa: PLC0415
-    from ..modelfile import require_moe  # noqa: PLC0415
-    from .chat import CHATML, ChatTemplate  # noqa: PLC0415
-    from .engine import Engine  # noqa: PLC0415
-
     info = require_moe(config.model)
     threads = config.threads or engine_threads()
     policy = None
     if config.policy is not None:  # checked before the model loads: a bad file fails fast
         if config.residual is None:
             raise RapidMoEError("--policy needs --residual (a UMIA policy picks critical experts of a split model)")
-        from ..umia import load_policy  # noqa: PLC0415
-
         policy = load_policy(config.policy)
     try:
         llm = Llama(config.model, n_ctx=config.ctx_size, n_batch=config.n_batch, n_ubatch=config.n_batch,

@@ -240,11 +240,11 @@ def test_bad_requests_are_refused(make_tiny, rpc: RPCServer) -> None:  # type: i
     refused("layer 0 is not an MoE layer", on({0: [0]}))
     refused(f"expert id {n_expert} is out of range", on({il: [1, n_expert]}))
     refused("expert id 2 is listed twice", on({il: [2, 3, 2]}))
-    refused("expert_cache_device 'RPC7' is not a known device", on({il: [0]}, "RPC7"))
-    refused("needs expert_cache_device", on({il: [0]}, None))
+    refused(r"ExpertCacheConfig\.device 'RPC7' is not a known device", on({il: [0]}, "RPC7"))
+    refused(r"needs ExpertCacheConfig\.device", on({il: [0]}, None))
     refused("not in plain host memory", override_tensor=None)  # -ngl put the experts on the device
     refused("does not combine", skip_noncritical=True)
-    with pytest.raises(RapidMoEError, match="needs expert_cache="):
+    with pytest.raises(RapidMoEError, match="needs experts="):
         ExpertCacheConfig(device="CPU")
     llm = Llama(path, n_ctx=64, verbose=False)
     try:
@@ -283,7 +283,7 @@ def test_old_keywords_still_work_and_warn(make_tiny, rpc: RPCServer) -> None:  #
         llm.close()
     with pytest.warns(DeprecationWarning), pytest.raises(RapidMoEError, match="one of"):
         Llama(path, verbose=False, expert_cache_policy="belady")
-    with pytest.warns(DeprecationWarning), pytest.raises(RapidMoEError, match="needs expert_cache="):
+    with pytest.warns(DeprecationWarning), pytest.raises(RapidMoEError, match="needs experts="):
         Llama(path, n_ctx=64, verbose=False, expert_cache_device="CPU")
     plain = Llama(path, n_ctx=64, verbose=False)
     try:

@@ -137,7 +137,7 @@ def test_moepic_refusals(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-
         ExpertCacheConfig(policy="moepic")
     with pytest.raises(RapidMoEError, match="go together"):
         ExpertCacheConfig(experts={1: [0]}, moepic=MoEpicSettings(0.5, 2))
-    with pytest.raises(RapidMoEError, match="not expert_cache"):
+    with pytest.raises(RapidMoEError, match="not experts"):
         ExpertCacheConfig(policy="moepic", experts={1: [0]}, moepic=MoEpicSettings(0.5, 2))
     with pytest.raises(RapidMoEError, match="splits in"):
         MoEpicSettings(1.5, 2)

@@ -130,7 +130,7 @@ def test_refresh_refusals(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no
     layers = moe_layers_of(path)
     with pytest.raises(RapidMoEError, match="one of"):
         ExpertCacheConfig(experts={layers[0]: [0]}, device="CPU", policy="belady")
-    with pytest.raises(RapidMoEError, match="need expert_cache"):
+    with pytest.raises(RapidMoEError, match="need experts="):
         ExpertCacheConfig(policy="rapidmoe")
     llm = Llama(path, n_ctx=64, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
                 override_tensor="exps=CPU",

@@ -122,23 +122,21 @@ class ExpertCacheConfig:
         try:
             policy = CachePolicy(self.policy)
         except ValueError:
-            raise RapidMoEError(f"expert_cache_policy must be one of {', '.join(p.value for p in CachePolicy)}, "
+            raise RapidMoEError(f"ExpertCacheConfig.policy must be one of {', '.join(p.value for p in CachePolicy)}, "
                                 f"got {self.policy!r}") from None
         object.__setattr__(self, "policy", policy)
         if policy is CachePolicy.moepic or self.moepic is not None:
             if policy is not CachePolicy.moepic or self.moepic is None:
-                raise RapidMoEError('expert_cache_policy="moepic" and expert_cache_moepic=MoEpicSettings(...) go '
-                                    "together")
+                raise RapidMoEError('ExpertCacheConfig: policy="moepic" and moepic=MoEpicSettings(...) go together')
             if self.experts is not None:
-                raise RapidMoEError("the moepic policy gives every MoE layer its own work area: pass "
-                                    "expert_cache_moepic, not expert_cache")
+                raise RapidMoEError("ExpertCacheConfig: the moepic policy gives every MoE layer its own work area: "
+                                    "pass moepic=MoEpicSettings(...), not experts")
             return
         if self.experts is None:
             if policy is not CachePolicy.static or self.refresh is not None:
-                raise RapidMoEError("expert_cache_policy and expert_cache_refresh need expert_cache={layer: "
-                                    "[expert ids]}")
+                raise RapidMoEError("ExpertCacheConfig.policy and .refresh need experts={layer: [expert ids]}")
             if self.device is not None:
-                raise RapidMoEError("expert_cache_device needs expert_cache={layer: [expert ids]}")
+                raise RapidMoEError("ExpertCacheConfig.device needs experts={layer: [expert ids]}")
             raise RapidMoEError('ExpertCacheConfig needs experts={layer: [expert ids]} (or policy="moepic" with '
                                 "moepic=MoEpicSettings(...))")
 

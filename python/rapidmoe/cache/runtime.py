@@ -59,10 +59,10 @@ def check_expert_cache(cache: Mapping[int, Sequence[int]], moe_layers: Sequence[
 def check_device(name: str | None, known: Sequence[str]) -> str:
     """The device (or buffer type) name the cache goes to, if this process knows it."""
     if not name:
-        raise RapidMoEError("expert_cache needs expert_cache_device=... (a device or buffer type name, e.g. the "
+        raise RapidMoEError("the expert cache needs ExpertCacheConfig.device (a device or buffer type name, e.g. the "
                             "RPC device's 'RPC0[127.0.0.1:50052]')")
     if name not in known:
-        raise RapidMoEError(f"expert_cache_device {name!r} is not a known device or buffer type "
+        raise RapidMoEError(f"ExpertCacheConfig.device {name!r} is not a known device or buffer type "
                             f"(known: {', '.join(known) or 'none'})")
     return name
 
@@ -257,14 +257,14 @@ class ExpertCache:
     def refresh_stats(self) -> RefreshStats:
         """With the rapidmoe policy: swaps, bytes copied and steps since the cache was set."""
         if self._refresher is None:
-            raise RapidMoEError('no refreshing expert cache (pass expert_cache_policy="rapidmoe")')
+            raise RapidMoEError('no refreshing expert cache (ask for it with ExpertCacheConfig(policy="rapidmoe"))')
         return self._refresher.stats
 
     @property
     def moepic(self) -> list[MoEpicLayer]:
         """The moepic policy's layers (rows in the top segment, resident tops, work area, bytes)."""
         if self._moepic is None:
-            raise RapidMoEError('no moepic cache (pass expert_cache_policy="moepic")')
+            raise RapidMoEError('no moepic cache (ask for it with ExpertCacheConfig(policy="moepic", moepic=...))')
         return list(self._moepic)
 
     @property

@@ -1,9 +1,15 @@
 """Option declarations shared by several commands, spelled like llama.cpp's flags."""
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -101,3 +107,48 @@ NCritical = Annotated[int, typer.Option(
     "--n-critical", "-r", help="With --residual: each token's r highest-weight experts run in high precision.", min=0)]
 PolicyOpt = Annotated[Optional[Path], typer.Option(
     "--policy", help="With --residual: a UMIA policy JSON (from `rapidmoe-cli calibrate`) instead of a fixed -r.")]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine's options that `run` and `serve` share, declared once: placement by hand (-ngl, --n-cpu-moe, -ot,
+    --rpc, -ts) or by the planner (--gpu-mem, --reserve, --freq), and the RESplit split (--residual, -r, --policy,
+    --overlap). `engine_options` puts them into a command's signature; the command gets them as one value."""
+
+    n_gpu_layers: GpuLayers = 0
+    n_cpu_moe: NCpuMoe = 0
+    override_tensor: OverrideTensor = None
+    rpc: Rpc = None
+    tensor_split: TensorSplit = None
+    gpu_mem: GpuMem = None
+    reserve: Reserve = None
+    freq: Freq = None
+    residual: Residual = None
+    n_critical: NCritical = 2
+    policy: PolicyOpt = None
+    overlap: OverlapOpt = OverlapMode.auto
+
+
+DEFAULT_ENGINE = EngineOptions()  # the options as the command line leaves them
+
+
+def engine_options(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` with its parameter `engine: EngineOptions` replaced, in its place, by EngineOptions' fields as
+    typer options (each field's name, option and default); called, it receives them as `engine`."""
+    hints = typing.get_type_hints(EngineOptions, include_extras=True)
+    fields = [f.name for f in dataclasses.fields(EngineOptions)]
+    shared = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=hints[name],
+                                default=getattr(DEFAULT_ENGINE, name)) for name in fields]
+    signature = inspect.signature(command, eval_str=True)
+    if "engine" not in signature.parameters:
+        raise TypeError(f"{command.__name__} has no parameter engine: EngineOptions")
+    params = [q for p in signature.parameters.values() for q in (shared if p.name == "engine" else [p])]
+
+    @functools.wraps(command)
+    def with_engine(*args: Any, **kwargs: Any) -> None:
+        command(*args, engine=EngineOptions(**{name: kwargs.pop(name) for name in fields}), **kwargs)
+
+    # what typer reads: the signature, and the annotations as objects (command's are strings of its own module)
+    with_engine.__dict__["__signature__"] = signature.replace(parameters=params)
+    with_engine.__annotations__ = {p.name: p.annotation for p in params} | {"return": signature.return_annotation}
+    return with_engine

@@ -11,6 +11,7 @@ from . import options
 from .budget import cache_placement, placement
 
 
+@options.engine_options
 def run(
     ctx: typer.Context,
     model: options.ModelArg = None,
@@ -23,18 +24,7 @@ def run(
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)] = 0.95,
     repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", min=0.0)] = 1.0,
     seed: Annotated[int, typer.Option("--seed", "-s", help="Sampling seed.")] = 0,
-    n_gpu_layers: options.GpuLayers = 0,
-    n_cpu_moe: options.NCpuMoe = 0,
-    override_tensor: options.OverrideTensor = None,
-    rpc: options.Rpc = None,
-    tensor_split: options.TensorSplit = None,
-    gpu_mem: options.GpuMem = None,
-    reserve: options.Reserve = None,
-    freq: options.Freq = None,
-    residual: options.Residual = None,
-    n_critical: options.NCritical = 2,
-    policy: options.PolicyOpt = None,
-    overlap: options.OverlapOpt = options.OverlapMode.auto,
+    engine: options.EngineOptions = options.DEFAULT_ENGINE,  # -ngl ... --overlap (run --help lists them)
     stats: Annotated[bool, typer.Option("--stats", help="With --residual: print the r chosen per layer and phase (histogram), and the overlap timing when layers overlapped.")] = False,
     trace: options.TraceOpt = None,
     cache_policy: options.CachePolicyOpt = options.CachePolicy.static,
@@ -48,19 +38,20 @@ def run(
     from ..modelfile import require_moe  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..rpc import parse_servers  # noqa: PLC0415  (lazy: keeps --help fast)
 
-    rpc_servers = parse_servers(rpc)
+    rpc_servers = parse_servers(engine.rpc)
     path = model if model is not None else ensure_default_model()
     info = require_moe(path)
     if n_predict + 8 > ctx_size:
         raise ModelFileError(f"--n-predict {n_predict} does not fit in --ctx-size {ctx_size}")
-    place = placement(ctx, model=path, residual=residual, ctx_size=ctx_size, gpu_mem=gpu_mem, reserve=reserve,
-                      freq=freq, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=override_tensor)
-    place = cache_placement(path, place, cache_policy, freq)
+    place = placement(ctx, model=path, residual=engine.residual, ctx_size=ctx_size, gpu_mem=engine.gpu_mem,
+                      reserve=engine.reserve, freq=engine.freq, n_gpu_layers=engine.n_gpu_layers,
+                      n_cpu_moe=engine.n_cpu_moe, override_tensor=engine.override_tensor)
+    place = cache_placement(path, place, cache_policy, engine.freq)
     try:
         llm = Llama(path, n_threads=threads, n_threads_batch=threads, seed=seed, rpc_servers=rpc_servers,
-                    tensor_split=options.tensor_split(tensor_split), **place,
-                    residual_path=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, trace=trace,
-                    verbose=verbose)
+                    tensor_split=options.tensor_split(engine.tensor_split), **place,
+                    residual_path=engine.residual, n_critical=engine.n_critical, policy=engine.policy,
+                    overlap=engine.overlap.value, trace=trace, verbose=verbose)
     except RapidMoEError:
         raise
     except ValueError as e:  # llama_cpp reports load failures as ValueError
@@ -83,7 +74,7 @@ def run(
     if llm.residual is not None:
         c = llm.moe_counters()
         frac = sum(x.critical_slots for x in c) / max(1, sum(x.slots for x in c))
-        how = llm.policy.describe() if llm.policy is not None else f"fixed r={n_critical}"
+        how = llm.policy.describe() if llm.policy is not None else f"fixed r={engine.n_critical}"
         split = f"\nsplit:   {how}, critical expert slots {100 * frac:.1f}%"
         if stats:
             split += "\n" + llm.r_histogram().table()

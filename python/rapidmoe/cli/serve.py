@@ -12,6 +12,7 @@ from . import options
 from .budget import cache_placement, placement
 
 
+@options.engine_options
 def serve(
     ctx: typer.Context,
     model: options.ModelArg = None,
@@ -26,18 +27,7 @@ def serve(
     n_batch: Annotated[int, typer.Option("--batch-size", "-b", help="Tokens per llama_decode call.", min=1)] = 512,
     n_predict: Annotated[int, typer.Option("--n-predict", "-n", help="Default tokens to generate (-1: until the context is full).", min=-1)] = -1,
     threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: all cores but one, which serves HTTP).", min=1)] = None,
-    n_gpu_layers: options.GpuLayers = 0,
-    n_cpu_moe: options.NCpuMoe = 0,
-    override_tensor: options.OverrideTensor = None,
-    rpc: options.Rpc = None,
-    tensor_split: options.TensorSplit = None,
-    gpu_mem: options.GpuMem = None,
-    reserve: options.Reserve = None,
-    freq: options.Freq = None,
-    residual: options.Residual = None,
-    n_critical: options.NCritical = 2,
-    policy: options.PolicyOpt = None,
-    overlap: options.OverlapOpt = options.OverlapMode.auto,
+    engine: options.EngineOptions = options.DEFAULT_ENGINE,  # -ngl ... --overlap (serve --help lists them)
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="API keys, comma-separated; requests need 'Authorization: Bearer KEY'.", envvar="LLAMA_API_KEY")] = None,
     timeout: Annotated[float, typer.Option("--timeout", "-to", help="Socket write timeout while answering (a client that stops reading), seconds.", min=0.1)] = 600.0,
     queue_timeout: Annotated[float, typer.Option("--queue-timeout", help="Longest wait for a request's first choice to get a free slot before 503, seconds (once one has started, its other choices wait without limit).", min=0.0)] = 600.0,
@@ -72,12 +62,13 @@ def serve(
             chat_template = chat_template_file.read_text(encoding="utf-8")
         except OSError as e:
             raise RapidMoEError(f"cannot read --chat-template-file {chat_template_file}: {e.strerror}") from None
-    rpc_servers = tuple(parse_servers(rpc))
+    rpc_servers = tuple(parse_servers(engine.rpc))
     keys = tuple(k.strip() for k in (api_key or "").split(",") if k.strip())
     path = model if model is not None else ensure_default_model()
-    place = placement(ctx, model=path, residual=residual, ctx_size=ctx_size, gpu_mem=gpu_mem, reserve=reserve,
-                      freq=freq, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, override_tensor=override_tensor)
-    place = cache_placement(path, place, cache_policy, freq)
+    place = placement(ctx, model=path, residual=engine.residual, ctx_size=ctx_size, gpu_mem=engine.gpu_mem,
+                      reserve=engine.reserve, freq=engine.freq, n_gpu_layers=engine.n_gpu_layers,
+                      n_cpu_moe=engine.n_cpu_moe, override_tensor=engine.override_tensor)
+    place = cache_placement(path, place, cache_policy, engine.freq)
     config = ServerConfig(
         model=path, host=host, port=port,
         aliases=tuple(a.strip() for a in (alias or "").split(",") if a.strip()),
@@ -85,9 +76,10 @@ def serve(
         parallel=parallel, queue_size=queue_size, ctx_size=ctx_size, n_batch=n_batch, n_predict=n_predict,
         threads=threads, n_gpu_layers=place["n_gpu_layers"], n_cpu_moe=place["n_cpu_moe"],
         override_tensor=tuple(place["override_tensor"] or ()), rpc_servers=rpc_servers,
-        tensor_split=tuple(options.tensor_split(tensor_split) or ()),
+        tensor_split=tuple(options.tensor_split(engine.tensor_split) or ()),
         expert_cache=place.get("expert_cache"),
-        residual=residual, n_critical=n_critical, policy=policy, overlap=overlap.value, trace=trace, api_keys=keys, timeout=timeout,
+        residual=engine.residual, n_critical=engine.n_critical, policy=engine.policy, overlap=engine.overlap.value,
+        trace=trace, api_keys=keys, timeout=timeout,
         queue_timeout=queue_timeout, max_body=max_body, max_connections=max_connections,
         header_timeout=header_timeout, body_timeout=body_timeout, keepalive_timeout=keepalive_timeout, chat_template=chat_template, seed=seed, temperature=temp,
         metrics=metrics, slots=slots, ui=ui, verbose=verbose)

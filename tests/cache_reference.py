@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from rapidmoe import Llama
+from rapidmoe import Llama, llama_cpp
 from rapidmoe._runtime import _core
 from rapidmoe.cache import ExpertCacheConfig
 from rapidmoe.placement.realize import plan_for_model, realize
@@ -44,6 +44,14 @@ class PlainLlama(Llama):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, repack=False, **kwargs)
+
+
+def last_logits(llm: Llama) -> np.ndarray:
+    """The last position's logits as the context computed them (Llama.scores holds them only with logits_all)."""
+    p = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    out = np.ctypeslib.as_array(p, shape=(llm.n_vocab(),)).copy()
+    assert np.isfinite(out).all() and np.abs(out).max() > 0
+    return out
 
 
 def without_tiled(fn: Callable[..., T], *args: Any) -> T:

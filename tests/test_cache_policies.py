@@ -4,16 +4,22 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 from rapidmoe.cache.config import CachePolicyError, MoEpicSettings
 from rapidmoe.cache.moepic import hit_curve, moepic_config, plan_moepic, split_fixed_point, top_rows
 from rapidmoe.cache.routing import routing_stats, scale_routing
 from rapidmoe.cache.simulator import LRUCache, MoEpicCache, RapidMoECache, StaticCache, replay
-from rapidmoe.placement.cost import CostModel, ModelCosts
+from rapidmoe.cli.app import app
+from rapidmoe.placement import PlanError, get_shape_set
+from rapidmoe.placement.cost import CostModel, ModelCosts, umia_costs
 from rapidmoe.placement.machine import MACHINES, MachineError, MachineProfile, load_machine
+from rapidmoe.placement.schemes import compare_schemes
+from rapidmoe.resplit.presets import get_preset
 
 
 def _seq(*experts: int) -> np.ndarray:
@@ -129,8 +135,6 @@ def test_replay_prices_steps_with_the_cost_model() -> None:
 
 
 def test_umia_costs_are_the_cost_models_slot_costs() -> None:
-    from rapidmoe.placement.cost import umia_costs
-
     cost = CostModel(_M, _C)
     u = umia_costs(cost, hit_rate=0.25)
     assert u["wq_ms"] == pytest.approx(1e3 * (0.25 * 0.1 + 0.75 * 1.0))  # GPU 10 B at 100 B/s, CPU at 10 B/s
@@ -158,7 +162,7 @@ def test_moepic_config_spends_the_budget_where_it_saves_most() -> None:
     n_exp, eb = 16, 1.0
     skewed = hit_curve(np.array([100, 50, 20, 10] + [1] * 12))
     flat = hit_curve(np.ones(16))
-    kw = dict(n_expert=n_exp, k=2.0, expert_bytes=eb, pcie_bw=1.0, accuracy=[0.5, 0.5])
+    kw: dict[str, Any] = {"n_expert": n_exp, "k": 2.0, "expert_bytes": eb, "pcie_bw": 1.0, "accuracy": [0.5, 0.5]}
     same = moepic_config([skewed, skewed], 8.0, windows_s=[0.5, 0.5], **kw)
     assert sum(same.budgets) <= 8.0 + 1e-9 and same.all_converged
     # the split of the budget is the best on its grid: no other split of the 16 quanta between the layers is better
@@ -221,13 +225,6 @@ def test_machine_profiles_load_from_json(tmp_path: Path) -> None:
 
 
 def test_compare_schemes_prices_each_scheme_with_the_cost_model(tmp_path: Path) -> None:
-    from typer.testing import CliRunner
-
-    from rapidmoe.cli.app import app
-    from rapidmoe.placement import PlanError, get_shape_set
-    from rapidmoe.placement.schemes import compare_schemes
-    from rapidmoe.resplit.presets import get_preset
-
     model = get_shape_set("qwen3-30b-a3b").model_shapes()
     preset = get_preset("paper")
     big = MACHINES["48gb"].with_gpu_mem(1 << 40)  # everything fits
@@ -244,7 +241,8 @@ def test_compare_schemes_prices_each_scheme_with_the_cost_model(tmp_path: Path) 
         1 / (c_q4.resident_s(1) + n_moe * (c_q4.cpu_experts_s(k, k) + 2 * big.sync_s)))
     assert choice.chosen == max(choice.estimates, key=lambda e: e.decode_tok_s).scheme and not choice.forced
     forced, _ = compare_schemes(model, MACHINES["24gb"], preset, cache_policy="moepic")  # priced on Q4 experts
-    assert forced.chosen == "moepic" and forced.forced and "--cache-policy moepic run it on the file's" in forced.table()
+    assert forced.chosen == "moepic" and forced.forced
+    assert "--cache-policy moepic run it on the file's" in forced.table()
     with pytest.raises(PlanError, match="unknown cache policy"):
         compare_schemes(model, big, preset, cache_policy="fifo")
 

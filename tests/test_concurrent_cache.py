@@ -13,16 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cache_reference import eval_runs, without_tiled
+from testkit import EXACT_PRESET, TEXT
 
 from rapidmoe import Llama
 from rapidmoe.cache.moepic import moe_layers_of
 from rapidmoe.ggufio import GGUFFile
 
 pytestmark = pytest.mark.native
-
-# cpu-q8: one Q8_0 kernel on both sides of the stand-in (see tests/test_expert_cache.py)
-PRESET = "cpu-q8"
-TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense."
 
 
 def _shape(path: Path) -> tuple[int, int]:
@@ -39,7 +36,7 @@ def _tokens(wq: Path) -> list[int]:
 
 
 def test_concurrent_cached_layers_equal_serial_and_cpu(make_split) -> None:  # type: ignore[no-untyped-def]
-    _, wq, wr = make_split("qwen3moe", PRESET)
+    _, wq, wr = make_split("qwen3moe", EXACT_PRESET)
     toks = _tokens(wq)
     n_expert, k = _shape(wq)
     layers = moe_layers_of(wq)
@@ -78,7 +75,7 @@ def test_prefill_streaming_equals_the_cpu_run(make_split) -> None:  # type: igno
     run's, serial and overlapped, and the streamed prompt never reaches the cache's route ops (its slots are not
     counted), while a threshold above the prompt leaves everything as without streaming. Run in a child process
     with one CPU kernel per quant type, against the plain-layout reference (tests/cache_reference.py)."""
-    _, wq, wr = make_split("qwen3moe", PRESET)
+    _, wq, wr = make_split("qwen3moe", EXACT_PRESET)
     toks = _tokens(wq)
     n_expert, k = _shape(wq)
     layers = moe_layers_of(wq)
@@ -104,7 +101,7 @@ def test_prefill_streaming_equals_the_cpu_run(make_split) -> None:  # type: igno
 
 
 def test_prefill_stream_refuses_bad_values(make_split) -> None:  # type: ignore[no-untyped-def]
-    _, wq, _ = make_split("qwen3moe", PRESET)
+    _, wq, _ = make_split("qwen3moe", EXACT_PRESET)
     for bad in (-1, 1.5, True):
         with pytest.raises(Exception, match="prefill_stream must be 0"):
-            Llama(wq, n_ctx=64, verbose=False, prefill_stream=bad)
+            Llama(wq, n_ctx=64, verbose=False, prefill_stream=bad)  # type: ignore[arg-type]

@@ -4,13 +4,14 @@ belongs to one begin/join and an exception in it reaches the join instead of end
 from __future__ import annotations
 
 import threading
+from typing import Any
+
 import numpy as np
 import pytest
+from testkit import TEXT
 
 from rapidmoe import Llama, RapidMoEError, _core
 from rapidmoe.umia import Policy
-
-TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense."
 
 
 def test_worker_task_life_cycle() -> None:
@@ -24,15 +25,16 @@ def test_worker_failure_reaches_the_caller(make_split) -> None:  # type: ignore[
     """A residual task that throws on the worker thread: the process lives on, the step's logits are wrong, eval
     raises RapidMoEError naming the failure, and the same step computed again equals an undisturbed run bit for bit."""
     _, wq, wr = make_split("qwen3moe")
-    kw = dict(residual_path=wr, overlap="on", n_critical=2, n_ctx=64, n_threads=2, logits_all=True, verbose=False)
-    ref = Llama(wq, **kw)  # type: ignore[arg-type]
+    kw: dict[str, Any] = {"residual_path": wr, "overlap": "on", "n_critical": 2, "n_ctx": 64, "n_threads": 2,
+                          "logits_all": True, "verbose": False}
+    ref = Llama(wq, **kw)
     toks = ref.tokenize(TEXT, add_bos=False)[:3]
     try:
         ref.eval(toks)
         want = np.array(ref.scores[2], dtype=np.float32)
     finally:
         ref.close()
-    llm = Llama(wq, **kw)  # type: ignore[arg-type]
+    llm = Llama(wq, **kw)
     try:
         llm.eval(toks[:2])
         _core.worker_fail_next()
@@ -66,8 +68,8 @@ def test_policy_and_detach_while_decoding(make_split) -> None:  # type: ignore[n
     layers (a policy is never applied halfway through a graph); after the detach the graphs are rebuilt without
     the sidecar: the logits equal the WQ file alone, bit for bit."""
     _, wq, wr = make_split("qwen3moe")
-    kw = dict(n_ctx=256, n_batch=64, n_threads=2, logits_all=True, verbose=False)
-    llm = Llama(wq, residual_path=wr, overlap="on", **kw)  # type: ignore[arg-type]
+    kw: dict[str, Any] = {"n_ctx": 256, "n_batch": 64, "n_threads": 2, "logits_all": True, "verbose": False}
+    llm = Llama(wq, residual_path=wr, overlap="on", **kw)
     try:
         k, layers = llm.residual.n_expert_used, llm.moe_layers  # type: ignore[union-attr]
         toks = llm.tokenize(TEXT, add_bos=False)[:8]
@@ -90,7 +92,7 @@ def test_policy_and_detach_while_decoding(make_split) -> None:  # type: ignore[n
                     flips.append(r)
                 assert _core.detach_residual(model)
                 detached.set()
-            except BaseException as e:  # pragma: no cover - reported below
+            except BaseException as e:  # noqa: BLE001  # pragma: no cover - reported below
                 errors.append(e)
                 detached.set()
 
@@ -125,7 +127,7 @@ def test_policy_and_detach_while_decoding(make_split) -> None:  # type: ignore[n
         after = np.array(llm.scores[len(toks) - 1], dtype=np.float32)
     finally:
         llm.close()
-    ref = Llama(wq, **kw)  # type: ignore[arg-type]
+    ref = Llama(wq, **kw)
     try:
         ref.eval(toks)
         stock = np.array(ref.scores[len(toks) - 1], dtype=np.float32)
@@ -139,8 +141,8 @@ def test_detach_then_decode_rebuilds_the_graph(make_split) -> None:  # type: ign
     sidecar); the guard makes it rebuild, so the second decode runs stock and equals the WQ file alone. The first
     token runs at r = 0 (the same logits and KV as stock), then r = k is set: a reused split graph would differ."""
     _, wq, wr = make_split("qwen3moe")
-    kw = dict(n_ctx=64, n_threads=2, logits_all=True, verbose=False)
-    ref = Llama(wq, **kw)  # type: ignore[arg-type]
+    kw: dict[str, Any] = {"n_ctx": 64, "n_threads": 2, "logits_all": True, "verbose": False}
+    ref = Llama(wq, **kw)
     toks = ref.tokenize(TEXT, add_bos=False)[:2]
     try:
         for t in toks:
@@ -150,7 +152,7 @@ def test_detach_then_decode_rebuilds_the_graph(make_split) -> None:  # type: ign
         ref.close()
     got = {}
     for detach in (False, True):
-        llm = Llama(wq, residual_path=wr, n_critical=0, **kw)  # type: ignore[arg-type]
+        llm = Llama(wq, residual_path=wr, n_critical=0, **kw)
         try:
             k = llm.residual.n_expert_used  # type: ignore[union-attr]
             llm.eval(toks[:1])

@@ -7,12 +7,13 @@ count made in numpy from the router's probabilities; bad requests are refused wi
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from cache_reference import PlainLlama, eval_runs, run_logits, without_tiled
+from testkit import EXACT_PRESET, TEXT
 
 from rapidmoe import Llama, RapidMoEError
 from rapidmoe._runtime import _core
@@ -20,20 +21,6 @@ from rapidmoe.cache import ExpertCacheConfig
 from rapidmoe.cache.moepic import moe_layers_of
 from rapidmoe.ggufio import GGUFFile
 from rapidmoe.rpc import RPCServer
-
-# The CPU-vs-stand-in comparisons use preset cpu-q8: its non-expert matrices are Q8_0, which x86 CPUs run with
-# the same kernel in both processes (no repacked Q8_0 layout there). The cpu preset's Q4_K attention is repacked
-# on this CPU and not on the stand-in (its CPU backend keeps the plain layout): two kernels with different
-# summation orders, which a random-weight model amplifies past any tolerance that would still catch a bug.
-EXACT_PRESET = "cpu-q8"
-
-TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense."
-
-
-@pytest.fixture(scope="module")
-def rpc() -> Iterator[RPCServer]:
-    with RPCServer(threads=1) as srv:
-        yield srv
 
 
 def _shape(path: Path) -> tuple[int, int]:
@@ -50,7 +37,7 @@ def _tokens(path: Path) -> list[int]:
     return toks
 
 
-def _on_device(rpc: RPCServer, cache: dict[int, list[int]]) -> dict:  # type: ignore[type-arg]
+def _on_device(rpc: RPCServer, cache: dict[int, list[int]]) -> dict[str, Any]:
     """Llama arguments: experts stacked in CPU memory, everything else and the cache on the stand-in."""
     return {"rpc_servers": [rpc.endpoint], "n_gpu_layers": -1, "override_tensor": "exps=CPU",
             "expert_cache": ExpertCacheConfig(experts=cache, device=rpc.device.buffer_type)}
@@ -59,13 +46,14 @@ def _on_device(rpc: RPCServer, cache: dict[int, list[int]]) -> dict:  # type: ig
 def _run(path: Path, toks: list[int], where: tuple[str, ...] = (), capture: list[str] | None = None, **kw):  # type: ignore[no-untyped-def]
     """Logits of every position, the cache's counters (None without a cache), where the named tensors are, and
     the captured graph tensors."""
-    cap = _core.TensorCapture(capture) if capture else None
+    names = capture or []
+    cap = _core.TensorCapture(names) if names else None
     llm = Llama(path, n_ctx=128, logits_all=True, verbose=False, n_threads=2, eval_callback=cap, **kw)
     try:
         llm.eval(toks)
         logits = np.array(llm.scores[: len(toks)], dtype=np.float32)
         stats = llm.expert_cache.stats() if llm.expert_cache is not None else None
-        got = {n: cap.get(n) for n in capture} if cap is not None else {}
+        got = {n: cap.get(n) for n in names} if cap is not None else {}
         return logits, stats, {n: llm.tensor_buffer(n) for n in where}, got
     finally:
         llm.close()

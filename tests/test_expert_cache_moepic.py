@@ -5,44 +5,37 @@ layer's experts, with copies overlapped or waited for at once; the runtime's hit
 ahead equal the simulator's replay (rapidmoe.cache.simulator.MoEpicCache) of the trace recorded in the same run."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from cache_reference import PlainLlama
+from cache_reference import PlainLlama, last_logits
+from testkit import repeated_text
 
-from rapidmoe import Llama, RapidMoEError, llama_cpp
-from rapidmoe.cache.config import ExpertCacheConfig, MoEpicSettings, RefreshSettings
-from rapidmoe.cache.moepic import moe_layers_of, wq_expert_bytes
-from rapidmoe.cache.simulator import LRUCache, MoEpicCache, RapidMoECache, replay
+from rapidmoe import Llama, RapidMoEError
+from rapidmoe.cache.config import CachePolicy, ExpertCacheConfig, MoEpicSettings, RefreshSettings
+from rapidmoe.cache.moepic import moe_layers_of, moepic_layers, wq_expert_bytes
+from rapidmoe.cache.simulator import LRUCache, MoEpicCache, RapidMoECache, ReplayPolicy, replay
+from rapidmoe.cli.budget import cache_placement
+from rapidmoe.placement import GPU
+from rapidmoe.placement.realize import plan_for_model, realize
+from rapidmoe.resplit import convert, get_preset
 from rapidmoe.rpc import RPCServer
+from rapidmoe.synthetic import spec_for, write_model
 from rapidmoe.trace import read_trace
 
-TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense. " * 3
-
-
-@pytest.fixture(scope="module")
-def rpc() -> Iterator[RPCServer]:
-    with RPCServer(threads=1) as srv:
-        yield srv
-
-
-def _last_logits(llm: Llama) -> np.ndarray:
-    """The last position's logits as the context computed them (Llama.scores holds them only with logits_all)."""
-    p = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
-    out = np.ctypeslib.as_array(p, shape=(llm.n_vocab(),)).copy()
-    assert np.isfinite(out).all() and np.abs(out).max() > 0
-    return out
+TEXT = repeated_text(3)
 
 
 def _steps(llm: Llama, prompt: list[int], rest: list[int]) -> list[np.ndarray]:
     out = []
     llm.eval(prompt)
-    out.append(_last_logits(llm))
+    out.append(last_logits(llm))
     for t in rest:
         llm.eval([t])
-        out.append(_last_logits(llm))
+        out.append(last_logits(llm))
     return out
 
 
@@ -77,7 +70,7 @@ def test_moepic_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, tm
             assert llm.tensor_buffer(f"blk.{layers[0]}.{name}") == rpc.device.buffer_type
     finally:
         llm.close()
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert np.array_equal(a, b), f"step {i}: max |dev - cpu| {np.abs(a - b).max()}"
     k = ml[0].work_slots
     assert all(m.capacity == 3 and 0 < m.n_top < m.n_ff and m.work_slots == k for m in ml)
@@ -123,12 +116,12 @@ def test_lru_and_refresh_exact_with_copies_waited_at_once(make_tiny, rpc: RPCSer
             copies = llm.expert_cache.copies()
         finally:
             llm.close()
-        for i, (a, b) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
             assert np.array_equal(a, b), f"{policy} step {i}: max |dev - cpu| {np.abs(a - b).max()}"
         if policy == "lru":
             assert sum(copies.values()) > 0
             assert [moved[il][0] for il in layers] == [copies[il] * eb[il] for il in layers]
-    assert LRUCache and RapidMoECache  # the simulator twins are compared in test_expert_cache_refresh.py
+    # the simulator twins (LRUCache, RapidMoECache) are compared in test_expert_cache_refresh.py
 
 
 def test_moepic_refusals(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
@@ -182,22 +175,23 @@ def test_tiny_moe_a_runtime_counters_equal_the_replay(rpc: RPCServer, tmp_path: 
             ml = cache.moepic if policy == "moepic" else None
         finally:
             llm.close()
-        for i, (a, b) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
             assert np.array_equal(a, b), f"{policy} step {i}: max |dev - cpu| {np.abs(a - b).max()}"
         tr = read_trace(trace)
         ids, pred = tr.token_matrix()
         e0 = float(eb[layers[0]])
         if policy == "lru":
-            sim: object = LRUCache([4] * len(layers), e0, initial=[initial[il] for il in layers], overflow_on_cpu=True)
+            sim: ReplayPolicy = LRUCache([4] * len(layers), e0, initial=[initial[il] for il in layers],
+                                         overflow_on_cpu=True)
         elif policy == "rapidmoe":
             sim = RapidMoECache([set(initial[il]) for il in layers], tr.header.n_expert, e0,
                                 half_life_tokens=refresh.half_life_tokens, copies_per_step=refresh.copies_per_step,
                                 margin=refresh.margin)
         else:
             assert ml is not None
-            sim = MoEpicCache([m.capacity for m in ml], [m.split for m in ml], e0, work_slots=[m.work_slots for m in ml])
-        res = replay(ids, sim, pred=pred if policy == "moepic" else None,  # type: ignore[arg-type]
-                     steps=[s.n_tokens for s in tr.steps])
+            sim = MoEpicCache([m.capacity for m in ml], [m.split for m in ml], e0,
+                              work_slots=[m.work_slots for m in ml])
+        res = replay(ids, sim, pred=pred if policy == "moepic" else None, steps=[s.n_tokens for s in tr.steps])
         runtime_bytes = [sum(moved[il]) for il in layers]
         print(f"tiny-moe-a {policy}: hits {stats.hits}/{stats.slots} (replay {res.hits}), "
               f"{sum(runtime_bytes) + swapped} B (replay {res.bytes_moved:.0f})")
@@ -213,21 +207,17 @@ def test_moepic_on_quantized_wq_with_residuals_is_exact(rpc: RPCServer, tmp_path
     """A RESplit pair (Q2_K WQ experts, 256-element blocks) with an intermediate dimension of 512: the top is 256 rows,
     so down's top is the first quantized block of each of its rows (a strided copy), and split routing at r = 1 adds
     the sidecar's residuals to the composed WQ: logits equal the plain-layout all-CPU run's."""
-    import dataclasses
-
-    from rapidmoe.resplit import convert, get_preset
-    from rapidmoe.synthetic import spec_for, write_model
-
     src = tmp_path / "tiny-ff512.gguf"
     write_model(dataclasses.replace(spec_for("qwen3moe", "tiny", seed=0), n_ff_exp=512), src, vocab_dir)
     res = convert(src, tmp_path / "split", get_preset("cpu-q8"), progress=False)
-    kw = dict(residual_path=res.wr_path, n_critical=1, n_ctx=128, n_threads=2, verbose=False)
+    kw: dict[str, Any] = {"residual_path": res.wr_path, "n_critical": 1, "n_ctx": 128, "n_threads": 2,
+                          "verbose": False}
     # the plain layout, as the cache run keeps it (tests/cache_reference.py: exps=CPU alone still repacks)
-    cpu = PlainLlama(res.wq_path, override_tensor="exps=CPU", **kw)  # type: ignore[arg-type]
+    cpu = PlainLlama(res.wq_path, override_tensor="exps=CPU", **kw)
     toks = cpu.tokenize(TEXT)[:20]
     want = _steps(cpu, toks[:8], toks[8:])
     cpu.close()
-    llm = Llama(res.wq_path, rpc_servers=[rpc.endpoint], n_gpu_layers=-1, override_tensor="exps=CPU",  # type: ignore[arg-type]
+    llm = Llama(res.wq_path, rpc_servers=[rpc.endpoint], n_gpu_layers=-1, override_tensor="exps=CPU",
                 expert_cache=ExpertCacheConfig(device=rpc.device.buffer_type, policy="moepic",
                                                moepic=MoEpicSettings(0.5, 3)), **kw)
     try:
@@ -239,7 +229,7 @@ def test_moepic_on_quantized_wq_with_residuals_is_exact(rpc: RPCServer, tmp_path
         llm.close()
     assert all(m.n_top == 256 and m.n_ff == 512 and 2 * m.top_bytes == m.expert_bytes for m in ml)
     assert 0 < stats.hits < stats.slots
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert np.array_equal(a, b), f"step {i}: max |dev - cpu| {np.abs(a - b).max()}"
 
 
@@ -247,12 +237,6 @@ def test_moepic_from_a_gpu_mem_plan_is_exact(make_tiny, rpc: RPCServer) -> None:
     """The path of run/serve --gpu-mem --cache-policy moepic: the planner's per-expert cache for half the routed
     experts, realized on the stand-in, its device memory spent on MoEpic's split experts (fixed point): the logits
     equal the all-CPU run's and the resident tops fit the memory the cache would have used."""
-    from rapidmoe.cache import CachePolicy
-    from rapidmoe.cache.moepic import moepic_layers
-    from rapidmoe.cli.budget import cache_placement
-    from rapidmoe.placement import GPU
-    from rapidmoe.placement.realize import plan_for_model, realize
-
     path = make_tiny("qwen3moe")
     full = plan_for_model(path, gpu_mem=None, n_ctx=128, reserve=0)
     half = plan_for_model(path, gpu_mem=full.vram - full.device_bytes(GPU, "routed experts") // 2, n_ctx=128,
@@ -269,9 +253,9 @@ def test_moepic_from_a_gpu_mem_plan_is_exact(make_tiny, rpc: RPCServer) -> None:
         ml = llm.expert_cache.moepic
     finally:
         llm.close()
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert np.array_equal(a, b), f"step {i}: max |dev - cpu| {np.abs(a - b).max()}"
     layers = [m.layer for m in ml]
-    planned = sum(len(place["expert_cache"].experts.get(il, ())) for il in layers)  # type: ignore[union-attr]
+    planned = sum(len(place["expert_cache"].experts.get(il, ())) for il in layers)
     rounded = moepic_layers(path, layers, [m.split for m in ml], [m.capacity for m in ml], 1)
     assert sum(m.capacity * m.top_bytes for m in rounded) <= planned * ml[0].expert_bytes

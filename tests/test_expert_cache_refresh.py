@@ -4,45 +4,37 @@ the all-CPU run at every step while experts move, and the runtime's hits, copies
 replay (rapidmoe.cache.simulator) of the trace recorded in the same run."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from cache_reference import last_logits
+from testkit import repeated_text
+from typer.testing import CliRunner
 
-from rapidmoe import Llama, RapidMoEError, llama_cpp
+from rapidmoe import Llama, RapidMoEError
 from rapidmoe._runtime import _core
 from rapidmoe.cache.config import ExpertCacheConfig, RefreshSettings
 from rapidmoe.cache.moepic import moe_layers_of, wq_expert_bytes
 from rapidmoe.cache.simulator import LRUCache, RapidMoECache, replay
+from rapidmoe.cli.app import app
+from rapidmoe.placement.planner import GPU
+from rapidmoe.placement.realize import plan_for_model
 from rapidmoe.rpc import RPCServer
 from rapidmoe.trace import read_trace
 
-TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense. " * 3
-
-
-@pytest.fixture(scope="module")
-def rpc() -> Iterator[RPCServer]:
-    with RPCServer(threads=1) as srv:
-        yield srv
-
-
-def _last_logits(llm: Llama) -> np.ndarray:
-    """The last position's logits as the context computed them (Llama.scores holds them only with logits_all)."""
-    p = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
-    out = np.ctypeslib.as_array(p, shape=(llm.n_vocab(),)).copy()
-    assert np.isfinite(out).all() and np.abs(out).max() > 0
-    return out
+TEXT = repeated_text(3)
 
 
 def _steps(llm: Llama, prompt: list[int], rest: list[int]) -> list[np.ndarray]:
     """The last position's logits after the prompt and after each further token (one decode step each)."""
     out = []
     llm.eval(prompt)
-    out.append(_last_logits(llm))
+    out.append(last_logits(llm))
     for t in rest:
         llm.eval([t])
-        out.append(_last_logits(llm))
+        out.append(last_logits(llm))
     return out
 
 
@@ -69,7 +61,7 @@ def test_refresh_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, t
         assert llm.tensor_buffer(f"blk.{layers[0]}.ffn_up_exps.cache") == rpc.device.buffer_type
     finally:
         llm.close()
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert np.array_equal(a, b), f"step {i}: max |dev - cpu| {np.abs(a - b).max()}"
     assert ref.steps == 1 + len(rest) and ref.swaps > 0
     assert final != initial and all(len(v) == 2 for v in final.values())
@@ -87,7 +79,7 @@ def test_refresh_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, t
     assert [layer.hits for layer in stats.layers] == res.layer_hits
     assert [layer.slots for layer in stats.layers] == res.layer_slots
     assert ref.swaps == sim.swaps and ref.bytes_moved == res.bytes_moved
-    assert {il: sorted(c) for il, c in zip(layers, sim.cached)} == final
+    assert {il: sorted(c) for il, c in zip(layers, sim.cached, strict=True)} == final
 
 
 def test_lru_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -109,7 +101,7 @@ def test_lru_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, tmp_p
         stats, copies = llm.expert_cache.stats(), llm.expert_cache.copies()
     finally:
         llm.close()
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert np.array_equal(a, b), f"step {i}: max |dev - cpu| {np.abs(a - b).max()}"
     tr = read_trace(trace)
     ids, _ = tr.token_matrix()
@@ -160,12 +152,6 @@ def test_refresh_refusals(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no
 def test_cli_cache_policy(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--cache-policy rapidmoe reaches the server's Llama when --gpu-mem realizes a per-expert cache (a GPU named
     here by monkeypatching: there is none), and is a usage error where there is no such cache."""
-    from typer.testing import CliRunner
-
-    from rapidmoe.cli.app import app
-    from rapidmoe.placement.planner import GPU
-    from rapidmoe.placement.realize import plan_for_model
-
     runner = CliRunner()
     res = runner.invoke(app, ["run", str(tiny_qwen), "-n", "2", "--cache-policy", "rapidmoe"])
     assert res.exit_code != 0 and "only on a machine with a GPU" in res.output
@@ -175,7 +161,7 @@ def test_cli_cache_policy(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert res.exit_code != 0 and "'fifo' is not one of" in res.output
     full = plan_for_model(tiny_qwen, gpu_mem=None, n_ctx=512, reserve=0)
     budget = full.vram - full.device_bytes(GPU, "routed experts") // 2
-    seen: list = []  # type: ignore[type-arg]
+    seen: list[Any] = []
     monkeypatch.setattr("rapidmoe.server.run_server", seen.append)
     monkeypatch.setattr("rapidmoe.cli.budget.gpu_devices", lambda: ["CUDA0"])
     res = runner.invoke(app, ["serve", str(tiny_qwen), "--gpu-mem", str(budget), "--reserve", "0", "-c", "512",
@@ -192,11 +178,10 @@ def test_cli_cache_policy(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> N
     mcfg = seen[1]
     mc = mcfg.expert_cache
     assert mc.policy == "moepic" and mc.experts is None and mc.device == "CUDA0" and mc.moepic is not None
-    from rapidmoe.cache.moepic import moe_layers_of, wq_expert_bytes
-
     layers = moe_layers_of(tiny_qwen)
     splits, caps = mc.moepic.per_layer(len(layers))
     eb = wq_expert_bytes(tiny_qwen, layers)
     planned = sum(len(cfg.expert_cache.experts.get(il, ())) for il in layers)
-    assert sum(c * s * eb[il] for c, s, il in zip(caps, splits, layers)) <= planned * eb[layers[0]] * (1 + 1e-9)
+    spent = sum(c * s * eb[il] for c, s, il in zip(caps, splits, layers, strict=True))
+    assert spent <= planned * eb[layers[0]] * (1 + 1e-9)
     assert sum(caps) >= planned and all(0 < s <= 1 for s in splits)

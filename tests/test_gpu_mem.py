@@ -13,29 +13,26 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from cache_reference import realized_plan, without_tiled
+from testkit import EXACT_PRESET
 from typer.testing import CliRunner
 
 from rapidmoe.cli.app import app
 from rapidmoe.cli.budget import gpu_devices
 from rapidmoe.ggufio import GGUFFile
-from rapidmoe.placement import CPU, GPU, PlanError, ShapeSet, plan
+from rapidmoe.placement import CPU, GPU, ModelShapes, PlanError, ShapeSet, plan
 from rapidmoe.placement.footprint import footprint
 from rapidmoe.placement.realize import describe, plan_for_model, realize, sidecar_preset
 from rapidmoe.placement.tensors import ROUTED, classify
 from rapidmoe.placement.typeplan import resplit_types
 from rapidmoe.resplit import get_preset
 
-# The CPU-vs-stand-in comparisons use preset cpu-q8: its non-expert matrices are Q8_0, which x86 CPUs run with
-# the same kernel in both processes (no repacked Q8_0 layout there). The cpu preset's Q4_K attention is repacked
-# on this CPU and not on the stand-in (its CPU backend keeps the plain layout): two kernels with different
-# summation orders, which a random-weight model amplifies past any tolerance that would still catch a bug.
-EXACT_PRESET = "cpu-q8"
-
 runner = CliRunner()
+Toy = tuple[ModelShapes, int, int]  # the toy fixture: shapes, GPU bytes of all but routed experts, one expert's bytes
 TOY = ShapeSet(name="toy", arch="qwen3moe", n_layer=4, n_embd=256, n_vocab=1024, n_head=4, n_head_kv=2,
                head_dim=64, n_expert=8, n_expert_used=2, n_ff_exp=256, published_params=0, published_active=0,
                source="test")
@@ -53,21 +50,21 @@ def _flat(text: str) -> str:
 # --- realize: each kind of plan --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def toy() -> tuple[object, int, int]:
+def toy() -> Toy:
     """The toy shapes, the GPU bytes of everything but routed experts (reserve 0), one expert's WQ bytes."""
     m = TOY.model_shapes()
     full = plan(m, preset=PRESET, reserve=0, n_ctx=CTX)
     return m, full.vram - full.device_bytes(GPU, ROUTED), footprint(m, resplit_types(PRESET), PRESET).expert_bytes[0]
 
 
-def test_all_wq_fits_is_every_layer_on_the_gpu(toy: tuple) -> None:  # type: ignore[type-arg]
+def test_all_wq_fits_is_every_layer_on_the_gpu(toy: Toy) -> None:
     m, base, eb = toy
     p = plan(m, preset=PRESET, gpu_mem=base + 32 * eb, reserve=0, n_ctx=CTX)
     assert p.realization.exact
     assert realize(p) == {"n_ctx": CTX, "n_gpu_layers": 999, "n_cpu_moe": 0, "override_tensor": None}
 
 
-def test_partial_cache_is_the_coarsened_plans_n_cpu_moe(toy: tuple) -> None:  # type: ignore[type-arg]
+def test_partial_cache_is_the_coarsened_plans_n_cpu_moe(toy: Toy) -> None:
     m, base, eb = toy
     p = plan(m, preset=PRESET, gpu_mem=base + 19 * eb, reserve=0, n_ctx=CTX)  # 19 experts: two whole layers
     assert not p.realization.exact and p.hit_rate == pytest.approx(19 / 32) and p.realization.hit_rate == 0.5
@@ -79,7 +76,7 @@ def test_partial_cache_is_the_coarsened_plans_n_cpu_moe(toy: tuple) -> None:  # 
     assert realize(few)["n_cpu_moe"] == 4 and few.realization.hit_rate == 0.0
 
 
-def test_partial_cache_on_a_device_is_realized_per_expert(toy: tuple) -> None:  # type: ignore[type-arg]
+def test_partial_cache_on_a_device_is_realized_per_expert(toy: Toy) -> None:
     """With a device for the cache, the planned experts themselves go there (rapidmoe's expert cache)."""
     m, base, eb = toy
     p = plan(m, preset=PRESET, gpu_mem=base + 19 * eb, reserve=0, n_ctx=CTX)
@@ -116,7 +113,7 @@ def test_planned_cache_on_the_rpc_device_gives_the_cpu_logits(make_split) -> Non
     assert 0 < info["hit_rate"] < 1
 
 
-def test_cpu_only_fallback_offloads_nothing(toy: tuple) -> None:  # type: ignore[type-arg]
+def test_cpu_only_fallback_offloads_nothing(toy: Toy) -> None:
     m, base, _ = toy
     for budget in (0, base - 1):
         p = plan(m, preset=PRESET, gpu_mem=budget, reserve=0, n_ctx=CTX)
@@ -125,7 +122,7 @@ def test_cpu_only_fallback_offloads_nothing(toy: tuple) -> None:  # type: ignore
         assert "cpu-only plan" in describe(p)
 
 
-def test_cpu_offload_baseline_and_override_flags(toy: tuple) -> None:  # type: ignore[type-arg]
+def test_cpu_offload_baseline_and_override_flags(toy: Toy) -> None:
     m, _, _ = toy
     off = plan(m, "cpu-offload", reserve=0, n_ctx=CTX)
     assert realize(off) == {"n_ctx": CTX, "n_gpu_layers": 999, "n_cpu_moe": 4, "override_tensor": None}
@@ -138,7 +135,7 @@ def test_cpu_offload_baseline_and_override_flags(toy: tuple) -> None:  # type: i
             realize(dataclasses.replace(off, realization=dataclasses.replace(r, args=bad)))
 
 
-def test_a_plan_that_does_not_fit_is_refused(toy: tuple) -> None:  # type: ignore[type-arg]
+def test_a_plan_that_does_not_fit_is_refused(toy: Toy) -> None:
     m, _, _ = toy
     with pytest.raises(PlanError, match=r"does not fit: needs .* of GPU memory, the budget is 1\.0 KiB"):
         realize(plan(m, "full-gpu", gpu_mem=1024, reserve=0))
@@ -222,7 +219,7 @@ def test_run_gpu_mem_with_a_sidecar(make_split) -> None:  # type: ignore[no-unty
 
 def test_serve_gpu_mem_sets_the_servers_placement(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch,
                                                   caplog: pytest.LogCaptureFixture) -> None:
-    seen = []
+    seen: list[Any] = []
     monkeypatch.setattr("rapidmoe.server.run_server", seen.append)
     with caplog.at_level(logging.INFO, logger="rapidmoe.cli.budget"):
         res = runner.invoke(app, ["serve", str(tiny_qwen), "--gpu-mem", "0", "-c", "512"])

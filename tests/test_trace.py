@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from testkit import repeated_text
 
 from rapidmoe import Llama, RapidMoEError
 from rapidmoe._runtime import _core
@@ -18,7 +19,7 @@ from rapidmoe.cache.moepic import moe_layers_of
 from rapidmoe.ggufio import GGUFFile, tensor_f32
 from rapidmoe.trace import MAGIC, TraceError, TraceHeader, TraceWriter, read_trace
 
-TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense. " * 2
+TEXT = repeated_text(2)
 
 
 def _random_steps(rng: np.random.Generator, n_moe: int, n_expert: int, k: int, sizes: list[tuple[int, int]]):  # type: ignore[no-untyped-def]
@@ -46,15 +47,16 @@ def test_round_trip(tmp_path: Path, n_expert: int) -> None:
     tr = read_trace(path)
     assert tr.header.n_expert == n_expert and tr.header.moe_layers == (1, 2, 4) and tr.header.meta["model"] == "x"
     assert tr.n_tokens == 10 and len(tr.steps) == 3
-    for (n, ids, wt, pred), s in zip(steps, tr.steps):
+    for (n, ids, wt, pred), s in zip(steps, tr.steps, strict=True):
         assert s.n_tokens == n
-        for a, b in zip(ids, s.ids):
+        for a, b in zip(ids, s.ids, strict=True):
             assert np.array_equal(a, b)
-        for a, b in zip(wt, s.weights):
+        for a, b in zip(wt, s.weights, strict=True):
             np.testing.assert_allclose(b.astype(np.float32), a, rtol=1e-3, atol=1e-4)  # stored as float16
-        for a, b in zip(pred, s.pred):
+        for a, b in zip(pred, s.pred, strict=True):
             assert np.array_equal(a, b)
     ids, pred = tr.token_matrix()
+    assert pred is not None
     assert ids.shape == (10, 3, 3)
     # the first step's last layer routed only its last token
     assert (ids[:4, 2] == -1).all() and np.array_equal(ids[4, 2], steps[0][1][2][0])
@@ -132,6 +134,7 @@ def test_llama_records_the_graphs_choices(arch: str, make_tiny, tmp_path: Path) 
     sel = [next(f"{n}-{il}" for n in kinds if got[f"{n}-{il}"]) for il in layers]
     assert np.array_equal(traced, plain)  # recording does not change the computation
     ids, pred = tr.token_matrix()
+    assert pred is not None
     assert ids.shape == (len(toks), len(layers), k) and (ids >= 0).all()  # logits_all: every layer routes all
     for m, il in enumerate(layers):
         probs = np.concatenate([x.reshape(-1, n_expert) for x in got[f"ffn_moe_probs-{il}"]])

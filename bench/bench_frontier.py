@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -36,9 +37,20 @@ from typing import Any
 
 import numpy as np
 
+from rapidmoe.calibration.measure import calibrate_latency
+from rapidmoe.calibration.umia import calibrate
+from rapidmoe.ggufio import GGUFFile
+from rapidmoe.resplit import convert, get_preset
+from rapidmoe.umia.latency import load_latency_model
+from rapidmoe.umia.policy import policy_from_dict
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "bench"))
+from bench_split import file_bytes_per_token, measure_bandwidth, run_variant  # noqa: E402
+from common import ensure_synthetic, kl_stats, pyplot  # noqa: E402
+from stock_llama import build_stock  # noqa: E402
+
 OUT = ROOT / "bench" / "out"
 SHARED = ROOT.parent / "shared" / "models" / "tiny-moe-a"
 
@@ -134,7 +146,7 @@ def frontier_speed(front: list[tuple[float, float]], kl: float) -> tuple[float, 
         return front[0][1], "below"
     if logk >= math.log(front[-1][0]):
         return front[-1][1], "above"
-    for (k0, s0), (k1, s1) in zip(front, front[1:]):
+    for (k0, s0), (k1, s1) in itertools.pairwise(front):
         l0, l1 = math.log(k0), math.log(k1)
         if l0 <= logk <= l1:
             w = (logk - l0) / (l1 - l0) if l1 > l0 else 0.0
@@ -155,8 +167,6 @@ def stock_file(model: Path, ftype: str, work: Path, quantize: Path) -> Path:
 
 
 def our_pair(model: Path, preset: str, work: Path) -> tuple[Path, Path]:
-    from rapidmoe.resplit import convert, get_preset
-
     d = work / f"{model.stem}.{preset}"
     wq, wr = d / f"{model.stem}.wq.gguf", d / f"{model.stem}.wr.gguf"
     if not (wq.exists() and wr.exists()):
@@ -176,11 +186,6 @@ def kernels_key() -> str:
 def umia_policies(wq: Path, wr: Path, calib: Path, work: Path, n: int) -> list[tuple[str, str]]:
     """Calibrate UMIA on `calib` (latency model measured here, then the frontier search) and return up to n of its
     UMIA frontier policies as (label, policy.json path), cached in work/."""
-    from rapidmoe.calibration.umia import calibrate
-    from rapidmoe.umia.latency import load_latency_model
-    from rapidmoe.calibration.measure import calibrate_latency
-    from rapidmoe.umia.policy import policy_from_dict
-
     # one calibration per preset and per build of our kernels (the latency model is measured with them)
     d = work / f"{wq.parent.name}.{kernels_key()}.umia"
     d.mkdir(exist_ok=True)
@@ -229,11 +234,6 @@ def main() -> int:
     ap.add_argument("--no-one-thread", action="store_true", help="skip the 1-thread decode measurement")
     args = ap.parse_args()
 
-    from bench_split import file_bytes_per_token, measure_bandwidth, run_variant
-    from common import ensure_synthetic, kl_stats
-    from rapidmoe.ggufio import GGUFFile
-    from stock_llama import build_stock
-
     OUT.mkdir(parents=True, exist_ok=True)
     work = OUT / "frontier-work"
     work.mkdir(exist_ok=True)
@@ -253,7 +253,7 @@ def main() -> int:
                 for p in presets}
     setup_s = time.perf_counter() - t_setup
 
-    from rapidmoe import Llama
+    from rapidmoe import Llama  # noqa: PLC0415  (compiled part, loaded on first use)
 
     f = GGUFFile(args.model)
     arch = f.get("general.architecture")
@@ -361,13 +361,8 @@ def to_markdown(r: dict[str, Any]) -> str:
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install '.[bench]'): no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 5))
     stock = sorted((x for x in r["rows"] if x["kind"] == "stock" and x["variant"] != "stock F16"),

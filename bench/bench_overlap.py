@@ -31,18 +31,23 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from rapidmoe import Llama
+from rapidmoe.atomic import write_text
+from rapidmoe.cache import ExpertCacheConfig
+from rapidmoe.cache.moepic import moe_layers_of
+from rapidmoe.ggufio import GGUFFile
+from rapidmoe.resplit import convert, get_preset
+from rapidmoe.rpc import RPCServer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 OUT = ROOT / "bench" / "out"
 
 from common import ensure_synthetic  # noqa: E402
-
-from rapidmoe import Llama  # noqa: E402
-from rapidmoe.atomic import write_text  # noqa: E402
-from rapidmoe.rpc import RPCServer  # noqa: E402
 
 PROMPT = b"The mixture of experts routes every token to a few experts, and the rest of the network is dense. " * 8
 
@@ -63,8 +68,6 @@ def machine() -> str:
 def split_pair(args: argparse.Namespace) -> tuple[Path, Path]:
     if args.wq is not None:
         return args.wq, args.wr
-    from rapidmoe.resplit import convert, get_preset
-
     work = OUT / "overlap-work"
     work.mkdir(parents=True, exist_ok=True)
     src = ensure_synthetic(work / f"synthetic-{args.arch}-{args.size}.gguf", args.arch, args.size)
@@ -115,18 +118,15 @@ def main() -> int:
     if (args.wq is None) != (args.wr is None):
         ap.error("--wq and --wr go together")
     wq, wr = split_pair(args)
-    result: dict = {"command": " ".join(["python", "bench/bench_overlap.py", *sys.argv[1:]]), "wq": str(wq),
+    result: dict[str, Any] = {"command": " ".join(["python", "bench/bench_overlap.py", *sys.argv[1:]]), "wq": str(wq),
                     "wr": str(wr), "threads": args.threads, "tg": args.tg, "pp": args.pp, "reps": args.reps,
                     "machine": machine(), "cache": args.cache, "rows": []}
     with RPCServer(threads=args.threads) as srv:
-        common = dict(residual_path=wr, rpc_servers=[srv.endpoint], n_gpu_layers=-1, n_ctx=512, n_batch=512,
-                      n_ubatch=512, n_threads=args.threads, n_threads_batch=args.threads,
-                      overlap_threads=args.threads, logits_all=False, verbose=False)
+        common: dict[str, Any] = {
+            "residual_path": wr, "rpc_servers": [srv.endpoint], "n_gpu_layers": -1, "n_ctx": 512, "n_batch": 512,
+            "n_ubatch": 512, "n_threads": args.threads, "n_threads_batch": args.threads,
+            "overlap_threads": args.threads, "logits_all": False, "verbose": False}
         if args.cache is not None:
-            from rapidmoe.cache import ExpertCacheConfig
-            from rapidmoe.cache.moepic import moe_layers_of
-            from rapidmoe.ggufio import GGUFFile
-
             f = GGUFFile(wq)
             n_expert = int(f.get(f"{f.get('general.architecture')}.expert_count"))
             n_cached = max(1, round(args.cache * n_expert))
@@ -135,12 +135,14 @@ def main() -> int:
             common.update(override_tensor="exps=CPU",
                           expert_cache=ExpertCacheConfig(experts=experts, device=srv.device.buffer_type))
         llms = {mode: Llama(wq, overlap=mode, **common) for mode in ("off", "auto")}
-        k = llms["off"].residual.n_expert_used
+        residual = llms["off"].residual
+        assert residual is not None  # residual_path given
+        k = residual.n_expert_used
         prompt = llms["off"].tokenize(PROMPT, add_bos=False)[: args.pp]
         for r in [min(r, k) for r in args.r]:
-            row: dict = {"r": r}
+            row: dict[str, Any] = {"r": r}
             samples: dict[str, dict[str, list[float]]] = {m: {"tg": [], "pp": []} for m in llms}
-            for m, llm in llms.items():
+            for llm in llms.values():
                 llm.set_n_critical(r)
                 decode_tps(llm, prompt, 4)  # warm-up: graphs built, pages touched
             for rep in range(args.reps):
@@ -161,7 +163,9 @@ def main() -> int:
             result["rows"].append(row)
             print(json.dumps({k2: v for k2, v in row.items() if not k2.endswith("samples")}), flush=True)
         if args.cache is not None:
-            result["hit_rate"] = llms["auto"].expert_cache.stats().hit_rate
+            cache = llms["auto"].expert_cache
+            assert cache is not None  # expert_cache given
+            result["hit_rate"] = cache.stats().hit_rate
         for llm in llms.values():
             llm.close()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -172,7 +176,7 @@ def main() -> int:
     return 0
 
 
-def to_markdown(res: dict) -> str:
+def to_markdown(res: dict[str, Any]) -> str:
     if res.get("cache") is None:
         title = "Overlap of residual work with the device's WQ work (RPC stand-in device)"
         where = "every layer on a local rpc-server except the sidecar"

@@ -22,12 +22,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from rapidmoe.calibration.imatrix import collect_imatrix
+from rapidmoe.ggufio import GGUFFile, tensor_f32
+from rapidmoe.resplit import PRESETS, write_imatrix
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "bench"))
+from common import ensure_synthetic, kl_stats  # noqa: E402
+from stock_llama import build_stock  # noqa: E402
+
 OUT = ROOT / "bench" / "out"
 SHARED_MODEL = ROOT.parent / "shared" / "models" / "tiny-moe-a"
 
@@ -59,8 +67,6 @@ subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEV
 
 def expert_error(src: Path, variant: Path) -> float:
     """sqrt(sum ||W - deq W'||^2 / sum ||W||^2) over all routed-expert tensors, dequantized by ggml."""
-    from rapidmoe.ggufio import GGUFFile, tensor_f32
-
     a, b = GGUFFile(src), GGUFFile(variant)
     num = den = 0.0
     for t in a.tensors:
@@ -73,14 +79,12 @@ def expert_error(src: Path, variant: Path) -> float:
 
 
 def expert_bpw(path: Path) -> float:
-    from rapidmoe.ggufio import GGUFFile
-
     ts = [t for t in GGUFFile(path).tensors if "_exps.weight" in t.name]
     return 8 * sum(t.n_bytes for t in ts) / sum(t.n_elements for t in ts)
 
 
 def logits_chunks(model: Path, chunks: list[list[int]], n_ctx: int) -> np.ndarray:
-    from rapidmoe import Llama
+    from rapidmoe import Llama  # noqa: PLC0415  (compiled part, loaded on first use)
 
     llm = Llama(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, verbose=False, n_threads=2,
                 n_threads_batch=2)
@@ -104,11 +108,6 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=16)
     args = ap.parse_args()
 
-    from common import ensure_synthetic, kl_stats
-    from rapidmoe.calibration.imatrix import collect_imatrix
-    from rapidmoe.resplit import PRESETS, write_imatrix
-    from stock_llama import build_stock
-
     OUT.mkdir(parents=True, exist_ok=True)
     work = OUT / "resplit-work"
     work.mkdir(exist_ok=True)
@@ -128,7 +127,7 @@ def main() -> int:
                   imat_path)
     imat_secs = time.perf_counter() - t0
 
-    from rapidmoe import Llama
+    from rapidmoe import Llama  # noqa: PLC0415  (compiled part, loaded on first use)
 
     tok = Llama(args.model, n_ctx=args.n_ctx, vocab_only=True, verbose=False)
     toks = tok.tokenize(text_eval.encode(), add_bos=False, special=False)
@@ -162,7 +161,7 @@ def main() -> int:
     return 0
 
 
-def to_markdown(r: dict) -> str:  # type: ignore[type-arg]
+def to_markdown(r: dict[str, Any]) -> str:
     lines = [f"Model: `{Path(r['model']).name}` ({r['model_mb']:.1f} MB F16); KL over {r['kl_tokens']} tokens "
              f"(n_ctx {r['n_ctx']}), own implementation (see bench_resplit.py); imatrix from calibration text in "
              f"{r['imatrix_seconds']:.1f} s.", "",

@@ -17,6 +17,7 @@ hundred tokens takes long enough to matter). Writes bench/results/server-prefix-
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
@@ -24,19 +25,22 @@ import statistics
 import sys
 import threading
 import time
-import http.client
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from rapidmoe.atomic import write_text as atomic_write
+from rapidmoe.default_model import ensure_default_model
+from rapidmoe.paths import vocab_dir
 from rapidmoe.server.sse import read_events
+from rapidmoe.synthetic import spec_for, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tools"))
 
 from server_proc import ServerProc  # noqa: E402
+from stock_llama import build_stock  # noqa: E402
 
 WORDS = ("time river stone light garden window morning silver quiet market letter island summer road forest "
          "lamp story bridge harbor winter field mountain candle song cloud mirror").split()
@@ -44,9 +48,6 @@ WORDS = ("time river stone light garden window morning silver quiet market lette
 
 def small_model(folder: Path) -> Path:
     """The `small` synthetic qwen3moe (made once)."""
-    from rapidmoe.paths import vocab_dir  # noqa: PLC0415
-    from rapidmoe.synthetic import spec_for, write_model  # noqa: PLC0415
-
     path = folder / "synthetic-qwen3moe-small.gguf"
     if not path.exists():
         write_model(spec_for("qwen3moe", "small", seed=0), path, vocab_dir())
@@ -121,7 +122,7 @@ def run_level(port: int, concurrency: int, rate: float, n_requests: int, n_predi
 
     def pct(key: str, q: float) -> float:
         xs = sorted(r[key] for r in ok)
-        return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+        return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
 
     return {"concurrency": concurrency, "rate": rate, "requests": n_requests, "errors": len(results) - len(ok),
             "ttft_p50_ms": pct("ttft_ms", 0.5), "ttft_p99_ms": pct("ttft_ms", 0.99),
@@ -167,7 +168,7 @@ def multi_turn_report(args: argparse.Namespace, model: Path, rows: list[dict[str
                           "ttft_cache_ms": mean([r["ttft_ms"] for r in on]),
                           "ttft_nocache_ms": mean([r["ttft_ms"] for r in off])})
     later = {name: [r for r in rows if r["server"] == name and r["turn"] > 0] for name in ("rapidmoe", "llama-server")}
-    summary = {name: {"ttft_cache_ms": mean([r["ttft_ms"] for r in xs if r["cache"]]),
+    summary: dict[str, Any] = {name: {"ttft_cache_ms": mean([r["ttft_ms"] for r in xs if r["cache"]]),
                       "ttft_nocache_ms": mean([r["ttft_ms"] for r in xs if not r["cache"]])}
                for name, xs in later.items()}
     for v in summary.values():
@@ -217,9 +218,6 @@ def main() -> int:
     ap.add_argument("--user-words", type=int, default=40)
     args = ap.parse_args()
 
-    from rapidmoe.default_model import ensure_default_model  # noqa: PLC0415
-    from stock_llama import build_stock  # noqa: PLC0415
-
     stock_bin = build_stock(["llama-server"])
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -256,9 +254,9 @@ def main() -> int:
                                    "--cache-ram", "0", "--no-ui", log_path=logs / "bench-server-stock.log",
                                    cmd=[str(stock_bin / "llama-server")]),
     }
-    rows: list[dict[str, Any]] = []
+    rows = []
     try:
-        for name, s in servers.items():  # warm up both
+        for s in servers.values():  # warm up both
             for i in range(2):
                 one_request(s.port, _prompt(10_000 + i, args.prompt_words), 8)
         for c in args.levels:

@@ -1,15 +1,14 @@
 #!/usr/bin/env python3
 """Split expert routing vs stock llama.cpp, CPU, 2 threads, all measured in one run on one model.
 
-Variants: stock F16 (the KL reference), stock Q4_K_M, stock Q2_K, stock on the RESplit .wq.gguf alone (WQ type only), and ours (.wq.gguf +
-.wr.gguf sidecar) at r = 1, 2, k/2, k. Per variant: prefill tokens/s (one batch of --pp tokens), decode
-tokens/s (--tg tokens one at a time, after a short prompt), KL divergence to the F16 model on held-out text
-(our own equivalent of llama-perplexity --kl-divergence: all positions of --chunks chunks of --n-ctx tokens),
-wall-clock timings (median of --reps),
-weight bytes read per decoded token (experts from the types and the critical-slot counters; everything else
-from the file), and decode tokens/s as a fraction of the roofline bandwidth / bytes per token, with the
-bandwidth measured in the same run (2 threads summing 1 GiB each). Stock variants run in a stock build of
-the same pin (no patches); ours in our build.
+Variants: stock F16 (the KL reference), stock Q4_K_M, stock Q2_K, stock on the RESplit .wq.gguf alone (WQ type
+only), and ours (.wq.gguf + .wr.gguf sidecar) at r = 1, 2, k/2, k. Per variant: prefill tokens/s (one batch of --pp
+tokens), decode tokens/s (--tg tokens one at a time, after a short prompt), KL divergence to the F16 model on
+held-out text (our own equivalent of llama-perplexity --kl-divergence: all positions of --chunks chunks of --n-ctx
+tokens), wall-clock timings (median of --reps), weight bytes read per decoded token (experts from the types and the
+critical-slot counters; everything else from the file), and decode tokens/s as a fraction of the roofline bandwidth /
+bytes per token, with the bandwidth measured in the same run (2 threads summing 1 GiB each). Stock variants run in a
+stock build of the same pin (no patches); ours in our build.
 
 Usage: python bench/bench_split.py [--model F16.gguf | --arch qwen3moe --size bench] [--preset cpu]
 Writes bench/out/split.{json,md,png}.
@@ -24,12 +23,19 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from rapidmoe.ggufio import GGUFFile
+from rapidmoe.resplit import convert, get_preset
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "bench"))
+from common import ensure_synthetic, kl_stats, pyplot  # noqa: E402
+from stock_llama import build_stock  # noqa: E402
+
 OUT = ROOT / "bench" / "out"
 SHARED = ROOT.parent / "shared" / "models" / "tiny-moe-a"
 
@@ -98,8 +104,6 @@ def measure_bandwidth(gib: float = 1.0, threads: int = 2, reps: int = 3) -> floa
 
 def file_bytes_per_token(path: Path) -> tuple[float, float]:
     """(non-expert bytes read per token, routed-expert bytes per token at top-k) from a GGUF's tensors."""
-    from rapidmoe.ggufio import GGUFFile
-
     f = GGUFFile(path)
     arch = f.get("general.architecture")
     k, n = int(f.get(f"{arch}.expert_used_count")), int(f.get(f"{arch}.expert_count"))
@@ -114,7 +118,8 @@ def file_bytes_per_token(path: Path) -> tuple[float, float]:
     return other, experts
 
 
-def run_variant(cfg: dict, stock_bin: Path | None, script: str = MEASURE) -> tuple[dict, np.ndarray]:  # type: ignore[type-arg]
+def run_variant(cfg: dict[str, Any], stock_bin: Path | None,
+                script: str = MEASURE) -> tuple[dict[str, Any], np.ndarray]:
     """Run `script` (a MEASURE program) for one variant in a fresh process: stock variants over the stock build
     with llama-cpp-python's layer from the pinned sdist, ours over our build."""
     env = dict(os.environ)
@@ -144,11 +149,6 @@ def main() -> int:
     ap.add_argument("--tg", type=int, default=32)
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
-
-    from common import ensure_synthetic, kl_stats
-    from rapidmoe.ggufio import GGUFFile
-    from rapidmoe.resplit import convert, get_preset
-    from stock_llama import build_stock
 
     OUT.mkdir(parents=True, exist_ok=True)
     work = OUT / "split-work"
@@ -182,7 +182,7 @@ def main() -> int:
     f = GGUFFile(wq)
     arch = f.get("general.architecture")
     k = int(f.get(f"{arch}.expert_used_count"))
-    from rapidmoe import Llama
+    from rapidmoe import Llama  # noqa: PLC0415  (compiled part, loaded on first use)
 
     tok = Llama(args.model, n_ctx=args.n_ctx, vocab_only=True, verbose=False)
     eval_path = args.eval or (SHARED / "eval.txt")
@@ -198,8 +198,10 @@ def main() -> int:
     rows = []
     ref_res, ref_logits = run_variant({**base_cfg, "ours": False, "model": str(args.model),
                                        "logits_out": str(work / "ref.npy")}, stock_bin)
-    plan = [("stock F16", args.model, None, None), ("stock Q4_K_M", variants_files["Q4_K_M"], None, None),
-            ("stock Q2_K", variants_files["Q2_K"], None, None), (f"stock WQ alone ({get_preset(args.preset).wq})", wq, None, None)]
+    plan: list[tuple[str, Path, Path | None, int | None]] = [
+        ("stock F16", args.model, None, None), ("stock Q4_K_M", variants_files["Q4_K_M"], None, None),
+        ("stock Q2_K", variants_files["Q2_K"], None, None),
+        (f"stock WQ alone ({get_preset(args.preset).wq})", wq, None, None)]
     plan += [(f"ours r={r}", wq, wr, r) for r in sorted({1, 2, k // 2, k}) if 0 < r <= k]
     for name, path, side, r in plan:
         if name == "stock F16":
@@ -229,7 +231,7 @@ def main() -> int:
     return 0
 
 
-def to_markdown(r: dict) -> str:  # type: ignore[type-arg]
+def to_markdown(r: dict[str, Any]) -> str:
     lines = [f"Model `{Path(r['model']).name}` ({r['model_gb']:.2f} GB F16), preset `{r['preset']}`, top-{r['top_k']}; "
              f"2 threads; bandwidth measured in the same run: {r['bandwidth_gbs']:.1f} GB/s; KL over "
              f"{r['kl_tokens']} tokens vs the F16 model.", "",
@@ -243,14 +245,9 @@ def to_markdown(r: dict) -> str:  # type: ignore[type-arg]
     return "\n".join(lines) + "\n"
 
 
-def plot(r: dict, path: Path) -> None:  # type: ignore[type-arg]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install '.[bench]'): no plot", file=sys.stderr)
+def plot(r: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for x in r["rows"]:

@@ -22,8 +22,17 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from tqdm import tqdm
+
+from rapidmoe.calibration.measure import calibrate_latency, decode_step_ms
+from rapidmoe.calibration.umia import CalibrationResult, Scorer, calibrate, evaluate, log_softmax, pick_chunks
+from rapidmoe.resplit import convert, get_preset
+from rapidmoe.umia import Policy
+from rapidmoe.umia.frontier import choose, pareto
+from rapidmoe.umia.latency import LatencyModel
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -31,8 +40,6 @@ SHARED = ROOT.parent / "shared" / "models" / "tiny-moe-a"
 
 
 def convert_once(src: Path, preset: str, work: Path) -> tuple[Path, Path]:
-    from rapidmoe.resplit import convert, get_preset
-
     name = src.name.removesuffix(".gguf")
     d = work / f"{name}.{preset}"
     wq, wr = d / f"{name}.wq.gguf", d / f"{name}.wr.gguf"
@@ -41,11 +48,10 @@ def convert_once(src: Path, preset: str, work: Path) -> tuple[Path, Path]:
     return wq, wr
 
 
-def measure_decode(wq: Path, wr: Path, policies: list[tuple[str, str, object]], tg: int, reps: int,
+def measure_decode(wq: Path, wr: Path, policies: list[tuple[str, str, Policy]], tg: int, reps: int,
                    threads: int) -> dict[str, float]:
     """Decode tokens/s per policy label (drop ones on a drop-mode context)."""
-    from rapidmoe import Llama
-    from rapidmoe.calibration.measure import decode_step_ms
+    from rapidmoe import Llama  # noqa: PLC0415  (compiled part, loaded on first use)
 
     out: dict[str, list[float]] = {label: [] for label, _, _ in policies}
     for drop in (False, True):
@@ -65,12 +71,8 @@ def measure_decode(wq: Path, wr: Path, policies: list[tuple[str, str, object]], 
     return {lab: statistics.median(v) for lab, v in out.items()}
 
 
-def score_heldout(wq: Path, wr: Path, ref: Path, text: Path, policies: list[tuple[str, str, object]], tokens: int,
-                  chunk: int, threads: int, latency: object) -> dict[str, dict[str, float]]:
-    from tqdm import tqdm
-
-    from rapidmoe.calibration.umia import Scorer, evaluate, log_softmax, pick_chunks
-
+def score_heldout(wq: Path, wr: Path, ref: Path, text: Path, policies: list[tuple[str, str, Policy]], tokens: int,
+                  chunk: int, threads: int, latency: LatencyModel) -> dict[str, dict[str, float]]:
     r = Scorer(ref, chunk, threads)
     chunks = pick_chunks(r.llm.tokenize(text.read_text(errors="replace").encode()), tokens, chunk, seed=1)
     ref_logp = [log_softmax(r.logits(c)) for c in chunks]
@@ -83,7 +85,7 @@ def score_heldout(wq: Path, wr: Path, ref: Path, text: Path, policies: list[tupl
             continue
         s = Scorer(wq, chunk, threads, residual_path=wr, verify_residual=False, skip_noncritical=drop)
         for lab, kind, pol in sel:
-            e = evaluate(s, lab, kind, pol, chunks, ref_logp, latency, bar)  # type: ignore[arg-type]
+            e = evaluate(s, lab, kind, pol, chunks, ref_logp, latency, bar)
             res[lab] = {"kl_mean": e.kl_mean, "kl_p99": e.kl_p99, "top1_same": e.top1_same,
                         "critical_per_token": e.critical_per_token, "predicted_ms": e.predicted_ms}
         s.close()
@@ -109,11 +111,6 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=OUT / "umia-work")
     a = ap.parse_args()
 
-    from rapidmoe.umia import Policy
-    from rapidmoe.calibration.umia import calibrate
-    from rapidmoe.umia.frontier import pareto
-    from rapidmoe.calibration.measure import calibrate_latency
-
     t_start = time.time()
     a.work.mkdir(parents=True, exist_ok=True)
     wq, wr = (a.wq, a.wr) if a.wq and a.wr else convert_once(a.model, a.preset, a.work)
@@ -126,7 +123,7 @@ def main() -> int:
     levels = tuple(float(x) for x in a.levels.split(",")) if a.levels else None
     fixed_r = tuple(sorted({r for r in (0, 1, 2, 3, 4, k) if r <= k}))
     budget = lat.predict_ms(lat.n_moe_layers * 2)  # the cost of fixed r = 2: a common budget for both texts
-    runs = {}
+    runs: dict[str, CalibrationResult] = {}
     for tag, text in (("A", a.text_a), ("B", a.text_b)):
         res = calibrate(wq, wr, text, lat, reference=a.model, budget_ms=budget, n_tokens=a.tokens, chunk=a.chunk,
                         seed=0, alphas=alphas, levels=levels, fixed_r=fixed_r, threads=a.threads, refine=True)
@@ -142,7 +139,8 @@ def main() -> int:
     # proof: fixed r, drop, and text A's UMIA frontier points, scored on held-out text B and timed
     ra = runs["A-budget"]
     fixed = list(fixed_r)
-    pols: list[tuple[str, str, Policy]] = [(f"r={r}", "fixed", replace(Policy.fixed(r), phase="decode")) for r in fixed]
+    pols: list[tuple[str, str, Policy]] = [(f"r={r}", "fixed", replace(Policy.fixed(r), phase="decode"))
+                                           for r in fixed]
     pols += [(f"drop r={r}", "drop", replace(Policy.fixed(r), phase="decode")) for r in (1, 2, 3) if r < k]
     umia = [i for i in ra.frontier if ra.evaluations[i].kind == "umia"]
     umia_all = [i for i, e in enumerate(ra.evaluations) if e.kind == "umia"]
@@ -159,14 +157,15 @@ def main() -> int:
         pols.append((f"umia {e.policy.describe()}", "umia", replace(e.policy, phase="decode", meta={})))
     held = score_heldout(wq, wr, a.model, a.text_b, pols, a.tokens, a.chunk, a.threads, lat)
     speed = measure_decode(wq, wr, pols, a.tg, a.reps, a.threads)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for lab, kind, pol in pols:
         rows.append({"label": lab, "kind": kind, "policy": pol.to_dict(), **held[lab], "decode_tps": speed[lab]})
     tps, kls = [-r["decode_tps"] for r in rows], [r["kl_mean"] for r in rows]
     front = {rows[i]["label"] for i in pareto(tps, kls) if rows[i]["kind"] != "drop"}
     result = {"model": str(a.model), "preset": a.preset, "wq": str(wq), "wr": str(wr), "threads": a.threads,
               "latency": lat.to_dict(), "budget_ms": budget, "stability": stab,
-              "calibration": {t: {"chosen": r.policy.to_dict(), "frontier": [r.evaluations[i].label for i in r.frontier],
+              "calibration": {t: {"chosen": r.policy.to_dict(),
+                                  "frontier": [r.evaluations[i].label for i in r.frontier],
                                   "evaluations": [e.to_dict() for e in r.evaluations]} for t, r in runs.items()},
               "proof": rows, "measured_frontier": sorted(front), "seconds": round(time.time() - t_start),
               "command": "python bench/bench_umia.py " + " ".join(sys.argv[1:])}
@@ -178,22 +177,20 @@ def main() -> int:
     return 0
 
 
-def _choice(res: object, mode: str) -> object:
+def _choice(res: CalibrationResult, mode: str) -> Policy:
     """The calibration's choice under the budget, or the knee of its (fixed + UMIA) frontier."""
-    from rapidmoe.umia.frontier import choose
-
     if mode == "budget":
-        return res.policy  # type: ignore[attr-defined]
-    ev = res.evaluations  # type: ignore[attr-defined]
+        return res.policy
+    ev = res.evaluations
     i = choose([e.predicted_ms for e in ev], [e.kl_mean for e in ev], None,
                [j for j, e in enumerate(ev) if e.kind != "drop"])
     return ev[i].policy
 
 
-def to_markdown(r: dict, lat: object, runs: dict) -> str:  # type: ignore[type-arg]
+def to_markdown(r: dict[str, Any], lat: LatencyModel, runs: dict[str, CalibrationResult]) -> str:
     lines = [f"# UMIA vs fixed r vs drop: {Path(r['model']).name}, preset {r['preset']}, {r['threads']} threads",
              "", f"`{r['command']}` ({r['seconds']} s)", "", "## Latency model (this machine)", "", "```",
-             lat.table(), "```", "",  # type: ignore[attr-defined]
+             lat.table(), "```", "",
              "## Proof: held-out KL (text B) vs measured decode speed", "",
              "| policy | kind | critical slots/token | decode tok/s (measured) | predicted ms/token | KL mean | KL p99 "
              "| top-1 same | on measured frontier |", "|---|---|---|---|---|---|---|---|---|"]
@@ -202,18 +199,19 @@ def to_markdown(r: dict, lat: object, runs: dict) -> str:  # type: ignore[type-a
                      f"| {row['predicted_ms']:.2f} | {row['kl_mean']:.5f} | {row['kl_p99']:.4f} | "
                      f"{row['top1_same']:.3f} | {'yes' if row['label'] in r['measured_frontier'] else ''} |")
     lines += ["", f"## Stability (budget = predicted cost of fixed r = 2: {r['budget_ms']:.2f} ms/token)", "",
-              "| choice | text A | text B | theta moved (0.01 steps) | alpha moved (0.01 steps) |", "|---|---|---|---|---|"]
+              "| choice | text A | text B | theta moved (0.01 steps) | alpha moved (0.01 steps) |",
+              "|---|---|---|---|---|"]
     for s in r["stability"]:
         lines.append(f"| {s['choice']} | {s['A']} | {s['B']} | {s['theta_steps']} | {s['alpha_steps']} |")
     lines += ["", "## Calibration on text A (budget)", "", runs["A-budget"].table(), ""]
     return "\n".join(lines)
 
 
-def plot(r: dict, path: Path) -> None:  # type: ignore[type-arg]
-    import matplotlib
+def plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415  (optional dependency: the bench extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415  (optional dependency: the bench extra)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for kind, (m, c, name) in {"fixed": ("s", "tab:blue", "fixed r"), "umia": ("o", "tab:orange", "UMIA"),

@@ -1,9 +1,14 @@
-"""Shared by the benchmarks: KL divergence and top-1 agreement between two models' logits, synthetic models."""
+"""Shared by the benchmarks: KL divergence and top-1 agreement between two models' logits, synthetic models, plots."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from rapidmoe.paths import vocab_dir
+from rapidmoe.synthetic import spec_for, write_model
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -22,9 +27,19 @@ def kl_stats(ref: np.ndarray, var: np.ndarray) -> dict[str, float]:
 
 def ensure_synthetic(path: Path, arch: str, size: str, **overrides: object) -> Path:
     """The synthetic model at `path`, written first (with a progress bar) if it is not there yet."""
-    from rapidmoe.paths import vocab_dir
-    from rapidmoe.synthetic import spec_for, write_model
-
     if not path.exists():
         write_model(spec_for(arch, size, **overrides), path, vocab_dir(), progress=True)
     return path
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or None (said on stderr) when matplotlib is not installed."""
+    try:
+        import matplotlib  # noqa: PLC0415  (optional dependency: the bench extra)
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415  (optional dependency: the bench extra)
+    except ImportError:
+        print("matplotlib not installed (pip install '.[bench]'): no plot", file=sys.stderr)
+        return None
+    return plt

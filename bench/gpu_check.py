@@ -18,14 +18,15 @@ every placement), then runs SECTIONS in order, each adding exactness checks and/
   streaming   prefill with the cached layers' WQ streamed to the GPU from the latency model's threshold, on vs off
   umia-gpu    UMIA calibrated against this GPU's measured device terms (beta searched too) vs fixed r = 1, 2
 
-A hook section records status "pending" until its feature lands: to fill one, replace its function body (keep the
-signature), append to ctx.checks / ctx.runs with the same keys as the other sections, and extend the --cpu assertions
-in tests/test_gpu_check.py. Sections run in order within --budget-s: once the budget is spent the rest are recorded
-as "skipped (time budget)". Writes gpu_check.md and gpu_check.json (checks, runs, sections, meta); exit status 1
-when an exactness check fails its tolerance. `--cpu` runs the same steps with -ngl 0 (tiny sizes, no GPU): the test.
-`--site DIR` imports rapidmoe from the CUDA build installed there (tools/cuda_build_check.sh's build/cuda/site) ahead
-of the interpreter's own install, normal or editable (tools/cuda_import_check.py's use_site), and without --cpu
-requires a CUDA device; meta.rapidmoe records which package ran.
+A section is a function of Ctx listed in SECTIONS: it appends to ctx.checks / ctx.runs with the same keys as the other
+sections (raising SectionSkipped where it does not apply to the model), and the --cpu assertions in
+tests/test_gpu_check.py cover it. Sections run in order within --budget-s: once the budget is spent the rest are
+recorded as "skipped (time budget)". Writes gpu_check.md and gpu_check.json (checks, runs, sections, meta); exit
+status 1 when an exactness check fails its tolerance. `--cpu` runs the same steps with -ngl 0 (tiny sizes, no GPU):
+the test. `--site DIR` imports rapidmoe from the CUDA build installed there (tools/cuda_build_check.sh's
+build/cuda/site) ahead of the interpreter's own install, normal or editable (tools/cuda_import_check.py's use_site),
+and without --cpu requires a CUDA device; meta.rapidmoe records which package ran. rapidmoe and common (which imports
+it) are therefore imported inside the functions, after use_package.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,7 +54,7 @@ PROMPT = ("The mixture of experts routes every token to a few experts; the rest 
 
 
 def quantize_q4_k_m(src: Path, dst: Path, threads: int) -> Path:
-    from rapidmoe._runtime import llama_cpp
+    from rapidmoe._runtime import llama_cpp  # noqa: PLC0415  (after use_package, for --site)
 
     if not dst.exists():
         params = llama_cpp.llama_model_quantize_default_params()
@@ -66,8 +68,8 @@ def quantize_q4_k_m(src: Path, dst: Path, threads: int) -> Path:
     return dst
 
 
-def logits(path: Path, toks: list[int], threads: int, **kw) -> np.ndarray:  # type: ignore[no-untyped-def]
-    from rapidmoe import Llama
+def logits(path: Path, toks: list[int], threads: int, **kw: Any) -> np.ndarray:
+    from rapidmoe import Llama  # noqa: PLC0415  (after use_package, for --site)
 
     llm = Llama(path, n_ctx=512, logits_all=True, verbose=False, n_threads=threads, **kw)
     try:
@@ -77,9 +79,9 @@ def logits(path: Path, toks: list[int], threads: int, **kw) -> np.ndarray:  # ty
         llm.close()
 
 
-def speed(path: Path, n_prompt: int, n_gen: int, threads: int, **kw) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def speed(path: Path, n_prompt: int, n_gen: int, threads: int, **kw: Any) -> dict[str, float]:
     """Prefill tokens/s over n_prompt tokens, then decode tokens/s over n_gen greedy tokens (wall clock)."""
-    from rapidmoe import Llama
+    from rapidmoe import Llama  # noqa: PLC0415  (after use_package, for --site)
 
     llm = Llama(path, n_ctx=n_prompt + n_gen + 8, n_batch=512, verbose=False, n_threads=threads, **kw)
     try:
@@ -143,7 +145,7 @@ class Ctx:
     runs: list[dict[str, Any]] = field(default_factory=list)
 
     def check(self, variant: str, dev: np.ndarray, cpu: np.ndarray, **extra: Any) -> None:
-        from common import kl_stats
+        from common import kl_stats  # noqa: PLC0415  (after use_package, for --site)
 
         self.checks.append({"variant": variant, "rel_gpu_vs_cpu": rel(dev, cpu), **kl_stats(self.ref, dev), **extra})
 
@@ -188,9 +190,9 @@ def section_ours(ctx: Ctx) -> None:
 def _half_cache(ctx: Ctx) -> tuple[dict[str, Any], str] | None:
     """The planner's per-expert WQ cache for a budget holding about half the routed WQ, realized per expert on the
     GPU (the dry run: on the CPU device) with --gpu-mem's function; None when the plan keeps no per-expert cache."""
-    from rapidmoe.placement import GPU as PLAN_GPU
-    from rapidmoe.placement.realize import plan_for_model, realize
-    from rapidmoe.placement.tensors import ROUTED
+    from rapidmoe.placement import GPU as PLAN_GPU  # noqa: PLC0415  (after use_package, for --site)
+    from rapidmoe.placement.realize import plan_for_model, realize  # noqa: PLC0415  (after use_package, for --site)
+    from rapidmoe.placement.tensors import ROUTED  # noqa: PLC0415  (after use_package, for --site)
 
     whole = plan_for_model(ctx.wq, ctx.wr, gpu_mem=None, n_ctx=512, reserve=0)
     half = plan_for_model(ctx.wq, ctx.wr, gpu_mem=whole.vram - whole.device_bytes(PLAN_GPU, ROUTED) // 2, n_ctx=512,
@@ -222,7 +224,7 @@ def section_cache(ctx: Ctx) -> None:
         row = ctx.speed(label, ctx.wq, residual_path=ctx.wr, n_critical=2, **kw)
         if pol != "static":
             row["cache_policy"] = pol
-    # MoEpic (helper-17): experts split vertically, tops resident up to half the routed WQ bytes, the rest fetched
+    # MoEpic: experts split vertically, tops resident up to half the routed WQ bytes, the rest fetched
     # per ubatch with the next layer's predicted experts assembled ahead; and lru with its copies waited for at
     # once (ExpertCacheConfig(async_copies=False)): the transfer queue's overlap, as the compute's copy wait per token
     moepic_kw = _moepic_half(ctx, cache.device)
@@ -238,9 +240,9 @@ def section_cache(ctx: Ctx) -> None:
 def _moepic_half(ctx: Ctx, device: str) -> dict[str, Any]:
     """moepic at half the routed WQ: split 0.5 (rounded to the down type's blocks), as many tops per layer as half
     the layer's expert bytes hold (every expert's at most)."""
-    from rapidmoe.cache import ExpertCacheConfig, MoEpicSettings
-    from rapidmoe.cache.moepic import moe_layers_of, moepic_layers
-    from rapidmoe.modelfile import read_model_info
+    from rapidmoe.cache import ExpertCacheConfig, MoEpicSettings  # noqa: PLC0415  (after use_package, for --site)
+    from rapidmoe.cache.moepic import moe_layers_of, moepic_layers  # noqa: PLC0415  (after use_package, for --site)
+    from rapidmoe.modelfile import read_model_info  # noqa: PLC0415  (after use_package, for --site)
 
     n_expert = read_model_info(ctx.wq).n_expert
     layers = moe_layers_of(ctx.wq)
@@ -273,10 +275,10 @@ def section_concurrent(ctx: Ctx) -> None:
 def _stream_threshold(ctx: Ctx) -> tuple[int, str]:
     """The latency model's prefill streaming threshold for this model on the H200-like profile (r = 2), or stock
     llama.cpp's op-offload batch (32) when the model says streaming never pays."""
-    from rapidmoe.placement.machine import load_machine
-    from rapidmoe.placement.tensors import read_gguf_shapes
-    from rapidmoe.resplit.presets import get_preset
-    from rapidmoe.umia.profile import profile_terms
+    from rapidmoe.placement.machine import load_machine  # noqa: PLC0415  (after use_package, for --site)
+    from rapidmoe.placement.tensors import read_gguf_shapes  # noqa: PLC0415  (after use_package, for --site)
+    from rapidmoe.resplit.presets import get_preset  # noqa: PLC0415  (after use_package, for --site)
+    from rapidmoe.umia.profile import profile_terms  # noqa: PLC0415  (after use_package, for --site)
 
     prof = load_machine(ROOT / "bench" / "machines" / "h200.json")
     shapes = read_gguf_shapes(ctx.wq)
@@ -310,10 +312,8 @@ def section_umia_gpu(ctx: Ctx) -> None:
     """calibrate-latency on this GPU (the device terms measured with half and all of the WQ cached), calibrate
     against it (beta searched too) on the driver's text, then decode/prefill tok/s and KL of the chosen policy vs
     fixed r = 1, 2, all with the half-WQ cache ("umia": "gpu-calibrated" | "fixed")."""
-    import tempfile
-
-    from rapidmoe.calibration.measure import device_latency_model
-    from rapidmoe.calibration.umia import calibrate
+    from rapidmoe.calibration.measure import device_latency_model  # noqa: PLC0415  (after use_package, for --site)
+    from rapidmoe.calibration.umia import calibrate  # noqa: PLC0415  (after use_package, for --site)
 
     got = _half_cache(ctx)
     if got is None:
@@ -343,11 +343,7 @@ def section_umia_gpu(ctx: Ctx) -> None:
                    device_latency=lm.device.to_dict() if lm.device is not None else None)
 
 
-class SectionPending(Exception):
-    """A hook section whose feature has not landed."""
-
-
-class SectionSkipped(Exception):
+class SectionSkipped(Exception):  # noqa: N818  (a section's outcome, recorded as its status; not an error)
     """A section that does not apply to this model or machine."""
 
 
@@ -373,6 +369,16 @@ def check_tolerance(checks: list[dict[str, Any]], cpu: bool) -> float:
     for c in checks:
         c["ok"] = bool(c["rel_gpu_vs_cpu"] <= tol)
     return tol
+
+
+def _variant_cell(r: dict[str, Any]) -> str:
+    """A run's variant, with the cache's realized hit rate and experts copied per token where the run has them."""
+    cell = str(r["variant"])
+    if "cache_hit_rate" in r:
+        cell += f" ({100 * r['cache_hit_rate']:.0f}% realized)"
+    if "cache_copies_per_token" in r:
+        cell += f", {r['cache_copies_per_token']:.2f} experts copied/token"
+    return cell
 
 
 def write_report(ctx: Ctx | None, args: argparse.Namespace, sections: list[dict[str, Any]], meta: dict[str, Any],
@@ -402,10 +408,8 @@ def write_report(ctx: Ctx | None, args: argparse.Namespace, sections: list[dict[
         md += ["", f"| variant | prefill tok/s ({args.prompt}) | decode tok/s ({args.gen}) | decode ms/token | "
                "serial CPU residual ms/token (vs r=0) | overlap worker / device / wall / hidden ms/token |",
                "|---|---|---|---|---|---|"]
-        md += [f"| {r['variant']}{' (%.0f%% realized)' % (100 * r['cache_hit_rate']) if 'cache_hit_rate' in r else ''}"
-               f"{', %.2f experts copied/token' % r['cache_copies_per_token'] if 'cache_copies_per_token' in r else ''}"
-               f" | {r['prefill_tps']:.1f} | {r['decode_tps']:.1f} | {r['decode_ms_per_token']:.2f} | "
-               f"{r.get('serial_cpu_residual_ms', nan):.2f} | "
+        md += [f"| {_variant_cell(r)} | {r['prefill_tps']:.1f} | {r['decode_tps']:.1f} | "
+               f"{r['decode_ms_per_token']:.2f} | {r.get('serial_cpu_residual_ms', nan):.2f} | "
                + (" / ".join(f"{r[f'overlap_{f}_ms']:.2f}" for f in ("cpu", "device", "wall", "hidden"))
                   if r.get("overlap_pairs") else "-") + " |" for r in runs]
         overlapped = ctx.overlapped if ctx else "auto"
@@ -431,11 +435,11 @@ def use_package(site: Path | None, need_cuda: bool) -> str:
     SystemExit when it is not the one asked for or, with need_cuda, when it sees no CUDA device."""
     if site is not None:
         sys.path.insert(0, str(ROOT / "tools"))
-        from cuda_import_check import under, use_site
+        from cuda_import_check import under, use_site  # noqa: PLC0415  (tools/, on sys.path only with --site)
 
         use_site(site)
-    import rapidmoe
-    from rapidmoe._runtime import _core
+    import rapidmoe  # noqa: PLC0415  (after use_package, for --site)
+    from rapidmoe._runtime import _core  # noqa: PLC0415  (after use_package, for --site)
 
     where = Path(rapidmoe.__file__ or "?").resolve().parent
     if site is not None and not under(where, site.resolve()):
@@ -474,11 +478,11 @@ def main() -> int:
 
     package = use_package(args.site, need_cuda=not args.cpu)
 
-    from common import ensure_synthetic
+    from common import ensure_synthetic  # noqa: PLC0415  (after use_package, for --site)
 
-    from rapidmoe import Llama
-    from rapidmoe.resplit import convert, get_preset
-    from rapidmoe.umia import Policy
+    from rapidmoe import Llama  # noqa: PLC0415  (after use_package, for --site)
+    from rapidmoe.resplit import convert, get_preset  # noqa: PLC0415  (after use_package, for --site)
+    from rapidmoe.umia import Policy  # noqa: PLC0415  (after use_package, for --site)
 
     t_start = time.time()
     meta: dict[str, Any] = {"gpu": "none (dry run)" if args.cpu else gpu_name(), "host": platform.node(),
@@ -523,8 +527,6 @@ def main() -> int:
             try:
                 fn(ctx)
                 status = "done"
-            except SectionPending as e:
-                status = f"pending: {e}"
             except SectionSkipped as e:
                 status = f"skipped: {e}"
         sections.append({"name": name, "status": status, "seconds": time.time() - t0})

@@ -6,8 +6,8 @@
 #   2. bench/gpu_check.py with that build (--site build/cuda/site: ahead of an installed rapidmoe, normal or
 #      editable; it refuses a build that sees no CUDA device): exactness GPU path vs CPU path,
 #      prefill/decode tok/s of stock -ngl 99 -ot exps=CPU vs ours (all WQ on the GPU at r and UMIA, overlap off/on;
-#      the static half-WQ per-expert cache and its rapidmoe/lru policies), then the hook sections (concurrent cached
-#      layers, prefill streaming, GPU-calibrated UMIA) as they land; one Markdown + JSON report in $OUT.
+#      the static half-WQ per-expert cache and its rapidmoe/lru policies), then the concurrent cached layers,
+#      prefill streaming and GPU-calibrated UMIA; one Markdown + JSON report in $OUT.
 #
 # Usage: bench/gpu_check.sh [--build-only | --no-build] [gpu_check.py options, e.g. --sections exactness,stock]
 #        bench/gpu_check.sh --cpu [--site DIR]   the dry run without a GPU: same driver, -ngl 0, tiny sizes, the

@@ -32,9 +32,9 @@ ARCHS = ("qwen3moe", "deepseek2")
 # the build, llama.cpp's vocab GGUFs, ../shared/models, Linux), so any other skip there would hide a test that
 # silently stopped running. xfail is not a skip here: pyproject's xfail_strict fails an unexpected pass.
 CI_LEGITIMATE_SKIPS = {
-    "stock llama-server not built": "test_server_choices.py compares with stock llama-server, a 10-minute build "
-                                    "(python tools/stock_llama.py llama-server) that CI does not do",
-    "a GPU may be present": "test_gpu_check.py's no-GPU path cannot run on a machine with nvidia-smi",
+    "stock llama-server not built": "tests/server/test_server_choices.py compares with stock llama-server, a 10-minute "
+                                    "build (python tools/stock_llama.py llama-server) that CI does not do",
+    "a GPU may be present": "tests/ci/test_gpu_check.py's no-GPU path cannot run on a machine with nvidia-smi",
 }
 
 
@@ -95,7 +95,7 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, N
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The all-architecture sweep (tests/test_archs.py) runs only when asked for by name: -m arch_sweep."""
+    """The all-architecture sweep (tests/conversion/test_archs.py) runs only when asked for by name: -m arch_sweep."""
     if "arch_sweep" in (config.getoption("markexpr") or ""):
         return
     skipped = [it for it in items if it.get_closest_marker("arch_sweep") is not None]

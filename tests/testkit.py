@@ -1,5 +1,5 @@
 """Constants the test modules share, defined once (fixtures live in conftest.py). Pure Python: imports neither the
-compiled parts nor rapidmoe, so every test module may import it, the no-build run (test_pure_python.py) included."""
+compiled parts nor rapidmoe, so every test module may import it, the no-build run (ci/test_pure_python.py) included."""
 from __future__ import annotations
 
 import importlib.util

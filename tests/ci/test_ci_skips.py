@@ -3,9 +3,8 @@ whole module's, each with its reason) unless CI_LEGITIMATE_SKIPS lists the reaso
 xfail stays an xfail and one that passes fails (xfail_strict)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from testkit import ROOT
 
 pytest_plugins = ["pytester"]
 
@@ -48,7 +47,7 @@ def test_never_collected():
 
 
 def _run(pytester: pytest.Pytester, ci: str | None) -> pytest.RunResult:
-    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
     pytester.makeini("[pytest]\nxfail_strict = true\n")
     pytester.makepyfile(**SUITE)
     env = {"CI": ci} if ci is not None else {}

@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 from reference.numpy_forward import ffn, load, route
-from testkit import TEXT
+from testkit import ROOT, TEXT
 
 from rapidmoe import Llama, ModelFileError, RapidMoEError, _core
 from rapidmoe import llama_cpp as lc
 from rapidmoe.ggufio import GGUFFile, copy_metadata, tensor_f32
 from rapidmoe.resplit import Preset, convert, get_preset
 
-ROOT = Path(__file__).resolve().parent.parent
 EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 

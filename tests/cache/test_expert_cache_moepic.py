@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from cache_reference import PlainLlama, last_logits
-from testkit import repeated_text
+from testkit import ROOT, repeated_text
 
 from rapidmoe import Llama, RapidMoEError
 from rapidmoe.cache.config import CachePolicy, ExpertCacheConfig, MoEpicSettings, RefreshSettings
@@ -140,7 +140,7 @@ def test_moepic_refusals(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-
                                              moepic=MoEpicSettings([0.5], 2)))
 
 
-TINY_MOE_A = Path(__file__).resolve().parents[2] / "shared" / "models" / "tiny-moe-a" / "model-f16.gguf"
+TINY_MOE_A = ROOT.parent / "shared" / "models" / "tiny-moe-a" / "model-f16.gguf"
 
 
 @pytest.mark.skipif(not TINY_MOE_A.exists(), reason="the trained tiny-moe-a is not on this machine")

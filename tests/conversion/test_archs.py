@@ -3,8 +3,8 @@ the pinned source, built into the stock build) through run, convert and split ro
 
 The default run covers a few architectures that between them take every path (separate and merged gate/up,
 per-expert biases and scales, weights applied before the FFN, grouped sigmoid routing); the whole set runs with
-`python -m pytest tests/test_archs.py -m arch_sweep` (also `python tools/arch_sweep.py`, which fills the table in
-docs/resplit.md)."""
+`python -m pytest tests/conversion/test_archs.py -m arch_sweep` (also `python tools/arch_sweep.py`, which fills the
+table in docs/resplit.md)."""
 from __future__ import annotations
 
 import json

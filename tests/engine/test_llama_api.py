@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import rapidmoe._llama_cpp._logger as lg
 from reference.numpy_forward import forward
+from testkit import ROOT
 
 from rapidmoe import Llama, ModelFileError, RapidMoEError, llama_cpp
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The quick brown fox"
 N_GEN = 24
 

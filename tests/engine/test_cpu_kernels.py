@@ -6,10 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from testkit import ROOT
 
 from rapidmoe import _core
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.stock

@@ -14,10 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from testkit import ROOT
 
 import rapidmoe
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _stage_site(dst: Path) -> Path:

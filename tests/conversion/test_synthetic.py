@@ -20,8 +20,6 @@ import pytest
 from reference.numpy_forward import route
 from testkit import PIN, ROOT
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 
 def _load_synthetic() -> ModuleType:
     try:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from server_proc import ServerProc
-from testkit import GREEDY
+from testkit import GREEDY, ROOT
 
 from rapidmoe.server.toolcalls import OutputParser
 from rapidmoe.synthetic import spec_for, write_model
@@ -24,7 +24,7 @@ from rapidmoe.synthetic import spec_for, write_model
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "vendor" / "llama.cpp" / "models" / "templates"
+TEMPLATES = ROOT / "vendor" / "llama.cpp" / "models" / "templates"
 WEATHER: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {
                                                 "city": {"type": "string", "maxLength": 12},

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from server_proc import ServerProc, sse_json
-from testkit import GREEDY
+from testkit import GREEDY, ROOT
 
 openai = pytest.importorskip("openai")
 
@@ -222,7 +222,7 @@ TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": 
 def test_chat_n_parses_each_choice(tiny_qwen: Path, tmp_path: Path) -> None:
     """Reasoning and tool calls are parsed per choice (Qwen3's real template, the answer forced by a grammar),
     whole and streamed."""
-    template = Path(__file__).resolve().parent.parent / "vendor/llama.cpp/models/templates/Qwen-Qwen3-0.6B.jinja"
+    template = ROOT / "vendor/llama.cpp/models/templates/Qwen-Qwen3-0.6B.jinja"
     model = tmp_path / "qwen3.gguf"
     subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(tiny_qwen), str(model),
                     "--chat-template", template.read_text(), "--force"], check=True, capture_output=True)

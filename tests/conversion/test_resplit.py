@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as np_dequantize
+from testkit import ROOT
 
 from rapidmoe import ModelFileError, RapidMoEError
 from rapidmoe.ggufio import GGUFFile, copy_metadata, tensor_f32
@@ -23,8 +24,6 @@ from rapidmoe.resplit.convert import _Converter
 from rapidmoe.resplit.imatrix import Imatrix
 from rapidmoe.resplit.presets import WQ_TYPES, WR_TYPES
 from rapidmoe.synthetic import spec_for, write_model
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # Relative error of a quantized Gaussian-like tensor, per type (upper bounds with margin, measured on these
 # weights): the residual's own error ratio bounds how much WR can shrink WQ's error.
@@ -134,7 +133,7 @@ def test_sidecar_pairs_only_with_its_base(micro: Path, tmp_path: Path) -> None:
     with pytest.raises(ModelFileError, match="does not belong"):
         check_pair(micro, a.wr_path)
     # same pair id but the base's data was modified afterwards: its last byte is in the last tensor's last sampled
-    # window, so the load's check sees it, and the full check does (tests/test_pairing.py: what each one sees)
+    # window, so the load's check sees it, and the full check does (test_pairing.py: what each one sees)
     data = bytearray(a.wq_path.read_bytes())
     data[-1] ^= 0xFF
     a.wq_path.write_bytes(bytes(data))

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from server_proc import ServerProc, sse_json
-from testkit import GREEDY
+from testkit import GREEDY, ROOT
 
 from rapidmoe.server.chat import CHATML  # chat requests here keep ChatML, whatever the model carries
 from rapidmoe.server.params import UNSUPPORTED
@@ -76,7 +76,7 @@ def test_unsupported_field_is_refused_by_name(srv: ServerProc, path: str, body: 
 
 def test_docs_list_exactly_the_refused_fields() -> None:
     """docs/server.md's "What is refused" table names every field of UNSUPPORTED, and nothing else."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "server.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "server.md").read_text(encoding="utf-8")
     section = text.split("\n## What is refused\n", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
     assert {name for first in rows for name in re.findall(r"`([a-z_]+)`", first)} == set(UNSUPPORTED)

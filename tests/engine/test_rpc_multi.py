@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from server_proc import ServerProc
 from testkit import EXACT_PRESET, TEXT  # EXACT_PRESET: Q8_0 runs the same CPU kernel in every process
 
 from rapidmoe import Llama, RapidMoEError, _children
@@ -190,9 +191,6 @@ def test_cli_rpc_server_serves(tiny_qwen: Path) -> None:
 @pytest.mark.slow
 def test_serve_with_two_rpc_servers(servers: tuple[RPCServer, RPCServer], tiny_qwen: Path, tmp_path: Path) -> None:
     """`serve --rpc A,B -ngl 99 -ts 1,3` answers /completion with the same greedy text as an all-CPU serve."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from server_proc import ServerProc  # noqa: PLC0415 - the tests folder's helper
-
     a, b = servers
     body = {"prompt": "Once upon a time", "n_predict": 12, "temperature": 0}
     texts = []

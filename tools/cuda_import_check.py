@@ -8,7 +8,7 @@ model with every layer on the CPU gives the same logits as this interpreter's ow
 process. That process gets SITE nowhere: no PYTHONPATH, and a sys.path computed here (this one's, less SITE). When the
 interpreter has no install of its own the comparison is skipped, and the summary line says so; any other failure of
 the reference run fails the check. `--expect-backend CPU` runs every step on a CPU-only build in SITE instead (the
-stand-in tests/test_gpu_check.py uses: the same sys.path logic without a CUDA build). `use_site` is also what
+stand-in tests/ci/test_gpu_check.py uses: the same sys.path logic without a CUDA build). `use_site` is also what
 bench/gpu_check.py --site calls. Prints one summary line last; --json writes the details.
 """
 from __future__ import annotations

@@ -2,8 +2,8 @@
 bytes per block, bits per weight, whether a row length is a whole number of blocks, a tensor's bytes, and
 llama-quantize's per-tensor fallback when a row is not.
 
-The sizes are gguf-py's GGML_QUANT_SIZES (the same numbers as ggml's type traits; tests/test_placement.py checks
-them against rapidmoe._core.type_info), so this needs no build and works for models we cannot load.
+The sizes are gguf-py's GGML_QUANT_SIZES (the same numbers as ggml's type traits; tests/placement/test_placement.py
+checks them against rapidmoe._core.type_info), so this needs no build and works for models we cannot load.
 """
 from __future__ import annotations
 

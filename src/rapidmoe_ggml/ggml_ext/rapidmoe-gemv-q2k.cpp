@@ -11,8 +11,8 @@
 // Called directly on one thread, weights from memory: 40 vs 74 ps per weight; L2-hot: 17 vs 26. Through ggml
 // (tools/kernel_cost.py), routed experts from memory: 49-56 vs 92-98 on one thread, 23-26 vs 35 on two
 // (docs/split-routing.md, CPU performance). Every integer sum is exact (no 16-bit partial exceeds 2 x 2 x 3 x 128) and the float operations
-// per column are upstream's, in its order: the output is bit-identical (tests/test_cpu_kernels.py compares it with
-// the stock build's, tests/test_split_routing.py the logits at r = 0).
+// per column are upstream's, in its order: the output is bit-identical (tests/engine/test_cpu_kernels.py compares it
+// with the stock build's, tests/engine/test_split_routing.py the logits at r = 0).
 #include "rapidmoe-gemv-q2k.h"
 
 #include "repack.h"

@@ -25,15 +25,43 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from rapidmoe.cache import (
+    ExpertCacheConfig,
+    LRUCache,
+    MoEpicCache,
+    MoEpicConfig,
+    MoEpicSettings,
+    RapidMoECache,
+    RefreshSettings,
+    ReplayPolicy,
+    StaticCache,
+    hit_curve,
+    moe_layers_of,
+    moepic_config,
+    plan_moepic,
+    replay,
+    routing_stats,
+    scale_routing,
+    wq_expert_bytes,
+)
+from rapidmoe.placement import ExpertFrequency, get_shape_set, plan
+from rapidmoe.placement.cost import CostModel, ModelCosts
+from rapidmoe.placement.machine import MACHINES
+from rapidmoe.placement.tensors import read_gguf_shapes
+from rapidmoe.resplit.presets import get_preset
+from rapidmoe.trace import read_trace
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
 SHARED = ROOT.parent / "shared" / "models" / "tiny-moe-a"
 sys.path.insert(0, str(ROOT / "bench"))
+from common import ensure_synthetic  # noqa: E402
 
 FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
 R_CRITICAL = 2  # RESplit's critical slots per token (Llama's default n_critical) for static / rapidmoe
@@ -41,7 +69,7 @@ R_CRITICAL = 2  # RESplit's critical slots per token (Llama's default n_critical
 
 def record(model: Path, text: Path, out: Path, n_tokens: int, chunk: int = 256, threads: int = 2) -> Path:
     """A trace of n_tokens of `text` in independent chunks (the context reset between them)."""
-    from rapidmoe import Llama
+    from rapidmoe import Llama  # noqa: PLC0415  (compiled part, loaded on first use)
 
     if out.exists():
         return out
@@ -57,10 +85,9 @@ def record(model: Path, text: Path, out: Path, n_tokens: int, chunk: int = 256, 
     return out
 
 
-def policies_for(ids_cal: np.ndarray, n_expert: int, capacity: list[int], eb: float, cost, pred_acc: np.ndarray):  # type: ignore[no-untyped-def]
+def policies_for(ids_cal: np.ndarray, n_expert: int, capacity: list[int], eb: float, cost: CostModel,
+                 pred_acc: np.ndarray) -> tuple[dict[str, ReplayPolicy], MoEpicConfig]:
     """The four policies at a per-layer capacity (experts), all set up from the calibration routing."""
-    from rapidmoe.cache import LRUCache, MoEpicCache, RapidMoECache, StaticCache, hit_curve, moepic_config
-
     n_moe = ids_cal.shape[1]
     counts = np.stack([np.bincount(ids_cal[:, m][ids_cal[:, m] >= 0], minlength=n_expert) for m in range(n_moe)])
     static = [set(np.argsort(-counts[m], kind="stable")[: capacity[m]].tolist()) for m in range(n_moe)]
@@ -77,14 +104,8 @@ def policies_for(ids_cal: np.ndarray, n_expert: int, capacity: list[int], eb: fl
     }, cfg
 
 
-def own_shape(name: str, model: Path, cal: Path, ev: Path) -> dict:  # type: ignore[type-arg]
+def own_shape(name: str, model: Path, cal: Path, ev: Path) -> dict[str, Any]:
     """Hit rates and experts copied per token at fractions of each layer's experts, on the model's own shape."""
-    from rapidmoe.cache import replay, routing_stats
-    from rapidmoe.placement.cost import CostModel, ModelCosts
-    from rapidmoe.placement.machine import MACHINES
-    from rapidmoe.placement.tensors import read_gguf_shapes
-    from rapidmoe.trace import read_trace
-
     tc, te = read_trace(cal), read_trace(ev)
     ids_cal, _ = tc.token_matrix()
     ids, pred = te.token_matrix()
@@ -102,7 +123,8 @@ def own_shape(name: str, model: Path, cal: Path, ev: Path) -> dict:  # type: ign
             rows.append({"fraction": f, "capacity": cap[0], "policy": pname, "hit_rate": r.hit_rate,
                          "experts_moved_per_token": r.bytes_per_token / eb,
                          "layer_hit_rates": r.layer_hit_rates(),
-                         **({"moepic_capacity": cfg.capacity, "moepic_split": cfg.splits} if pname == "moepic" else {})})
+                         **({"moepic_capacity": cfg.capacity, "moepic_split": cfg.splits}
+                            if pname == "moepic" else {})})
     return {"name": name, "model": str(model), "n_moe": n_moe, "n_expert": n_expert, "k": te.header.k,
             "eval_tokens": te.n_tokens, "calib_tokens": tc.n_tokens,
             "reuse": st.reuse.tolist(), "excess_reuse": st.excess_reuse.tolist(),
@@ -111,30 +133,13 @@ def own_shape(name: str, model: Path, cal: Path, ev: Path) -> dict:  # type: ign
 
 
 def project(cal: Path, ev: Path, shape_name: str, machine_name: str, n_decode: int, n_prefill: int,
-            seed: int = 0) -> dict:  # type: ignore[type-arg]
-    from rapidmoe.cache import (
-        LRUCache,
-        MoEpicCache,
-        RapidMoECache,
-        StaticCache,
-        hit_curve,
-        moepic_config,
-        replay,
-        routing_stats,
-        scale_routing,
-    )
-    from rapidmoe.placement import ExpertFrequency, get_shape_set, plan
-    from rapidmoe.placement.cost import CostModel, ModelCosts
-    from rapidmoe.placement.machine import MACHINES
-    from rapidmoe.resplit.presets import get_preset
-    from rapidmoe.trace import read_trace
-
+            seed: int = 0) -> dict[str, Any]:
     machine = MACHINES[machine_name]
     model = get_shape_set(shape_name).model_shapes()
     layers, n_expert, k = model.moe_layers, model.n_expert, model.n_expert_used
     n_moe = len(layers)
     tc, te = read_trace(cal), read_trace(ev)
-    st_cal = routing_stats(*[tc.token_matrix()[0], tc.header.n_expert, tc.token_matrix()[1]])
+    st_cal = routing_stats(tc.token_matrix()[0], tc.header.n_expert, tc.token_matrix()[1])
     ids_e, pred_e = te.token_matrix()
     st_ev = routing_stats(ids_e, te.header.n_expert, pred_e)
     big_cal, _ = scale_routing(st_cal, n_tokens=2048, n_moe=n_moe, n_expert=n_expert, k=k, seed=seed)
@@ -156,17 +161,18 @@ def project(cal: Path, ev: Path, shape_name: str, machine_name: str, n_decode: i
     acc = [a if np.isfinite(a) else 0.0 for a in acc]
     cfg = moepic_config([hit_curve(c) for c in counts], float(q4_free), n_expert=n_expert, k=k, expert_bytes=eb_q4,
                         pcie_bw=machine.pcie_bw, windows_s=[c_q4.window_s(k, k)] * n_moe, accuracy=acc)
-    schemes = {
-        "stock -ot exps=CPU": (lambda: StaticCache([set()] * n_moe), c_q4, dict(overlap=False)),
-        "static": (lambda: StaticCache(static_sets), c_res, dict(r_critical=R_CRITICAL)),
+    schemes: dict[str, tuple[Callable[[], ReplayPolicy], CostModel, dict[str, Any]]] = {
+        "stock -ot exps=CPU": (lambda: StaticCache([set()] * n_moe), c_q4, {"overlap": False}),
+        "static": (lambda: StaticCache(static_sets), c_res, {"r_critical": R_CRITICAL}),
         "lru": (lambda: LRUCache(cap_lru, eb_q4), c_q4, {}),
-        "moepic": (lambda: MoEpicCache(cfg.capacity, cfg.splits, eb_q4), c_q4, dict(pred=big_pred)),
+        "moepic": (lambda: MoEpicCache(cfg.capacity, cfg.splits, eb_q4), c_q4, {"pred": big_pred}),
         "rapidmoe": (lambda: RapidMoECache(static_sets, n_expert, c_res.model.expert_bytes, prior=share), c_res,
-                     dict(r_critical=R_CRITICAL)),
+                     {"r_critical": R_CRITICAL}),
     }
     out = []
     for name, (make, cost, kw) in schemes.items():
-        dec = replay(big[:n_decode], make(), cost, batch=1, **{**kw, "pred": kw["pred"][:n_decode]} if "pred" in kw else kw)
+        dec = replay(big[:n_decode], make(), cost, batch=1,
+                     **{**kw, "pred": kw["pred"][:n_decode]} if "pred" in kw else kw)
         pre = replay(big[:n_prefill], make(), cost, batch=512,
                      **{**kw, "pred": kw["pred"][:n_prefill]} if "pred" in kw else kw)
         out.append({"scheme": name, "form": cost.model.form, "hit_rate": dec.hit_rate,
@@ -179,30 +185,12 @@ def project(cal: Path, ev: Path, shape_name: str, machine_name: str, n_decode: i
             "n_moe": n_moe, "n_expert": n_expert, "k": k, "results": out}
 
 
-def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: float = 0.25) -> dict:  # type: ignore[type-arg]
-    """The runtime policies (static, rapidmoe, lru) on the RPC stand-in against the simulator: the model decodes n_tokens
-    of `text` one token per step with its WQ cache on a local rpc-server, recording a trace; the trace is replayed
-    through the same policy with the run's own steps; hits, slots, swaps and bytes copied are compared."""
-    from rapidmoe import Llama
-    from rapidmoe.cache import (
-        ExpertCacheConfig,
-        LRUCache,
-        MoEpicCache,
-        MoEpicSettings,
-        RapidMoECache,
-        RefreshSettings,
-        StaticCache,
-        moe_layers_of,
-        plan_moepic,
-        replay,
-        routing_stats,
-        wq_expert_bytes,
-    )
-    from rapidmoe.placement.cost import CostModel, ModelCosts
-    from rapidmoe.placement.machine import MACHINES
-    from rapidmoe.placement.tensors import read_gguf_shapes
-    from rapidmoe.rpc import RPCServer
-    from rapidmoe.trace import read_trace
+def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: float = 0.25) -> dict[str, Any]:
+    """The runtime policies (static, rapidmoe, lru) on the RPC stand-in against the simulator: the model decodes
+    n_tokens of `text` one token per step with its WQ cache on a local rpc-server, recording a trace; the trace is
+    replayed through the same policy with the run's own steps; hits, slots, swaps and bytes copied are compared."""
+    from rapidmoe import Llama  # noqa: PLC0415  (compiled part, loaded on first use)
+    from rapidmoe.rpc import RPCServer  # noqa: PLC0415  (compiled part, loaded on first use)
 
     layers = moe_layers_of(model)
     tc = read_trace(cal)
@@ -219,10 +207,11 @@ def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: f
     acc = routing_stats(ids_cal, n_expert, pred_cal).accuracy
     cost = CostModel(MACHINES["24gb"], ModelCosts.of(read_gguf_shapes(model)))
     cfg = plan_moepic(counts, float(cap * len(layers) * eb[layers[0]]), expert_bytes=float(eb[layers[0]]), k=k,
-                      cost=cost, accuracy=acc)
+                      cost=cost, accuracy=list(acc))
     moepic = {"moepic": MoEpicSettings.from_config(cfg), "moepic-half": MoEpicSettings(0.5, 2 * cap)}
-    out = {"model": str(model), "tokens": n_tokens, "cached_per_layer": cap, "n_expert": n_expert, "policies": [],
-           "moepic_fixed_point": {"splits": cfg.splits, "capacity": cfg.capacity, "budgets": cfg.budgets}}
+    out: dict[str, Any] = {
+        "model": str(model), "tokens": n_tokens, "cached_per_layer": cap, "n_expert": n_expert, "policies": [],
+        "moepic_fixed_point": {"splits": cfg.splits, "capacity": cfg.capacity, "budgets": cfg.budgets}}
     with RPCServer(threads=1) as srv:
         # "-sync": the same policy with every batch of copies waited for as soon as it is queued (no transfer queue
         # overlap): the compute's wait for copies with and without the queue
@@ -267,7 +256,8 @@ def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: f
             runtime_bytes = (ref.bytes_moved if ref else
                              sum(d + p for d, p in moved.values()) if ml is not None else copies * eb[layers[0]])
             out["policies"].append({
-                "policy": run, "copy_wait_ms_per_token": waited / 1e3 / n_tokens, "runtime_hits": st.hits, "runtime_slots": st.slots, "runtime_hit_rate": st.hit_rate,
+                "policy": run, "copy_wait_ms_per_token": waited / 1e3 / n_tokens, "runtime_hits": st.hits,
+                "runtime_slots": st.slots, "runtime_hit_rate": st.hit_rate,
                 "replay_hits": r.hits, "replay_slots": r.slots, "replay_hit_rate": r.hit_rate,
                 "runtime_swaps": ref.swaps if ref else copies,
                 "replay_swaps": getattr(sim, "swaps", round(r.bytes_moved / eb[layers[0]])),
@@ -283,14 +273,14 @@ def runtime_check(model: Path, cal: Path, text: Path, n_tokens: int, fraction: f
     return out
 
 
-def fmt_runtime(d: dict) -> str:  # type: ignore[type-arg]
+def fmt_runtime(d: dict[str, Any]) -> str:
     lines = [f"{d['tokens']} tokens of the evaluation text decoded one per step by {Path(d['model']).name}, "
              f"{d['cached_per_layer']} of {d['n_expert']} experts per layer cached on a local rpc-server (initially "
              "the calibration trace's hottest), stacked experts in CPU memory. Counters of the run against the "
              "simulator's replay of the trace the same run recorded (same steps):", "",
              "| policy | hits runtime / replay | slots runtime / replay | hit rate | experts copied runtime / replay | "
-             "bytes copied runtime / replay | of which ahead | MB/token | cache MB (+ work area) | copy wait ms/token | "
-             "wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "bytes copied runtime / replay | of which ahead | MB/token | cache MB (+ work area) | "
+             "copy wait ms/token | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in d["policies"]:
         swaps = "-" if p["policy"].startswith("moepic") else f"{p['runtime_swaps']} / {p['replay_swaps']}"
         lines.append(f"| {p['policy']} | {p['runtime_hits']} / {p['replay_hits']} | {p['runtime_slots']} / "
@@ -311,7 +301,7 @@ def fmt_runtime(d: dict) -> str:  # type: ignore[type-arg]
     return "\n".join(lines)
 
 
-def fmt_own(d: dict) -> str:  # type: ignore[type-arg]
+def fmt_own(d: dict[str, Any]) -> str:
     lines = [f"### {d['name']} ({d['n_moe']} MoE layers x {d['n_expert']} experts, top-{d['k']}; "
              f"calibration {d['calib_tokens']} tokens, evaluation {d['eval_tokens']} tokens)", "",
              "Reuse (share of a token's experts the previous token used), per layer: "
@@ -325,14 +315,15 @@ def fmt_own(d: dict) -> str:  # type: ignore[type-arg]
     return "\n".join(lines)
 
 
-def fmt_proj(d: dict) -> str:  # type: ignore[type-arg]
+def fmt_proj(d: dict[str, Any]) -> str:
     gib = 1 << 30
     m = d["machine"]
     lines = [f"### {d['shape']} on {m['name']} ({m['gpu_mem'] / gib:.0f} GiB GPU, PCIe {m['pcie_bw'] / 1e9:.0f} GB/s, "
              f"CPU {m['cpu_bw'] / 1e9:.0f} GB/s)", "",
              f"RESplit (paper preset) caches {d['resplit_experts_cached']} of {d['n_moe'] * d['n_expert']} WQ experts "
-             f"(planned hit rate {d['resplit_planned_hit_rate']:.1%}); Q4_K_M-like: {d['q4_expert_budget'] / gib:.1f} GiB "
-             f"left for experts after the rest ({d['q4_vram_without_experts'] / gib:.1f} GiB): lru {d['lru_capacity']} "
+             f"(planned hit rate {d['resplit_planned_hit_rate']:.1%}); Q4_K_M-like: "
+             f"{d['q4_expert_budget'] / gib:.1f} GiB left for experts after the rest "
+             f"({d['q4_vram_without_experts'] / gib:.1f} GiB): lru {d['lru_capacity']} "
              f"experts per layer, moepic tops per layer {min(d['moepic_capacity'])}-{max(d['moepic_capacity'])} at "
              f"split {min(d['moepic_split']):.2f}-{max(d['moepic_split']):.2f}.", "",
              "| scheme | expert form | hit rate (decode) | MB moved/token decode | decode tok/s | prefill tok/s |",
@@ -357,7 +348,6 @@ def main() -> None:
     ap.add_argument("--runtime-only", action="store_true",
                     help="only the runtime-vs-simulator check on tiny-moe-a (writes <name>-runtime.{md,json})")
     a = ap.parse_args()
-    from common import ensure_synthetic
 
     t0 = time.time()
     tdir = OUT / "traces"
@@ -392,11 +382,12 @@ def main() -> None:
             proj.append(project(cal, ev, shape, mach, a.decode_tokens, a.prefill_tokens))
             print(f"projection {shape} {mach} ({time.time() - t0:.0f} s)", flush=True)
     cmd = "python bench/bench_cache.py " + " ".join(sys.argv[1:])
-    doc = {"command": cmd.strip(), "tokens": a.tokens, "r_critical": R_CRITICAL, "own_shape": own, "runtime": rt, "projections": proj,
-           "seconds": time.time() - t0}
+    doc = {"command": cmd.strip(), "tokens": a.tokens, "r_critical": R_CRITICAL, "own_shape": own, "runtime": rt,
+           "projections": proj, "seconds": time.time() - t0}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{a.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    md = [f"# Expert caching: trace replay and projections\n\n`{cmd.strip()}` ({doc['seconds']:.0f} s on this machine)\n",
+    md = [f"# Expert caching: trace replay and projections\n\n`{cmd.strip()}` "
+          f"({doc['seconds']:.0f} s on this machine)\n",
           "## Hit rates on the traced models' own shapes (measured routing, replayed)\n",
           *[fmt_own(d) + "\n" for d in own],
           "## The runtime policies on the RPC stand-in vs the simulator (tiny-moe-a, measured)\n",

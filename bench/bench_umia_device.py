@@ -21,19 +21,20 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
+
+from rapidmoe.atomic import write_text
+from rapidmoe.calibration.measure import measure_device_points
+from rapidmoe.umia.device import DevicePoint, fit_stage_terms, points_table
+from rapidmoe.umia.profile import profile_report
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
 DEFAULT = ROOT / "bench" / "out" / "frontier-work" / "qwen3moe-bench.cpu-q8" / "qwen3moe-bench"
 
-from rapidmoe.atomic import write_text  # noqa: E402
-from rapidmoe.umia.device import DevicePoint, fit_stage_terms, points_table  # noqa: E402
-from rapidmoe.umia.profile import profile_report  # noqa: E402
 
-
-def measure(args: argparse.Namespace) -> dict:
-    from rapidmoe.rpc import RPCServer  # noqa: PLC0415 - loads libllama
-    from rapidmoe.calibration.measure import measure_device_points  # noqa: PLC0415
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from rapidmoe.rpc import RPCServer  # noqa: PLC0415  (compiled part, loaded on first use)
 
     with RPCServer(threads=args.threads) as srv:
         points, n_moe, k = measure_device_points(
@@ -42,8 +43,8 @@ def measure(args: argparse.Namespace) -> dict:
     return fit_all(points, n_moe, k)
 
 
-def fit_all(points: list[DevicePoint], n_moe: int, k: int) -> dict:
-    out: dict = {"n_moe": n_moe, "k": k, "phases": {}}
+def fit_all(points: list[DevicePoint], n_moe: int, k: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"n_moe": n_moe, "k": k, "phases": {}}
     for phase in ("decode", "prefill"):
         costs, pts = fit_stage_terms([p for p in points if p.phase == phase], n_moe, k)
         out["phases"][phase] = {"terms": costs.to_dict(), "points": [asdict(p) for p in pts],
@@ -51,6 +52,7 @@ def fit_all(points: list[DevicePoint], n_moe: int, k: int) -> dict:
                                 "mean_abs_err": sum(abs(p.rel_err) for p in pts) / len(pts),
                                 "max_abs_err": max(abs(p.rel_err) for p in pts)}
     return out
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -62,7 +64,7 @@ def main() -> int:
     ap.add_argument("--skip-measure", action="store_true")
     ap.add_argument("--refit", type=Path, default=None, help="fit the points of an earlier run's JSON again")
     args = ap.parse_args()
-    res: dict = {"command": " ".join(["python", "bench/bench_umia_device.py", *sys.argv[1:]]),
+    res: dict[str, Any] = {"command": " ".join(["python", "bench/bench_umia_device.py", *sys.argv[1:]]),
                  "wq": str(args.wq), "wr": str(args.wr), "threads": args.threads, "reps": args.reps}
     if args.refit is not None:
         old = json.loads(args.refit.read_text())
@@ -80,7 +82,8 @@ def main() -> int:
     print(to_markdown(res))
     return 0
 
-def to_markdown(res: dict) -> str:
+
+def to_markdown(res: dict[str, Any]) -> str:
     lines = ["# UMIA's latency model with a device", "", f"`{res['command']}`", ""]
     if "measured" in res:
         m = res["measured"]
@@ -100,6 +103,7 @@ def to_markdown(res: dict) -> str:
     for p in res["profiles"]:
         lines += [p["markdown"], ""]
     return "\n".join(lines) + "\n"
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -20,7 +20,7 @@ every placement), then runs SECTIONS in order, each adding exactness checks and/
 
 A section is a function of Ctx listed in SECTIONS: it appends to ctx.checks / ctx.runs with the same keys as the other
 sections (raising SectionSkipped where it does not apply to the model), and the --cpu assertions in
-tests/test_gpu_check.py cover it. Sections run in order within --budget-s: once the budget is spent the rest are
+tests/ci/test_gpu_check.py cover it. Sections run in order within --budget-s: once the budget is spent the rest are
 recorded as "skipped (time budget)". Writes gpu_check.md and gpu_check.json (checks, runs, sections, meta); exit
 status 1 when an exactness check fails its tolerance. `--cpu` runs the same steps with -ngl 0 (tiny sizes, no GPU):
 the test. `--site DIR` imports rapidmoe from the CUDA build installed there (tools/cuda_build_check.sh's

@@ -11,7 +11,7 @@
 #
 # Usage: bench/gpu_check.sh [--build-only | --no-build] [gpu_check.py options, e.g. --sections exactness,stock]
 #        bench/gpu_check.sh --cpu [--site DIR]   the dry run without a GPU: same driver, -ngl 0, tiny sizes, the
-#                                     installed package or the build in DIR (tests/test_gpu_check.py)
+#                                     installed package or the build in DIR (tests/ci/test_gpu_check.py)
 # On the lent machine (nothing can be fetched there): carry the Python packages its image lacks as wheels in .whl/
 # (bench/gpu_check_wheels.sh makes them here); this script installs them into a private folder. The build takes
 # a few minutes on 16 cores (docs/execution.md): with the 10-minute limit per call, run `--build-only` first

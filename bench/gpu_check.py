@@ -187,9 +187,10 @@ def section_ours(ctx: Ctx) -> None:
             r["serial_cpu_residual_ms"] = float(r["decode_ms_per_token"]) - base
 
 
-def _half_cache(ctx: Ctx) -> tuple[dict[str, Any], str] | None:
+def _half_cache(ctx: Ctx) -> tuple[dict[str, Any], str]:
     """The planner's per-expert WQ cache for a budget holding about half the routed WQ, realized per expert on the
-    GPU (the dry run: on the CPU device) with --gpu-mem's function; None when the plan keeps no per-expert cache."""
+    GPU (the dry run: on the CPU device) with --gpu-mem's function, and its planned hit rate; SectionSkipped when the
+    plan keeps no per-expert cache."""
     from rapidmoe.placement import GPU as PLAN_GPU  # noqa: PLC0415  (after use_package, for --site)
     from rapidmoe.placement.realize import plan_for_model, realize  # noqa: PLC0415  (after use_package, for --site)
     from rapidmoe.placement.tensors import ROUTED  # noqa: PLC0415  (after use_package, for --site)
@@ -199,15 +200,12 @@ def _half_cache(ctx: Ctx) -> tuple[dict[str, Any], str] | None:
                           reserve=0)
     kw = {k: v for k, v in realize(half, cache_device=ctx.cache_device).items() if k != "n_ctx"}
     if "expert_cache" not in kw:
-        return None
+        raise SectionSkipped("the half-WQ plan keeps no per-expert cache for this model")
     return kw, f"{half.hit_rate:.0%}"
 
 
 def section_cache(ctx: Ctx) -> None:
-    got = _half_cache(ctx)
-    if got is None:
-        raise SectionSkipped("the half-WQ plan keeps no per-expert cache for this model")
-    cache_kw, planned = got
+    cache_kw, planned = _half_cache(ctx)
     t = ctx.args.threads
     variants = {"static": f"ours r=2, per-expert WQ cache ({planned} planned hits), misses on CPU",
                 # the runtime cache policies on the same cache (docs/execution.md, "Expert caching"): refreshed from
@@ -258,10 +256,7 @@ def section_concurrent(ctx: Ctx) -> None:
     CPU's misses and the CPU's residuals serial (overlap off) vs concurrent (auto on a GPU; "on" in the dry run,
     whose cache is on the CPU): one exactness check per mode against the CPU path, one speed run per mode
     ("cache_concurrency": "serial" | "concurrent")."""
-    got = _half_cache(ctx)
-    if got is None:
-        raise SectionSkipped("the half-WQ plan keeps no per-expert cache for this model")
-    cache_kw, planned = got
+    cache_kw, planned = _half_cache(ctx)
     t = ctx.args.threads
     cpu = logits(ctx.wq, ctx.toks, t, residual_path=ctx.wr, overlap="off", n_critical=2)
     for mode, name in (("off", "serial"), (ctx.overlapped, "concurrent")):
@@ -292,10 +287,7 @@ def section_streaming(ctx: Ctx) -> None:
     """Prefill of --prompt tokens with the half-WQ cache (r=2), the cached layers' WQ streamed to the GPU from the
     stacked experts for ubatches from the threshold on vs misses kept on the CPU: exactness vs the CPU path, prefill
     tok/s per mode ("prefill_streaming": "on" | "off"), and the threshold with its source."""
-    got = _half_cache(ctx)
-    if got is None:
-        raise SectionSkipped("the half-WQ plan keeps no per-expert cache for this model")
-    cache_kw, planned = got
+    cache_kw, planned = _half_cache(ctx)
     thr, source = _stream_threshold(ctx)
     n_stream = min(thr, max(2, ctx.args.prompt // 2))  # the prompt must reach it for the "on" run to stream
     t = ctx.args.threads
@@ -315,10 +307,7 @@ def section_umia_gpu(ctx: Ctx) -> None:
     from rapidmoe.calibration.measure import device_latency_model  # noqa: PLC0415  (after use_package, for --site)
     from rapidmoe.calibration.umia import calibrate  # noqa: PLC0415  (after use_package, for --site)
 
-    got = _half_cache(ctx)
-    if got is None:
-        raise SectionSkipped("the half-WQ plan keeps no per-expert cache for this model")
-    cache_kw, planned = got
+    cache_kw, planned = _half_cache(ctx)
     t = ctx.args.threads
     small = ctx.args.cpu
     lm = device_latency_model(ctx.wq, ctx.wr, device=cache_kw["expert_cache"].device, threads=t,

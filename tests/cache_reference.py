@@ -23,13 +23,16 @@ import multiprocessing as mp
 import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+from testkit import TEXT
 
 from rapidmoe import Llama, llama_cpp
 from rapidmoe._runtime import _core
 from rapidmoe.cache import ExpertCacheConfig
+from rapidmoe.ggufio import GGUFFile
 from rapidmoe.placement.realize import plan_for_model, realize
 from rapidmoe.rpc import RPCServer
 
@@ -52,6 +55,33 @@ def last_logits(llm: Llama) -> np.ndarray:
     out = np.ctypeslib.as_array(p, shape=(llm.n_vocab(),)).copy()
     assert np.isfinite(out).all() and np.abs(out).max() > 0
     return out
+
+
+def step_logits(llm: Llama, prompt: list[int], rest: list[int]) -> list[np.ndarray]:
+    """The last position's logits after the prompt and after each further token (one decode step each)."""
+    out = [_eval_last(llm, prompt)]
+    out.extend(_eval_last(llm, [t]) for t in rest)
+    return out
+
+
+def _eval_last(llm: Llama, tokens: list[int]) -> np.ndarray:
+    llm.eval(tokens)
+    return last_logits(llm)
+
+
+def expert_shape(path: Path) -> tuple[int, int]:
+    """(n_expert, top-k) of the file."""
+    f = GGUFFile(path)
+    arch = f.get("general.architecture")
+    return int(f.get(f"{arch}.expert_count")), int(f.get(f"{arch}.expert_used_count"))
+
+
+def prompt_tokens(path: Path) -> list[int]:
+    """The first 24 tokens of testkit.TEXT in the file's vocabulary."""
+    vocab = Llama(path, n_ctx=128, vocab_only=True, verbose=False)
+    toks = vocab.tokenize(TEXT, add_bos=False)[:24]
+    vocab.close()
+    return toks
 
 
 def without_tiled(fn: Callable[..., T], *args: Any) -> T:

@@ -8,37 +8,21 @@ counted, their join tensors captured) and the hit counters unchanged. The runs h
 CPU kernel per quant type (tests/cache_reference.py says why)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
-from cache_reference import eval_runs, without_tiled
-from testkit import EXACT_PRESET, TEXT
+from cache_reference import eval_runs, expert_shape, prompt_tokens, without_tiled
+from testkit import EXACT_PRESET
 
 from rapidmoe import Llama
 from rapidmoe.cache.moepic import moe_layers_of
-from rapidmoe.ggufio import GGUFFile
 
 pytestmark = pytest.mark.native
 
 
-def _shape(path: Path) -> tuple[int, int]:
-    f = GGUFFile(path)
-    arch = f.get("general.architecture")
-    return int(f.get(f"{arch}.expert_count")), int(f.get(f"{arch}.expert_used_count"))
-
-
-def _tokens(wq: Path) -> list[int]:
-    vocab = Llama(wq, n_ctx=128, vocab_only=True, verbose=False)
-    toks = vocab.tokenize(TEXT, add_bos=False)[:24]
-    vocab.close()
-    return toks
-
-
 def test_concurrent_cached_layers_equal_serial_and_cpu(make_split) -> None:  # type: ignore[no-untyped-def]
     _, wq, wr = make_split("qwen3moe", EXACT_PRESET)
-    toks = _tokens(wq)
-    n_expert, k = _shape(wq)
+    toks = prompt_tokens(wq)
+    n_expert, k = expert_shape(wq)
     layers = moe_layers_of(wq)
     # a different half of each layer's experts, in a scrambled slot order; the last layer caches nothing (its work
     # stays on the CPU, serial) so both kinds of layer meet in one graph
@@ -76,8 +60,8 @@ def test_prefill_streaming_equals_the_cpu_run(make_split) -> None:  # type: igno
     counted), while a threshold above the prompt leaves everything as without streaming. Run in a child process
     with one CPU kernel per quant type, against the plain-layout reference (tests/cache_reference.py)."""
     _, wq, wr = make_split("qwen3moe", EXACT_PRESET)
-    toks = _tokens(wq)
-    n_expert, k = _shape(wq)
+    toks = prompt_tokens(wq)
+    n_expert, k = expert_shape(wq)
     layers = moe_layers_of(wq)
     dev = {"device": True, "expert_cache": {il: list(range(n_expert // 2)) for il in layers}}
     n_prompt = len(toks) - 3

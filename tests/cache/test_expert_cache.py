@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cache_reference import PlainLlama, eval_runs, run_logits, without_tiled
-from testkit import EXACT_PRESET, TEXT
+from cache_reference import PlainLlama, eval_runs, expert_shape, prompt_tokens, run_logits, without_tiled
+from testkit import EXACT_PRESET
 
 from rapidmoe import Llama, RapidMoEError
 from rapidmoe._runtime import _core
@@ -21,20 +21,6 @@ from rapidmoe.cache import ExpertCacheConfig
 from rapidmoe.cache.moepic import moe_layers_of
 from rapidmoe.ggufio import GGUFFile
 from rapidmoe.rpc import RPCServer
-
-
-def _shape(path: Path) -> tuple[int, int]:
-    """(n_expert, top-k) of the file."""
-    f = GGUFFile(path)
-    arch = f.get("general.architecture")
-    return int(f.get(f"{arch}.expert_count")), int(f.get(f"{arch}.expert_used_count"))
-
-
-def _tokens(path: Path) -> list[int]:
-    llm = Llama(path, n_ctx=128, vocab_only=True, verbose=False)
-    toks = llm.tokenize(TEXT, add_bos=False)[:24]
-    llm.close()
-    return toks
 
 
 def _on_device(rpc: RPCServer, cache: dict[int, list[int]]) -> dict[str, Any]:
@@ -67,8 +53,8 @@ def _half(layers: list[int], n_expert: int) -> dict[int, list[int]]:
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
 def test_plain_model_equals_the_cpu_run(arch: str, make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
     path = make_tiny(arch)
-    toks = _tokens(path)
-    n_expert, k = _shape(path)
+    toks = prompt_tokens(path)
+    n_expert, k = expert_shape(path)
     layers = moe_layers_of(path)
     il = layers[0]
     names = tuple(f"blk.{il}.ffn_{p}_exps.{s}" for p in ("up", "gate", "down") for s in ("cache", "weight"))
@@ -101,8 +87,8 @@ def test_resplit_pair_equals_the_cpu_run(arch: str, make_split) -> None:  # type
     results equal the plain-layout all-CPU run bit for bit, with one CPU kernel per quant type
     (tests/cache_reference.py says why the tiled one is off)."""
     _, wq, wr = make_split(arch, EXACT_PRESET)
-    toks = _tokens(wq)
-    n_expert, k = _shape(wq)
+    toks = prompt_tokens(wq)
+    n_expert, k = expert_shape(wq)
     names = _layer_names(wq)
     cache = _half(moe_layers_of(wq), n_expert)
     cases = [{"residual_path": str(wr), "n_critical": r} for r in (0, 1, k)]
@@ -134,8 +120,8 @@ def test_resplit_pair_with_default_kernels_differs_only_in_slot_0(arch: str, mak
     device's matmul parks the misses there: more rows, maybe another kernel), which are within a few ulps. (At
     r > 0 copy-mode down differs elsewhere too: the all-CPU run computes WQ down for the non-critical slots only.)"""
     _, wq, wr = make_split(arch, EXACT_PRESET)
-    toks = _tokens(wq)
-    n_expert, k = _shape(wq)
+    toks = prompt_tokens(wq)
+    n_expert, k = expert_shape(wq)
     il = moe_layers_of(wq)[0]
     cache = _half(moe_layers_of(wq), n_expert)
     names = [f"ffn_moe_topk-{il}", f"ffn_moe_gate-{il}", f"ffn_moe_down-{il}"]
@@ -165,8 +151,8 @@ def test_hit_counters(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-unt
     """All experts cached: rate 1; none: 0; half: the hits a numpy top-k of the router's probabilities gives, and
     the hit slots of the composed gate are the device matmul's values."""
     path = make_tiny("qwen3moe")  # softmax routing: the top-k of ffn_moe_probs are the selected experts
-    toks = _tokens(path)
-    n_expert, k = _shape(path)
+    toks = prompt_tokens(path)
+    n_expert, k = expert_shape(path)
     layers = moe_layers_of(path)
     slots = len(toks) * k * len(layers)
     cpu, _, _, _ = _run(path, toks)
@@ -198,8 +184,8 @@ def test_hit_counters(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-unt
 
 def test_counters_reset(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
     path = make_tiny("qwen3moe")
-    toks = _tokens(path)
-    n_expert, _ = _shape(path)
+    toks = prompt_tokens(path)
+    n_expert, _ = expert_shape(path)
     llm = Llama(path, n_ctx=128, verbose=False, n_threads=2, **_on_device(rpc, _half(moe_layers_of(path), n_expert)))
     try:
         llm.eval(toks)
@@ -213,7 +199,7 @@ def test_counters_reset(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-u
 
 def test_bad_requests_are_refused(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
     path = make_tiny("deepseek2")  # layer 0 is dense
-    n_expert, _ = _shape(path)
+    n_expert, _ = expert_shape(path)
     il = moe_layers_of(path)[0]
     dev = _on_device(rpc, {il: [0]})
 
@@ -257,7 +243,7 @@ def test_old_keywords_still_work_and_warn(make_tiny, rpc: RPCServer) -> None:  #
     try:
         assert llm.expert_cache_config == ExpertCacheConfig(experts={il: [0, 1]}, device=dev, policy="lru")
         assert llm.expert_cache is not None
-        llm.eval(_tokens(path)[:8])
+        llm.eval(prompt_tokens(path)[:8])
         with pytest.warns(DeprecationWarning, match=r"llm\.expert_cache\.stats\(\)"):
             old = llm.expert_cache_stats()
         assert old == llm.expert_cache.stats() and old.slots > 0

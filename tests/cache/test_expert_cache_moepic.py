@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cache_reference import PlainLlama, last_logits
+from cache_reference import PlainLlama, step_logits
 from testkit import ROOT, repeated_text
 
 from rapidmoe import Llama, RapidMoEError
@@ -29,21 +29,11 @@ from rapidmoe.trace import read_trace
 TEXT = repeated_text(3)
 
 
-def _steps(llm: Llama, prompt: list[int], rest: list[int]) -> list[np.ndarray]:
-    out = []
-    llm.eval(prompt)
-    out.append(last_logits(llm))
-    for t in rest:
-        llm.eval([t])
-        out.append(last_logits(llm))
-    return out
-
-
 def _cpu_steps(path: Path, n: int) -> tuple[list[int], list[int], list[np.ndarray]]:
     cpu = Llama(path, n_ctx=128, verbose=False, n_threads=2)
     toks = cpu.tokenize(TEXT)[:n]
     prompt, rest = toks[:8], toks[8:]
-    want = _steps(cpu, prompt, rest)
+    want = step_logits(cpu, prompt, rest)
     cpu.close()
     return prompt, rest, want
 
@@ -61,7 +51,7 @@ def test_moepic_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, tm
                 expert_cache=ExpertCacheConfig(device=rpc.device.buffer_type, policy="moepic", moepic=settings,
                                                async_copies=overlap))
     try:
-        got = _steps(llm, prompt, rest)
+        got = step_logits(llm, prompt, rest)
         cache = llm.expert_cache
         assert cache is not None
         stats, moved, ml = cache.stats(), cache.bytes(), cache.moepic
@@ -110,7 +100,7 @@ def test_lru_and_refresh_exact_with_copies_waited_at_once(make_tiny, rpc: RPCSer
                         experts={il: [3, 0, 5] for il in layers}, device=rpc.device.buffer_type, policy=policy,
                         refresh=RefreshSettings(4.0, 1, 0.0) if policy == "rapidmoe" else None, async_copies=False))
         try:
-            got = _steps(llm, prompt, rest)
+            got = step_logits(llm, prompt, rest)
             assert llm.expert_cache is not None
             moved = llm.expert_cache.bytes()
             copies = llm.expert_cache.copies()
@@ -153,7 +143,7 @@ def test_tiny_moe_a_runtime_counters_equal_the_replay(rpc: RPCServer, tmp_path: 
     cpu = Llama(path, n_ctx=128, verbose=False, n_threads=2)
     toks = cpu.tokenize(text)[:40]
     prompt, rest = toks[:8], toks[8:]
-    want = _steps(cpu, prompt, rest)
+    want = step_logits(cpu, prompt, rest)
     cpu.close()
     eb = wq_expert_bytes(path, layers)
     initial = {il: [0, 1, 2, 3] for il in layers}
@@ -167,7 +157,7 @@ def test_tiny_moe_a_runtime_counters_equal_the_replay(rpc: RPCServer, tmp_path: 
         llm = Llama(path, n_ctx=128, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
                     override_tensor="exps=CPU", expert_cache=config, trace=trace)
         try:
-            got = _steps(llm, prompt, rest)
+            got = step_logits(llm, prompt, rest)
             cache = llm.expert_cache
             assert cache is not None
             stats, moved = cache.stats(), cache.bytes()
@@ -215,7 +205,7 @@ def test_moepic_on_quantized_wq_with_residuals_is_exact(rpc: RPCServer, tmp_path
     # the plain layout, as the cache run keeps it (tests/cache_reference.py: exps=CPU alone still repacks)
     cpu = PlainLlama(res.wq_path, override_tensor="exps=CPU", **kw)
     toks = cpu.tokenize(TEXT)[:20]
-    want = _steps(cpu, toks[:8], toks[8:])
+    want = step_logits(cpu, toks[:8], toks[8:])
     cpu.close()
     llm = Llama(res.wq_path, rpc_servers=[rpc.endpoint], n_gpu_layers=-1, override_tensor="exps=CPU",
                 expert_cache=ExpertCacheConfig(device=rpc.device.buffer_type, policy="moepic",
@@ -223,7 +213,7 @@ def test_moepic_on_quantized_wq_with_residuals_is_exact(rpc: RPCServer, tmp_path
     try:
         assert llm.expert_cache is not None
         ml = llm.expert_cache.moepic
-        got = _steps(llm, toks[:8], toks[8:])
+        got = step_logits(llm, toks[:8], toks[8:])
         stats = llm.expert_cache.stats()
     finally:
         llm.close()
@@ -248,7 +238,7 @@ def test_moepic_from_a_gpu_mem_plan_is_exact(make_tiny, rpc: RPCServer) -> None:
     prompt, rest, want = _cpu_steps(path, 16)
     llm = Llama(path, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], **kw)
     try:
-        got = _steps(llm, prompt, rest)
+        got = step_logits(llm, prompt, rest)
         assert llm.expert_cache is not None
         ml = llm.expert_cache.moepic
     finally:

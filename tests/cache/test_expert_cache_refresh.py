@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cache_reference import last_logits
+from cache_reference import step_logits
 from testkit import repeated_text
 from typer.testing import CliRunner
 
@@ -27,17 +27,6 @@ from rapidmoe.trace import read_trace
 TEXT = repeated_text(3)
 
 
-def _steps(llm: Llama, prompt: list[int], rest: list[int]) -> list[np.ndarray]:
-    """The last position's logits after the prompt and after each further token (one decode step each)."""
-    out = []
-    llm.eval(prompt)
-    out.append(last_logits(llm))
-    for t in rest:
-        llm.eval([t])
-        out.append(last_logits(llm))
-    return out
-
-
 def test_refresh_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path = make_tiny("qwen3moe")
     layers = moe_layers_of(path)
@@ -46,7 +35,7 @@ def test_refresh_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, t
     cpu = Llama(path, n_ctx=128, verbose=False, n_threads=2)
     toks = cpu.tokenize(TEXT)[:24]
     prompt, rest = toks[:8], toks[8:]
-    want = _steps(cpu, prompt, rest)
+    want = step_logits(cpu, prompt, rest)
     cpu.close()
     trace = tmp_path / "run.trace"
     llm = Llama(path, n_ctx=128, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
@@ -54,7 +43,7 @@ def test_refresh_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, t
                 expert_cache=ExpertCacheConfig(experts=initial, device=rpc.device.buffer_type, policy="rapidmoe",
                                                refresh=settings))
     try:
-        got = _steps(llm, prompt, rest)
+        got = step_logits(llm, prompt, rest)
         assert llm.expert_cache is not None
         stats, ref = llm.expert_cache.stats(), llm.expert_cache.refresh_stats()
         final = llm.expert_cache.experts
@@ -89,14 +78,14 @@ def test_lru_is_exact_and_matches_the_simulator(make_tiny, rpc: RPCServer, tmp_p
     cpu = Llama(path, n_ctx=128, verbose=False, n_threads=2)
     toks = cpu.tokenize(TEXT)[:24]
     prompt, rest = toks[:8], toks[8:]  # the prompt needs more experts than the 3 slots: some stay on the CPU
-    want = _steps(cpu, prompt, rest)
+    want = step_logits(cpu, prompt, rest)
     cpu.close()
     trace = tmp_path / "lru.trace"
     llm = Llama(path, n_ctx=128, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
                 override_tensor="exps=CPU", trace=trace,
                 expert_cache=ExpertCacheConfig(experts=initial, device=rpc.device.buffer_type, policy="lru"))
     try:
-        got = _steps(llm, prompt, rest)
+        got = step_logits(llm, prompt, rest)
         assert llm.expert_cache is not None
         stats, copies = llm.expert_cache.stats(), llm.expert_cache.copies()
     finally:

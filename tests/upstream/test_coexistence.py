@@ -12,6 +12,7 @@ import base64
 import csv
 import hashlib
 import importlib.metadata as md
+import importlib.util
 import io
 import json
 import os
@@ -76,11 +77,8 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     out = tmp_path_factory.mktemp("wheels")
     ours = _pack_our_wheel(out)
     env = dict(os.environ, CMAKE_ARGS="-DLLAMA_BUILD=OFF")
-    try:
-        import scikit_build_core  # noqa: F401, PLC0415 - present: build without fetching build requirements
-        iso = ["--no-build-isolation"]
-    except ImportError:
-        iso = []
+    # where the build backend is installed, build without fetching the build requirements
+    iso = ["--no-build-isolation"] if importlib.util.find_spec("scikit_build_core") is not None else []
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *iso, "-q", "-w", str(out), str(SDIST)],
                    env=env, check=True, capture_output=True, timeout=600)
     theirs = next(out.glob("llama_cpp_python-*.whl"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 
-from ..cache.config import CachePolicyError, MoEpicConfig, MoEpicSettings, RefreshSettings
+from ..cache.config import CachePolicy, CachePolicyError, MoEpicConfig, MoEpicSettings, RefreshSettings
 from ..cache.moepic import (
     HitCurve,
     SplitSolution,
@@ -29,7 +29,8 @@ from ..cache.simulator import (
 )
 from ..cache.simulator import ReplayPolicy as Policy
 
-POLICIES = ("static", "lru", "moepic", "rapidmoe")
+# the old tuple, in its old order, spelled by the one enum
+POLICIES = tuple(p.value for p in (CachePolicy.static, CachePolicy.lru, CachePolicy.moepic, CachePolicy.rapidmoe))
 
 warnings.warn("rapidmoe.placement.cache_policies is deprecated: import from rapidmoe.cache (the simulator's Policy "
               "is rapidmoe.cache.ReplayPolicy)", DeprecationWarning, stacklevel=2)

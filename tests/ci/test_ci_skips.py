@@ -29,7 +29,7 @@ def needs():
 def test_fixture_skips(needs):
     pass
 
-@pytest.mark.xfail(reason="known")
+@pytest.mark.xfail(reason="known", strict=True)
 def test_known_failure():
     assert False
 

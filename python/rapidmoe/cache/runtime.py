@@ -172,15 +172,15 @@ class ExpertCache:
         self._n_expert = n_expert
         self._moepic: list[MoEpicLayer] | None = None
         experts = config.experts
+        moe = moe_layers_of(model_path)
         if self.policy is CachePolicy.moepic:
             assert config.moepic is not None  # ExpertCacheConfig refuses moepic without its settings
-            moe = moe_layers_of(model_path)
             splits, caps = config.moepic.per_layer(len(moe))
             work = min(config.moepic.work_slots or n_expert_used, n_expert)
             self._moepic = moepic_layers(model_path, moe, splits, caps, work)
             experts = {il: list(range(work)) for il in moe}
         assert experts is not None  # ExpertCacheConfig refuses the other policies without experts
-        self._initial = check_expert_cache(experts, moe_layers_of(model_path), n_layer, n_expert)
+        self._initial = check_expert_cache(experts, moe, n_layer, n_expert)
         self.device = check_device(config.device, known_devices)
         self._model: Any = None  # llama_cpp's model wrapper once attached (its .model: the llama_model pointer)
         self._refresher: CacheRefresher | None = None

@@ -171,6 +171,9 @@ class Llama(llama_cpp.Llama):
             if n_critical < 0:
                 raise RapidMoEError(f"n_critical must be >= 0, got {n_critical}")
             self.residual = load_residual_info(model_path, residual_path, verify=verify_residual)
+            if self.residual.codec != "residual" and self._cache is not None:
+                raise RapidMoEError(f"the {self.residual.codec} sidecar computes its critical experts on the CPU from "
+                                    "the model's own WQ experts: it does not combine with expert_cache")
             self._n_critical_init = min(n_critical, info.n_expert_used)
         if trace is not None:
             layers = moe_layers_of(model_path)

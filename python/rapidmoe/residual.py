@@ -13,7 +13,7 @@ import numpy as np
 from .ggufio import GGUFFile
 from .resplit.sidecar import check_pair, open_gguf
 
-_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|wr|hi)$")
+_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|wr|hi|rf)$")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class ResidualInfo:
     wq_bytes_per_expert: dict[int, int]  # layer -> bytes of one expert's WQ gate+up+down
     wr_bytes_per_expert: dict[int, int]  # layer -> bytes of one expert's sidecar tensors
     wq_down_bytes_per_expert: dict[int, int] = field(default_factory=dict)  # layer -> one expert's WQ down
+    codec: str = "residual"  # "residual" (WR residuals / down copy) or "q3k-refine1" (bit planes refining WQ's Q3_K)
 
     def counters(self, raw: np.ndarray) -> list[MoELayerCounters]:
         out = []
@@ -70,4 +71,5 @@ def load_residual_info(wq_path: str | os.PathLike[str], wr_path: str | os.PathLi
     return ResidualInfo(path=Path(wr_path), n_expert_used=int(base.get(f"{arch}.expert_used_count", 0)),
                         down_mode=str(meta.get("preset.down_mode", "copy")),
                         wq_bytes_per_expert=_per_expert_bytes(base), wr_bytes_per_expert=_per_expert_bytes(side),
-                        wq_down_bytes_per_expert=_per_expert_bytes(base, "down"))
+                        wq_down_bytes_per_expert=_per_expert_bytes(base, "down"),
+                        codec=str(meta.get("codec", "residual")))

@@ -7,6 +7,7 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
+#include "rapidmoe-llama.h"
 
 #include <cstring>
 #include <map>
@@ -106,6 +107,56 @@ nb::ndarray<nb::numpy, float, nb::ndim<3>> mul_mat_id(U8_3 as, int type_id, int6
     return nb::ndarray<nb::numpy, float, nb::ndim<3>>(res, {(size_t) T, (size_t) k, (size_t) n_out}, owner);
 }
 
+// the refine codec's op: wq uint8 [n_as, n_out, n_in/256*110] (Q3_K), bits uint8 [n_as, n_out, n_in/8]
+nb::ndarray<nb::numpy, float, nb::ndim<3>> refine_mul_mat_id(U8_3 wq, U8_3 bits, int64_t n_in, F32_3 b, I32_2 ids,
+                                                             int n_threads) {
+    const int64_t n_as = wq.shape(0), n_out = wq.shape(1);
+    const int64_t T = b.shape(0), n_b = b.shape(1), k = ids.shape(1);
+    if (n_in % 256 != 0 || (int64_t) b.shape(2) != n_in || (int64_t) ids.shape(0) != T ||
+        wq.shape(2) != ggml_row_size(GGML_TYPE_Q3_K, n_in) || bits.shape(0) != wq.shape(0) ||
+        bits.shape(1) != wq.shape(1) || (int64_t) bits.shape(2) * 8 != n_in) {
+        throw std::invalid_argument("refine_mul_mat_id: inconsistent shapes");
+    }
+    ggml_init_params ip = { 64 * ggml_tensor_overhead() + ggml_graph_overhead() + wq.nbytes() + bits.nbytes() +
+                            b.nbytes() + ids.nbytes() + (size_t) (T * k * n_out) * 4 + (1 << 16), nullptr, false };
+    ggml_context * ctx = ggml_init(ip);
+    ggml_tensor * tw = ggml_new_tensor_3d(ctx, GGML_TYPE_Q3_K, n_in, n_out, n_as);
+    ggml_tensor * tr = ggml_new_tensor_3d(ctx, GGML_TYPE_I8, n_in / 8, n_out, n_as);
+    ggml_tensor * tb = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, n_in, n_b, T);
+    ggml_tensor * ti = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, T);
+    std::memcpy(tw->data, wq.data(), wq.nbytes());
+    std::memcpy(tr->data, bits.data(), bits.nbytes());
+    std::memcpy(tb->data, b.data(), b.nbytes());
+    std::memcpy(ti->data, ids.data(), ids.nbytes());
+    ggml_tensor * out = rapidmoe_llama_refine_mul_mat_id(ctx, tw, tr, tb, ti);
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, out);
+    {
+        nb::gil_scoped_release release;
+        ggml_cpu_init();
+        ggml_cplan plan = ggml_graph_plan(gf, n_threads, nullptr);
+        std::vector<uint8_t> work(plan.work_size + 1);
+        plan.work_data = work.data();
+        ggml_graph_compute(gf, &plan);
+    }
+    auto * res = new float[(size_t) (T * k * n_out)];
+    std::memcpy(res, out->data, ggml_nbytes(out));
+    ggml_free(ctx);
+    nb::capsule owner(res, [](void * p) noexcept { delete[] (float *) p; });
+    return nb::ndarray<nb::numpy, float, nb::ndim<3>>(res, {(size_t) T, (size_t) k, (size_t) n_out}, owner);
+}
+
+using U8_1 = nb::ndarray<const uint8_t, nb::numpy, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using F32_1 = nb::ndarray<const float, nb::numpy, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+float refine_dot(U8_1 wq, U8_1 bits, F32_1 x, bool reference) {
+    const int64_t n = (int64_t) x.shape(0);
+    if (n % 256 != 0 || wq.shape(0) != ggml_row_size(GGML_TYPE_Q3_K, n) || (int64_t) bits.shape(0) * 8 != n) {
+        throw std::invalid_argument("refine_dot: inconsistent shapes");
+    }
+    return rapidmoe_llama_refine_dot(n, wq.data(), bits.data(), x.data(), reference);
+}
+
 struct TensorCapture {
     std::vector<std::string> names;  // exact graph tensor names, e.g. "ffn_moe_out-0"
     std::map<std::string, std::vector<std::vector<float>>> data;  // name -> one entry per computation
@@ -182,6 +233,11 @@ void bind_testing(nb::module_ & m) {
           "Run ggml_mul_mat_id (or ggml_mul_mat_id_masked) on the CPU backend: as_ uint8 [n_as, n_out, row_bytes]\n"
           "of ggml type `type`, b float32 [T, n_b, n_in], ids int32 [T, k]; returns float32 [T, k, n_out].\n"
           "repacked: the weights in the CPU_REPACK buffer (its kernels); ValueError where it has no layout.");
+    m.def("refine_mul_mat_id", &refine_mul_mat_id, "wq"_a, "bits"_a, "n_in"_a, "b"_a, "ids"_a, "n_threads"_a = 2,
+          "Run the refine codec's op on the CPU: wq uint8 [n_as, n_out, row_bytes] (Q3_K), bits uint8 [n_as, n_out,\n"
+          "n_in/8], b float32 [T, n_b, n_in], ids int32 [T, k] (-1: a zero row); returns float32 [T, k, n_out].");
+    m.def("refine_dot", &refine_dot, "wq"_a, "bits"_a, "x"_a, "reference"_a = false,
+          "One refined row (Q3_K bytes, bit plane) dot x (quantized to Q8_K): the SIMD kernel or the scalar reference.");
     nb::class_<TensorCapture>(m, "TensorCapture",
         "Copies the named F32 or I32 graph tensors (I32 as exact floats; views with contiguous rows too) each time\n"
         "a llama_context computes them (eval callback).")

@@ -23,6 +23,14 @@ LLAMA_API const char * rapidmoe_llama_build_info(void);
 // Two callers that see each other's additions share one copy of the library.
 LLAMA_API int64_t rapidmoe_llama_probe_add(int64_t delta);
 
+// The refine codec's matmul (llama_ext/rapidmoe-refine.h), for tests: the graph node (a CPU custom op) and one row's
+// dot product with x (n floats, quantized to Q8_K first) by the SIMD kernel, or by the scalar reference.
+LLAMA_API struct ggml_tensor * rapidmoe_llama_refine_mul_mat_id(struct ggml_context * ctx, struct ggml_tensor * wq,
+                                                                struct ggml_tensor * bits, struct ggml_tensor * b,
+                                                                struct ggml_tensor * ids);
+LLAMA_API float rapidmoe_llama_refine_dot(int64_t n, const uint8_t * wq, const uint8_t * bits, const float * x,
+                                          bool reference);
+
 // Attach a residual sidecar (.wr.gguf) to a loaded model: its tensors are read into CPU memory and every
 // later graph of this model runs split expert routing. Returns 0, or -1 with the reason in err.
 LLAMA_API int32_t rapidmoe_llama_attach_residual(const struct llama_model * model, const char * path,

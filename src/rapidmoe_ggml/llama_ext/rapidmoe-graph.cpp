@@ -11,8 +11,11 @@
 #include "rapidmoe-graph.h"
 
 #include "rapidmoe-compute.h"
+#include "rapidmoe-refine.h"
 #include "rapidmoe-residual.h"
 #include "rapidmoe-stream.h"
+
+#include "llama-impl.h" // LLAMA_LOG_WARN
 
 #include <initializer_list>
 
@@ -96,7 +99,7 @@ void begin_split(rapidmoe_moe_split & s, const llm_graph_context & g, const rapi
     const bool wq_on_device = up_exps->buffer != nullptr && !in_cpu_memory(up_exps); // repacked CPU is not host
     s.overlap = mode == RAPIDMOE_OVERLAP_ON || (mode == RAPIDMOE_OVERLAP_AUTO && wq_on_device);
     // the overlap ops know neither per-expert scales nor the merged gate_up: those layers add their residuals in the graph
-    s.overlap = s.overlap && !layer.scaled && layer.gate_up_wr == nullptr;
+    s.overlap = s.overlap && !layer.scaled && layer.gate_up_wr == nullptr && !layer.refine; // refine: CPU op
     layer.state->hooked[layer.il].store(true); // this architecture's MoE reaches the split (checked at load)
 }
 
@@ -227,6 +230,35 @@ ggml_tensor * add_residual(const rapidmoe_moe_split & s, ggml_tensor * t, ggml_t
     return ggml_add(s.g->ctx0, t, scaled_like(s, r, t));
 }
 
+// The refine codec: the WQ matmul `wq` (llama.cpp's plain MUL_MAT_ID of the model's Q3_K experts) computes the
+// non-critical slots only (masked ids) and the refine op the critical ones from the same WQ rows and the sidecar's
+// bit plane: each slot computed once, by its path, summed. Returns `wq` unchanged (WQ only, with a warning) where the
+// node is not that plain matmul (a LoRA, a bias) or its weights are not in CPU memory: the loader refuses the layouts
+// it knows of, so this is a safety net.
+ggml_tensor * refine_split(const rapidmoe_moe_split & s, ggml_tensor * wq, ggml_tensor * plane, const char * name) {
+    ggml_context * ctx = s.g->ctx0;
+    if (wq->op != GGML_OP_MUL_MAT_ID || wq->src[0]->type != GGML_TYPE_Q3_K || !in_cpu_memory(wq->src[0]) ||
+        s.cache != nullptr || s.stream != nullptr) {
+        static bool warned = false;
+        if (!warned) {
+            warned = true;
+            LLAMA_LOG_WARN("rapidmoe: layer %d: the refine codec cannot apply to %s here; the layer runs WQ only\n",
+                          s.il, ggml_get_name(wq));
+        }
+        return wq;
+    }
+    ggml_tensor * fine = rapidmoe_refine_mul_mat_id(ctx, wq->src[0], plane, wq->src[1], s.crit_ids);
+    s.g->cb(fine, name, s.il);
+    on_cpu(*s.g, fine);
+    if (s.skip_noncritical) { // drop baseline: no WQ slot at all
+        return fine;
+    }
+    wq->src[2] = s.noncrit_ids; // UMIA's op wrote them beside the critical ids
+    wq->op = GGML_OP_MUL_MAT_ID_MASKED;
+    on_cpu(*s.g, wq);
+    return ggml_add(ctx, wq, fine);
+}
+
 rapidmoe_overlap_site * site(const rapidmoe_moe_split & s, int stage) {
     return const_cast<rapidmoe_overlap_site *>(&s.layer->overlap[stage]);
 }
@@ -350,6 +382,11 @@ void rapidmoe_moe_gate_up(const rapidmoe_moe_split & s, ggml_tensor *& gate, ggm
     if (s.layer == nullptr) {
         return;
     }
+    if (s.layer->refine) {
+        up = refine_split(s, up, s.layer->up_wr, "rapidmoe_up_refine");
+        gate = refine_split(s, gate, s.layer->gate_wr, "rapidmoe_gate_refine");
+        return;
+    }
     wq_critical_only(s, gate);
     wq_critical_only(s, up);
     if (!s.overlap) {
@@ -379,6 +416,9 @@ ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * expe
     }
     if (s.layer == nullptr) {
         return experts;
+    }
+    if (s.layer->refine) {
+        return refine_split(s, experts, s.layer->down_hi, "rapidmoe_down_refine");
     }
     ggml_context * ctx = s.g->ctx0;
     if (!s.overlap && s.layer->down_is_copy && s.cache == nullptr && experts->op == GGML_OP_MUL_MAT_ID &&

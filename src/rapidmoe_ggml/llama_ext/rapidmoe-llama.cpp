@@ -4,7 +4,10 @@
 
 #include "rapidmoe-expert-cache.h"
 #include "rapidmoe-export.h"
+#include "rapidmoe-refine.h"
 #include "rapidmoe-residual.h"
+
+#include "ggml-cpu.h"
 
 #include "llama-model.h" // llama_internal_get_tensor_map
 
@@ -31,6 +34,17 @@ const char * rapidmoe_llama_build_info(void) {
 
 int64_t rapidmoe_llama_probe_add(int64_t delta) {
     return g_probe.fetch_add(delta) + delta;
+}
+
+ggml_tensor * rapidmoe_llama_refine_mul_mat_id(ggml_context * ctx, ggml_tensor * wq, ggml_tensor * bits, ggml_tensor * b,
+                                               ggml_tensor * ids) {
+    return rapidmoe_refine_mul_mat_id(ctx, wq, bits, b, ids);
+}
+
+float rapidmoe_llama_refine_dot(int64_t n, const uint8_t * wq, const uint8_t * bits, const float * x, bool reference) {
+    std::vector<uint8_t> q8((size_t) (n / 256) * RAPIDMOE_Q8K_BLOCK);
+    ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float(x, q8.data(), n);
+    return reference ? rapidmoe_refine_dot_ref(n, wq, bits, q8.data()) : rapidmoe_refine_dot(n, wq, bits, q8.data());
 }
 
 int32_t rapidmoe_llama_attach_residual(const llama_model * model, const char * path, char * err, size_t err_size) {

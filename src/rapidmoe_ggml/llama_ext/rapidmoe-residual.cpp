@@ -68,6 +68,24 @@ bool model_keeps_plain_layout(const ggml_tensor * base) {
 
 // Whether the CPU runs the masked matmul of `w` (the residual matmuls' op) from `buft`: the question llama.cpp's
 // loader asks before it places a weight in an extra buffer type (a dummy node whose weight claims that buffer).
+// A refinement bit plane (form "rf") must belong to Q3_K experts in CPU memory: [n_in/8, n_out, n_expert] bytes
+std::string refine_plane_error(const ggml_tensor * base, const ggml_tensor * plane) {
+    const std::string name = ggml_get_name(plane);
+    if (plane->type != GGML_TYPE_I8 || plane->ne[0] * 8 != base->ne[0] || plane->ne[1] != base->ne[1] ||
+        plane->ne[2] != base->ne[2] || plane->ne[3] != 1) {
+        return "sidecar tensor " + name + " does not match the model's expert tensor (a bit plane of its shape)";
+    }
+    if (base->type != GGML_TYPE_Q3_K) {
+        return "sidecar tensor " + name + " refines Q3_K experts, but the model's are " + ggml_type_name(base->type) +
+               " (the sidecar belongs to another .wq.gguf)";
+    }
+    if (base->buffer != nullptr && !ggml_backend_buffer_is_host(base->buffer)) {
+        return "the refine codec computes on the CPU and reads the model's own experts: keep them in CPU memory "
+               "(no --n-gpu-layers or -ot moving " + std::string(ggml_get_name(base)) + " to a device)";
+    }
+    return "";
+}
+
 bool cpu_runs_masked_from(ggml_backend_buffer_type_t buft, const ggml_tensor * w, int n_expert_used) {
     ggml_init_params ip = { 8 * ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
     ggml_context * ctx = ggml_init(ip);
@@ -209,11 +227,17 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         else if (r == "down") base = L.ffn_down_exps;
         else if (r == "gate_up") base = L.ffn_gate_up_exps;
         const ggml_tensor * src = ggml_get_tensor(meta, name);
-        if (base == nullptr || src == nullptr || !same_shape(base, src)) {
+        const bool bit_plane = f == "rf";
+        if (bit_plane && base != nullptr && src != nullptr) {
+            if (err = refine_plane_error(base, src); !err.empty()) {
+                break;
+            }
+        } else if (base == nullptr || src == nullptr || !same_shape(base, src)) {
             err = std::string("sidecar tensor ") + name + " does not match the model's expert tensor (shape)";
             break;
         }
-        const bool repacked = repack != nullptr && !model_keeps_plain_layout(base) &&
+        // a bit plane is read by the refine op from the plain layout (it has no repacked one)
+        const bool repacked = !bit_plane && repack != nullptr && !model_keeps_plain_layout(base) &&
                               cpu_runs_masked_from(repack, src, st->n_expert_used);
         ggml_tensor * t = ggml_dup_tensor(repacked ? st->ctx_repack : st->ctx, src);
         ggml_set_name(t, name);
@@ -236,6 +260,9 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         else if (r == "gate" && f == "wr") lr.gate_wr = t;
         else if (r == "gate_up" && f == "wr") lr.gate_up_wr = t;
         else if (r == "down" && (f == "wr" || f == "hi")) { lr.down_hi = t; lr.down_is_copy = f == "hi"; }
+        else if (bit_plane && r == "up") lr.up_wr = t;
+        else if (bit_plane && r == "gate") lr.gate_wr = t;
+        else if (bit_plane && r == "down") { lr.down_hi = t; lr.down_is_copy = false; }
         else err = std::string("unexpected tensor ") + name + " in the sidecar";
     }
     for (size_t il = 0; il < st->layers.size() && err.empty(); ++il) {
@@ -245,6 +272,16 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         if (any && !((separate || merged) && lr.down_hi)) {
             err = "layer " + std::to_string(il) + " of the sidecar lacks some of up/gate/down (or gate_up/down)";
         }
+        int planes = 0;
+        for (const ggml_tensor * t : { lr.up_wr, lr.gate_wr, lr.down_hi }) {
+            planes += t != nullptr && t->type == GGML_TYPE_I8 ? 1 : 0;
+        }
+        if (err.empty() && planes != 0 && (planes != 3 || lr.gate_up_wr != nullptr)) {
+            err = "layer " + std::to_string(il) + " of the sidecar mixes refinement bit planes (.rf) with other tensors";
+        } else if (err.empty() && planes == 3 && lr.scaled) {
+            err = "layer " + std::to_string(il) + " has per-expert scales, which the refine codec does not support";
+        }
+        st->layers[il].refine = planes == 3;
         if (!any && (model->layers[il].ffn_up_exps != nullptr || model->layers[il].ffn_gate_up_exps != nullptr)) {
             err = "the sidecar has no residual for MoE layer " + std::to_string(il);
         }

@@ -38,6 +38,9 @@ struct rapidmoe_layer_residual {
     bool scaled = false;                     // the model has per-expert scales (ffn_*_exps_s): no overlap
     ggml_tensor * down_hi = nullptr;         // copy of down (down_is_copy) or its residual
     bool down_is_copy = true;
+    // the refine codec (sidecar codec "q3k-refine1", rapidmoe-refine.h): up_wr, gate_wr and down_hi are then bit planes
+    // I8 [n_in/8, n_out, n_expert] refining the model's own Q3_K experts, computed with them in one op
+    bool refine = false;
     // UMIA's op state and r histogram, one per phase (index rapidmoe_umia_phase)
     std::array<std::unique_ptr<rapidmoe_umia_site>, 2> sites = { std::make_unique<rapidmoe_umia_site>(),
                                                                  std::make_unique<rapidmoe_umia_site>() };

@@ -1,0 +1,235 @@
+// The refine codec's matmul: kernels (a scalar reference and an AVX2 one) and the custom op (rapidmoe-refine.h).
+#include "rapidmoe-refine.h"
+
+#include "ggml-cpu.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// offsets inside a Q3_K block (ggml's block_q3_K) and a Q8_K block (block_q8_K)
+constexpr size_t Q3K_HMASK = 0, Q3K_QS = 32, Q3K_SCALES = 96, Q3K_D = 108;
+constexpr size_t Q8K_QS = 4, Q8K_BSUMS = 260;
+
+float half_to_float(const uint8_t * p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    ggml_fp16_t v;
+    std::memcpy(&v, &h, 2);
+    return ggml_fp16_to_fp32(v);
+#endif
+}
+
+// the 16 sub-block scales sc_j - 32 of a Q3_K block (ggml's 12-byte packing: low 4 bits, then 2 high bits)
+void q3k_scales(const uint8_t * s, int8_t out[16]) {
+    for (int j = 0; j < 16; ++j) {
+        const int low = j < 8 ? s[j] & 0xF : s[j - 8] >> 4;
+        const int high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+        out[j] = (int8_t) ((low | (high << 4)) - 32);
+    }
+}
+
+float x_scale(const uint8_t * xb) {
+    float d;
+    std::memcpy(&d, xb, 4);
+    return d;
+}
+
+} // namespace
+
+float rapidmoe_refine_dot_ref(int64_t n, const uint8_t * wq, const uint8_t * bits, const void * x) {
+    const auto * xb = (const uint8_t *) x;
+    float sum = 0.0f;
+    for (int64_t b = 0; b < n / 256; ++b, wq += RAPIDMOE_Q3K_BLOCK, bits += 32, xb += RAPIDMOE_Q8K_BLOCK) {
+        int8_t sc[16];
+        q3k_scales(wq + Q3K_SCALES, sc);
+        const auto * xq = (const int8_t *) (xb + Q8K_QS);
+        int32_t isum = 0;
+        for (int j = 0; j < 16; ++j) {
+            int32_t s = 0;
+            for (int i = 16 * j; i < 16 * j + 16; ++i) {
+                const int low = (wq[Q3K_QS + (i / 128) * 32 + i % 32] >> (2 * ((i % 128) / 32))) & 3;
+                const int high = (wq[Q3K_HMASK + i % 32] >> (i / 32)) & 1;
+                const int t = (bits[i / 8] >> (i % 8)) & 1;
+                const int f = 2 * (low | (high << 2)) + t;
+                s += (2 * f - 17) * xq[i];
+            }
+            isum += sc[j] * s;
+        }
+        sum += half_to_float(wq + Q3K_D) * x_scale(xb) * (float) isum;
+    }
+    return 0.25f * sum;
+}
+
+#if defined(__AVX2__)
+namespace {
+
+inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// 32 bits -> 32 bytes of 0/1
+inline __m256i bits_to_bytes(uint32_t m) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_set1_epi8((__mmask32) m, 1);
+#else
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long) 0x8040201008040201ULL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int) m), shuf);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+    return _mm256_and_si256(v, _mm256_set1_epi8(1));
+#endif
+}
+
+} // namespace
+
+float rapidmoe_refine_dot(int64_t n, const uint8_t * wq, const uint8_t * bits, const void * x) {
+    const auto * xb = (const uint8_t *) x;
+    const __m256i m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+    float sum = 0.0f;
+    for (int64_t b = 0; b < n / 256; ++b, wq += RAPIDMOE_Q3K_BLOCK, bits += 32, xb += RAPIDMOE_Q8K_BLOCK) {
+        _mm_prefetch((const char *) wq + 4 * RAPIDMOE_Q3K_BLOCK, _MM_HINT_T0);
+        _mm_prefetch((const char *) wq + 4 * RAPIDMOE_Q3K_BLOCK + 64, _MM_HINT_T0);
+        int8_t sc[16];
+        q3k_scales(wq + Q3K_SCALES, sc);
+        const __m256i hm = _mm256_loadu_si256((const __m256i *) (wq + Q3K_HMASK));
+        const __m256i qs[2] = { _mm256_loadu_si256((const __m256i *) (wq + Q3K_QS)),
+                                _mm256_loadu_si256((const __m256i *) (wq + Q3K_QS + 32)) };
+        const auto * xq = (const int8_t *) (xb + Q8K_QS);
+        __m256i acc = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) { // 32 weights: sub-blocks 2c and 2c + 1
+            const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs[c / 4], 2 * (c % 4)), m3);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hm, c), m1);
+            uint32_t tb;
+            std::memcpy(&tb, bits + 4 * c, 4);
+            // f = 2 * (low + 4 * high) + t, in 0..15
+            const __m256i f = _mm256_add_epi8(_mm256_add_epi8(_mm256_add_epi8(low, low), _mm256_slli_epi16(high, 3)),
+                                              bits_to_bytes(tb));
+            const __m256i p = _mm256_maddubs_epi16(f, _mm256_loadu_si256((const __m256i *) (xq + 32 * c)));
+            const __m256i s = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * c]), _mm_set1_epi16(sc[2 * c + 1]));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+        }
+        // sum (2f - 17) x = 2 sum f x - 17 sum x, with Q8_K's sums of 16
+        int16_t bs[16];
+        std::memcpy(bs, xb + Q8K_BSUMS, sizeof(bs));
+        int32_t c17 = 0;
+        for (int j = 0; j < 16; ++j) {
+            c17 += sc[j] * bs[j];
+        }
+        const int32_t isum = 2 * hsum_i32(acc) - 17 * c17;
+        sum += half_to_float(wq + Q3K_D) * x_scale(xb) * (float) isum;
+    }
+    return 0.25f * sum;
+}
+#else
+float rapidmoe_refine_dot(int64_t n, const uint8_t * wq, const uint8_t * bits, const void * x) {
+    return rapidmoe_refine_dot_ref(n, wq, bits, x);
+}
+#endif
+
+namespace {
+
+// per thread: the Q8_K rows of b this op needs, quantized once per call ((j % n_b, t) -> row)
+thread_local std::vector<uint8_t> tl_q8;
+thread_local std::vector<int32_t> tl_row_of;
+
+struct refine_slot {
+    int32_t expert;
+    int64_t j, t;
+};
+
+void refine_mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const ggml_tensor * wq = dst->src[0];
+    const ggml_tensor * bits = dst->src[1];
+    const ggml_tensor * b = dst->src[2];
+    const ggml_tensor * ids = dst->src[3];
+    const int64_t n_in = wq->ne[0], n_out = wq->ne[1], k = ids->ne[0], T = ids->ne[1], n_b = b->ne[1];
+    const size_t q8_row = (size_t) (n_in / 256) * RAPIDMOE_Q8K_BLOCK;
+    const ggml_from_float_t quantize = ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float;
+
+    // this thread's output rows (every slot); the slots to compute, grouped by expert so that a block of weight rows
+    // stays in cache across a batch's tokens
+    const int64_t r0 = n_out * ith / nth, r1 = n_out * (ith + 1) / nth;
+    std::vector<refine_slot> slots;
+    tl_row_of.assign((size_t) (n_b * T), -1);
+    int32_t n_rows = 0;
+    for (int64_t t = 0; t < T; ++t) {
+        const auto * it = (const int32_t *) ((const char *) ids->data + t * ids->nb[1]);
+        for (int64_t j = 0; j < k; ++j) {
+            float * out = (float *) ((char *) dst->data + j * dst->nb[1] + t * dst->nb[2]);
+            if (it[j] < 0 || it[j] >= wq->ne[2]) {
+                std::fill(out + r0, out + r1, 0.0f);
+                continue;
+            }
+            slots.push_back({ it[j], j, t });
+            int32_t & row = tl_row_of[(size_t) (t * n_b + j % n_b)];
+            if (row < 0) {
+                row = n_rows++;
+            }
+        }
+    }
+    if (slots.empty() || r0 >= r1) {
+        return;
+    }
+    tl_q8.resize((size_t) n_rows * q8_row);
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t jb = 0; jb < n_b; ++jb) {
+            const int32_t row = tl_row_of[(size_t) (t * n_b + jb)];
+            if (row >= 0) {
+                quantize((const float *) ((const char *) b->data + jb * b->nb[1] + t * b->nb[2]),
+                         tl_q8.data() + (size_t) row * q8_row, n_in);
+            }
+        }
+    }
+    std::stable_sort(slots.begin(), slots.end(),
+                     [](const refine_slot & a, const refine_slot & c) { return a.expert < c.expert; });
+    constexpr int64_t ROWS = 16;
+    for (size_t s0 = 0; s0 < slots.size();) {
+        size_t s1 = s0;
+        while (s1 < slots.size() && slots[s1].expert == slots[s0].expert) {
+            ++s1;
+        }
+        const int32_t e = slots[s0].expert;
+        for (int64_t rb = r0; rb < r1; rb += ROWS) {
+            const int64_t re = std::min(rb + ROWS, r1);
+            for (size_t si = s0; si < s1; ++si) {
+                const refine_slot & sl = slots[si];
+                const uint8_t * xq = tl_q8.data() + (size_t) tl_row_of[(size_t) (sl.t * n_b + sl.j % n_b)] * q8_row;
+                float * out = (float *) ((char *) dst->data + sl.j * dst->nb[1] + sl.t * dst->nb[2]);
+                for (int64_t r = rb; r < re; ++r) {
+                    const auto * w = (const uint8_t *) wq->data + r * wq->nb[1] + e * wq->nb[2];
+                    const auto * tb = (const uint8_t *) bits->data + r * bits->nb[1] + e * bits->nb[2];
+                    out[r] = rapidmoe_refine_dot(n_in, w, tb, xq);
+                }
+            }
+        }
+        s0 = s1;
+    }
+}
+
+} // namespace
+
+ggml_tensor * rapidmoe_refine_mul_mat_id(ggml_context * ctx, ggml_tensor * wq, ggml_tensor * bits, ggml_tensor * b,
+                                         ggml_tensor * ids) {
+    GGML_ASSERT(wq->type == GGML_TYPE_Q3_K && wq->ne[0] % 256 == 0);
+    GGML_ASSERT(bits->ne[0] * 8 == wq->ne[0] && bits->ne[1] == wq->ne[1] && bits->ne[2] == wq->ne[2]);
+    GGML_ASSERT(b->type == GGML_TYPE_F32 && b->ne[0] == wq->ne[0] && b->nb[0] == sizeof(float));
+    GGML_ASSERT(ids->type == GGML_TYPE_I32 && ids->ne[1] == b->ne[2]);
+    ggml_tensor * args[4] = { wq, bits, b, ids };
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, wq->ne[1], ids->ne[0], ids->ne[1], 1, args, 4, refine_mul_mat_id_op,
+                          GGML_N_TASKS_MAX, nullptr);
+}

@@ -1,0 +1,130 @@
+"""The refine codec's matmul (sidecar codec "q3k-refine1"; llama_ext/rapidmoe-refine.cpp) against numpy.
+
+The weights are stock ggml Q3_K blocks (ggml's own quantizer; their base values from ggml's own dequantization) with a
+random refinement bit per weight; numpy decodes the sub-block scales itself and adds s_j/4 * (2t - 1). The activation
+goes through Q8_K as the kernel's does (numpy reproduces ggml's reference quantize_row_q8_K), so the op must match the
+float64 product to float rounding, not merely to quantization error.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+_core = pytest.importorskip("rapidmoe._core")
+
+Q3_K = int(GGMLQuantizationType.Q3_K)
+BLOCK = 110
+
+
+def q3k_scales(raw: np.ndarray) -> np.ndarray:
+    """s_j = d * (sc_j - 32) of every 16-weight sub-block: raw uint8 [..., n_blocks * 110] -> float64 [..., n_blocks, 16]."""
+    blocks = raw.reshape(*raw.shape[:-1], -1, BLOCK)
+    sc = blocks[..., 96:108].astype(np.int32)
+    d = blocks[..., 108:110].copy().view(np.float16)[..., 0].astype(np.float64)
+    j = np.arange(16)
+    low = np.where(j < 8, sc[..., j % 8] & 0xF, sc[..., j % 8] >> 4)
+    high = (sc[..., 8 + j % 4] >> (2 * (j // 4))) & 3
+    return d[..., None] * ((low | (high << 4)) - 32)
+
+
+def refined(raw: np.ndarray, bits: np.ndarray, n_in: int) -> np.ndarray:
+    """The refined weights [..., n_in]: ggml's Q3_K dequantization + s_j/4 * (2t - 1)."""
+    base = _core.dequantize(raw.reshape(-1, raw.shape[-1]), Q3_K, n_in).reshape(*raw.shape[:-1], n_in)
+    t = np.unpackbits(bits, axis=-1, bitorder="little").astype(np.float64)
+    s = np.repeat(q3k_scales(raw), 16, axis=-1).reshape(*raw.shape[:-1], n_in)
+    return base.astype(np.float64) + s / 4 * (2 * t - 1)
+
+
+def q8k_roundtrip(x: np.ndarray) -> np.ndarray:
+    """x as ggml's reference quantize_row_q8_K leaves it (per 256: d = max / -127 of the signed largest |x|)."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 256)
+    idx = np.abs(blocks).argmax(axis=-1)
+    mx = np.take_along_axis(blocks, idx[..., None], axis=-1)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(mx == 0, np.float32(0), np.float32(-127.0) / mx).astype(np.float32)
+    q = np.minimum(np.rint(iscale * blocks), 127)
+    d = np.where(iscale == 0, np.float32(0), np.float32(1) / iscale).astype(np.float32)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+
+
+def _experts(rng: np.random.Generator, n_as: int, n_out: int, n_in: int) -> tuple[np.ndarray, np.ndarray]:
+    w = rng.standard_normal((n_as * n_out, n_in)).astype(np.float32) * rng.uniform(0.01, 3.0, (n_as * n_out, 1))
+    raw = _core.quantize(w.astype(np.float32), Q3_K).reshape(n_as, n_out, -1)
+    bits = rng.integers(0, 256, size=(n_as, n_out, n_in // 8), dtype=np.uint8)
+    return raw, bits
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+@pytest.mark.parametrize("n_b", [1, 3])
+def test_refine_mul_mat_id_matches_numpy(n_b: int) -> None:
+    """Critical slots: the refined experts times the Q8_K activation; ids < 0: zero rows (a token with none, too)."""
+    rng = np.random.default_rng(7)
+    n_as, n_out, n_in, T, k = 6, 40, 512, 5, 3
+    raw, bits = _experts(rng, n_as, n_out, n_in)
+    b = rng.standard_normal((T, n_b, n_in)).astype(np.float32)
+    ids = np.stack([rng.permutation(n_as)[:k] for _ in range(T)]).astype(np.int32)
+    ids[rng.random((T, k)) < 0.4] = -1
+    ids[0, :] = -1
+    ids[1, :] = [2, 2, 2]  # one expert repeated within a token: every slot still computed
+    got = _core.refine_mul_mat_id(raw, bits, n_in, b, ids, n_threads=2)
+    w = refined(raw, bits, n_in)
+    xq = q8k_roundtrip(b)
+    for t in range(T):
+        for j in range(k):
+            if ids[t, j] < 0:
+                np.testing.assert_array_equal(got[t, j], 0.0)
+            else:
+                ref = w[ids[t, j]] @ xq[t, j % n_b]
+                assert _rel(got[t, j], ref) < 1e-5, (t, j)
+    # and against the unquantized activation: Q8_K's error only
+    full = np.einsum("tkoi,tki->tko", w[np.maximum(ids, 0)], b[:, np.arange(k) % n_b].astype(np.float64))
+    keep = ids >= 0
+    assert _rel(got[keep], full[keep]) < 2e-2
+
+
+def test_refine_threads_give_the_same_bits() -> None:
+    """Each output is one row's dot product whatever the thread split: 1, 2 and 3 threads agree bit for bit."""
+    rng = np.random.default_rng(3)
+    raw, bits = _experts(rng, 4, 37, 256)
+    b = rng.standard_normal((9, 1, 256)).astype(np.float32)
+    ids = rng.integers(-1, 4, size=(9, 2)).astype(np.int32)
+    runs = [_core.refine_mul_mat_id(raw, bits, 256, b, ids, n_threads=n) for n in (1, 2, 3)]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    np.testing.assert_array_equal(runs[0], runs[2])
+
+
+def test_refine_simd_kernel_equals_the_scalar_reference() -> None:
+    """The SIMD dot (AVX2 where built) gives the scalar reference's bits: exact integer sums, blocks added in order.
+    Rows cover extreme scales (ggml's Q3_K of spiky rows), all-zero and all-one bit planes and zero rows."""
+    rng = np.random.default_rng(11)
+    n = 1024
+    rows = [rng.standard_normal(n), np.zeros(n), np.r_[np.full(n - 1, 1e-3), 50.0],
+            rng.standard_normal(n) * rng.integers(0, 2, n) * 30]
+    for i in range(60):
+        rows.append(rng.standard_normal(n) * 10 ** rng.uniform(-3, 2))
+    w = np.asarray(rows, dtype=np.float32)
+    raw = _core.quantize(w, Q3_K)
+    planes = [np.zeros(n // 8, np.uint8), np.full(n // 8, 255, np.uint8)]
+    for i, row in enumerate(raw):
+        bits = planes[i % 2] if i < 4 else rng.integers(0, 256, n // 8, dtype=np.uint8)
+        x = (rng.standard_normal(n) * 10 ** rng.uniform(-2, 2)).astype(np.float32)
+        fast = _core.refine_dot(row, bits, x, reference=False)
+        ref = _core.refine_dot(row, bits, x, reference=True)
+        assert np.float32(fast).tobytes() == np.float32(ref).tobytes(), i
+        expect = refined(row[None], bits[None], n)[0] @ q8k_roundtrip(x)
+        assert abs(ref - expect) <= 1e-5 * max(abs(expect), np.abs(refined(row[None], bits[None], n)).max()), i
+
+
+def test_refine_op_refuses_inconsistent_shapes() -> None:
+    rng = np.random.default_rng(0)
+    raw, bits = _experts(rng, 2, 8, 256)
+    b = np.zeros((1, 1, 256), np.float32)
+    ids = np.zeros((1, 1), np.int32)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        _core.refine_mul_mat_id(raw, bits[:, :, :16], 256, b, ids)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        _core.refine_dot(raw[0, 0], bits[0, 0], np.zeros(512, np.float32))

@@ -18,7 +18,7 @@ BLOCK = 110
 
 
 def q3k_scales(raw: np.ndarray) -> np.ndarray:
-    """s_j = d * (sc_j - 32) of every 16-weight sub-block: raw uint8 [..., n_blocks * 110] -> float64 [..., n_blocks, 16]."""
+    """s_j = d * (sc_j - 32) of each 16-weight sub-block: uint8 [..., n_blocks * 110] -> float64 [..., n_blocks, 16]."""
     blocks = raw.reshape(*raw.shape[:-1], -1, BLOCK)
     sc = blocks[..., 96:108].astype(np.int32)
     d = blocks[..., 108:110].copy().view(np.float16)[..., 0].astype(np.float64)
@@ -63,17 +63,17 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 def test_refine_mul_mat_id_matches_numpy(n_b: int) -> None:
     """Critical slots: the refined experts times the Q8_K activation; ids < 0: zero rows (a token with none, too)."""
     rng = np.random.default_rng(7)
-    n_as, n_out, n_in, T, k = 6, 40, 512, 5, 3
+    n_as, n_out, n_in, n_tok, k = 6, 40, 512, 5, 3
     raw, bits = _experts(rng, n_as, n_out, n_in)
-    b = rng.standard_normal((T, n_b, n_in)).astype(np.float32)
-    ids = np.stack([rng.permutation(n_as)[:k] for _ in range(T)]).astype(np.int32)
-    ids[rng.random((T, k)) < 0.4] = -1
+    b = rng.standard_normal((n_tok, n_b, n_in)).astype(np.float32)
+    ids = np.stack([rng.permutation(n_as)[:k] for _ in range(n_tok)]).astype(np.int32)
+    ids[rng.random((n_tok, k)) < 0.4] = -1
     ids[0, :] = -1
     ids[1, :] = [2, 2, 2]  # one expert repeated within a token: every slot still computed
     got = _core.refine_mul_mat_id(raw, bits, n_in, b, ids, n_threads=2)
     w = refined(raw, bits, n_in)
     xq = q8k_roundtrip(b)
-    for t in range(T):
+    for t in range(n_tok):
         for j in range(k):
             if ids[t, j] < 0:
                 np.testing.assert_array_equal(got[t, j], 0.0)
@@ -104,7 +104,7 @@ def test_refine_simd_kernel_equals_the_scalar_reference() -> None:
     n = 1024
     rows = [rng.standard_normal(n), np.zeros(n), np.r_[np.full(n - 1, 1e-3), 50.0],
             rng.standard_normal(n) * rng.integers(0, 2, n) * 30]
-    for i in range(60):
+    for _ in range(60):
         rows.append(rng.standard_normal(n) * 10 ** rng.uniform(-3, 2))
     w = np.asarray(rows, dtype=np.float32)
     raw = _core.quantize(w, Q3_K)

@@ -2,7 +2,10 @@
 
 Streams tensor by tensor and expert by expert: W -> WQ = q(W); WR = q(W - deq(WQ)) for gate/up (and down in
 residual mode) or a high-precision copy of down. Every (de)quantization is ggml's own, through rapidmoe._core,
-so the residual is taken against exactly what the kernels dequantize. Outputs appear only when complete.
+so the residual is taken against exactly what the kernels dequantize. With a refine preset (the "q3k-refine1"
+codec, refine.py) every routed expert of gate, up and down is encoded by refine.encode_refine instead: WQ gets its
+Q3_K bytes, the sidecar its refinement bits (`.rf`, I8 [n_in/8, n_out, n_expert]). Outputs appear only when
+complete.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,7 +31,8 @@ from ..modelfile import require_moe
 from . import sidecar
 from .fingerprint import sample_digests
 from .imatrix import Imatrix
-from .presets import NEEDS_IMATRIX, Preset
+from .presets import NEEDS_IMATRIX, REFINE_WQ, Preset
+from .refine import QK_K, decode_refine, encode_refine
 from .report import ErrorAccumulator, TensorReport
 from .typechoice import EXPERT_RE, ExpertPlan, check_expert_plan, exact_mixture, plan_expert, tensor_type
 
@@ -40,6 +45,8 @@ log = logging.getLogger(__name__)
 LAYER_ROLE_SETS = (frozenset({"gate", "up", "down"}), frozenset({"gate_up", "down"}))
 INPUT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
                GGMLQuantizationType.Q8_0)
+# per-expert scales of the routed experts (llama.cpp's ffn_{gate,up,down}_exps.scale, [n_expert])
+EXPERT_SCALE_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.scale$")
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,8 @@ def _pair_id(reader: GGUFFile, src: Path, preset: Preset, imatrix_digest: str) -
     layout, other seeds or fine-tunes, get different ids) + preset + imatrix."""
     h = hashlib.sha256()
     h.update(json.dumps(asdict(preset), sort_keys=True).encode())
+    if preset.codec is not None:  # the sidecar's codec (absent for the classic residual/copy sidecars)
+        h.update(f"codec {preset.codec}".encode())
     h.update(imatrix_digest.encode())
     h.update(str(src.stat().st_size).encode())
     for t in reader.tensors:
@@ -154,6 +163,8 @@ class _Converter:
             if len(counts) != 1:
                 raise ModelFileError(f"tensor {roles['down'].name}: layer {il}'s expert tensors disagree on the "
                                      f"number of experts ({sorted(counts)})")
+        if self.preset.is_refine:
+            self.validate_refine(experts)
         self.plans = {t.name: plan_expert(t.name, tuple(int(x) for x in t.shape), self.preset) for t in experts}
         for t in experts:
             check_expert_plan(self.plans[t.name], int(t.shape[0]))
@@ -162,14 +173,44 @@ class _Converter:
             raise RapidMoEError(f"{p.wq} needs an importance matrix: pass --imatrix FILE (llama.cpp's) or "
                                 "--calib-text FILE to compute one with our build")
 
+    def validate_refine(self, experts: list[Tensor]) -> None:
+        """What the refine codec does not take: merged gate_up experts, per-expert scales, rows that are not whole
+        Q3_K super-blocks (it has no fallback type)."""
+        p = self.preset
+        for t in experts:
+            if t.name.endswith("ffn_gate_up_exps.weight"):
+                raise ModelFileError(f"tensor {t.name}: preset {p.name} (the refine codec) does not take merged "
+                                     "gate_up experts (its kernels refine gate, up and down as separate tensors); "
+                                     "use a residual preset (cpu, dense, ...) for this model")
+            n_in = int(t.shape[0])
+            if n_in % QK_K:
+                raise ModelFileError(f"tensor {t.name} has rows of {n_in} values; preset {p.name} (the refine "
+                                     f"codec) needs rows that are whole {REFINE_WQ} super-blocks of {QK_K} and has "
+                                     "no fallback type: use a residual preset, whose types fall back as "
+                                     "llama-quantize's do")
+        scaled = [t.name for t in self.reader.tensors if EXPERT_SCALE_RE.match(t.name)]
+        if scaled:
+            raise ModelFileError(f"tensor {scaled[0]}: preset {p.name} (the refine codec) does not take routed experts "
+                                 "with per-expert scales (its kernels do not apply them to the refinement); use a "
+                                 "residual preset (cpu, dense, ...) for this model")
+
     def fallbacks(self) -> list[str]:
         return [d for pl in self.plans.values() for d in pl.describe_fallbacks()]
 
     # -- one routed-expert tensor -------------------------------------------------------------------------
+    def sample_experts(self, n_expert: int) -> set[int]:
+        """The experts on which the reference types are measured (report_experts of them, evenly spread)."""
+        if self.report_experts is None:
+            return set(range(n_expert))
+        picks = np.linspace(0, n_expert - 1, min(n_expert, self.report_experts)).round().astype(int)
+        return {int(e) for e in picks}
+
     def convert_expert(self, t: Tensor) -> tuple[np.ndarray, np.ndarray]:
         from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
 
         p = self.preset
+        if p.is_refine:
+            return self.convert_expert_refine(t)
         plan = self.plans[t.name]
         role = plan.role
         n_in, n_out, n_expert = (int(x) for x in t.shape)
@@ -181,8 +222,7 @@ class _Converter:
         hi_out = np.empty((n_expert, n_out, _core.row_size(hi_t, n_in)), dtype=np.uint8)
         rep = TensorReport(t.name, role, plan.wq, plan.hi, copy_down, fallbacks=plan.describe_fallbacks())
         ref_types = [name for name in ("Q4_K", "Q8_0") if fits_rows(name, n_in)]  # others: not comparable
-        sample = set(range(n_expert)) if self.report_experts is None else \
-            set(np.linspace(0, n_expert - 1, min(n_expert, self.report_experts)).round().astype(int).tolist())
+        sample = self.sample_experts(n_expert)
         for e in range(n_expert):
             w = tensor_rows(t, e * n_out, n_out)
             im = imat[e] if imat is not None else None
@@ -205,6 +245,35 @@ class _Converter:
         self.reports.append(rep)
         self.totals.merge(rep.acc)
         return wq_out, hi_out
+
+    def convert_expert_refine(self, t: Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """The refine codec, expert by expert: (Q3_K bytes [n_expert, n_out, n_in/256*110], refinement bits
+        [n_expert, n_out, n_in/8]). The report's "wq_only" is the base's error, "critical" the refined weights';
+        the references add ggml's own Q3_K (the base's stock counterpart)."""
+        from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
+
+        plan = self.plans[t.name]
+        n_in, n_out, n_expert = (int(x) for x in t.shape)
+        imat = self.imatrix.weights_for(t.name, n_expert, n_in) if self.imatrix is not None else None
+        wq_t = int(ggml_type(REFINE_WQ))
+        wq_out = np.empty((n_expert, n_out, _core.row_size(wq_t, n_in)), dtype=np.uint8)
+        rf_out = np.empty((n_expert, n_out, n_in // 8), dtype=np.uint8)
+        rep = TensorReport(t.name, plan.role, REFINE_WQ, self.preset.wr, False, fallbacks=plan.describe_fallbacks())
+        sample = self.sample_experts(n_expert)
+        for e in range(n_expert):
+            w = tensor_rows(t, e * n_out, n_out)
+            im = imat[e] if imat is not None else None
+            wq_out[e], rf_out[e] = encode_refine(w, im)
+            base, refined = decode_refine(wq_out[e], rf_out[e], n_in)
+            refs = {}
+            if e in sample:
+                for name in ("Q3_K", "Q4_K", "Q8_0"):
+                    rt = int(ggml_type(name))
+                    refs[name] = _core.dequantize(_core.quantize(w, rt, im), rt, n_in)
+            rep.add(w, base, refined, refs)
+        self.reports.append(rep)
+        self.totals.merge(rep.acc)
+        return wq_out, rf_out
 
     # -- the whole file -----------------------------------------------------------------------------------
     def run(self, wq_tmp: Path, wr_tmp: Path, pair_id: str, progress: bool) -> None:
@@ -231,9 +300,15 @@ class _Converter:
         for t in self.reader.tensors:
             m = EXPERT_RE.match(t.name)
             if m:
-                wq_t, hi = ggml_type(self.plans[t.name].wq), ggml_type(self.plans[t.name].hi)
+                wq_t = ggml_type(self.plans[t.name].wq)
                 _add_quant_info(wq, t.name, _byte_shape(t, wq_t), wq_t)
-                _add_quant_info(wr, sidecar.sidecar_name(t.name, m.group(2), p.down_mode), _byte_shape(t, hi), hi)
+                side_name = sidecar.sidecar_name(t.name, m.group(2), p.down_mode)
+                if p.is_refine:  # one bit per weight: I8 bytes, ne = [n_in/8, n_out, n_expert]
+                    n_in, n_out, n_expert = (int(x) for x in t.shape)
+                    _add_quant_info(wr, side_name, (n_expert, n_out, n_in // 8), GGMLQuantizationType.I8)
+                else:
+                    hi = ggml_type(self.plans[t.name].hi)
+                    _add_quant_info(wr, side_name, _byte_shape(t, hi), hi)
                 plan.append((t, None))
             else:
                 qt = _target_type(t, p, mixture, overrides)

@@ -20,12 +20,20 @@ TENSOR_OVERRIDE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16")
 OTHER_MIXTURES = {"Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17}
 # llama-quantize refuses these without an importance matrix (ggml asserts on the first three)
 NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS")
+DOWN_MODES = ("copy", "residual", "refine")
+# the refine codec (refine.py): WQ is Q3_K with scales fitted for a 16-level grid and the sidecar holds one
+# refinement bit per weight of every role (gate, up and down), no scales of its own
+REFINE_WR = "REFINE1"
+REFINE_WQ = "Q3_K"
+REFINE_CODEC = "q3k-refine1"  # the sidecar's rapidmoe.residual.codec
+REFINE_BITS = 1.0
 
 
 @dataclass(frozen=True)
 class Preset:
     """One RESplit configuration. down_mode 'copy': critical experts use a `down_type` copy of down (the
-    paper's choice); 'residual': down gets a WR residual like gate and up."""
+    paper's choice); 'residual': down gets a WR residual like gate and up; 'refine' (with wr REFINE1 and wq Q3_K
+    only): the refine codec, one refinement bit per weight of gate, up and down (refine.py)."""
 
     name: str
     wq: str  # routed experts, every expert, all of gate/up/down: the low-precision model
@@ -40,10 +48,12 @@ class Preset:
     def __post_init__(self) -> None:
         if self.wq.upper() not in WQ_TYPES:
             raise ValueError(f"WQ type {self.wq} not supported; choose one of {', '.join(WQ_TYPES)}")
-        if self.wr.upper() not in WR_TYPES:
-            raise ValueError(f"WR type {self.wr} not supported; choose one of {', '.join(WR_TYPES)}")
-        if self.down_mode not in ("copy", "residual"):
-            raise ValueError(f"down_mode must be 'copy' or 'residual', not {self.down_mode!r}")
+        if self.wr.upper() == REFINE_WR or self.down_mode == "refine":
+            self._check_refine()
+        elif self.wr.upper() not in WR_TYPES:
+            raise ValueError(f"WR type {self.wr} not supported; choose one of {', '.join((*WR_TYPES, REFINE_WR))}")
+        if self.down_mode not in DOWN_MODES:
+            raise ValueError(f"down_mode must be one of {', '.join(map(repr, DOWN_MODES))}, not {self.down_mode!r}")
         if self.down_mode == "copy" and self.down_type.upper() not in DOWN_COPY_TYPES:
             raise ValueError(f"down copy type {self.down_type} not supported; "
                              f"choose one of {', '.join(DOWN_COPY_TYPES)}")
@@ -53,6 +63,28 @@ class Preset:
         for role, ty in (("token_embd", self.token_embd), ("output", self.output)):
             if ty is not None and ty.upper() not in TENSOR_OVERRIDE_TYPES:
                 raise ValueError(f"{role} type {ty} not supported; choose one of {', '.join(TENSOR_OVERRIDE_TYPES)}")
+
+    def _check_refine(self) -> None:
+        """The refine codec comes whole: WR REFINE1, down_mode 'refine' (every role refined) and WQ Q3_K."""
+        if self.wr.upper() != REFINE_WR:
+            raise ValueError(f"down_mode 'refine' is the refine codec's: it needs WR {REFINE_WR}, not {self.wr} "
+                             "(WR types are residuals with down 'copy' or 'residual')")
+        if self.down_mode != "refine":
+            raise ValueError(f"WR {REFINE_WR} (the refine codec) refines gate, up and down alike: down_mode must be "
+                             f"'refine', not {self.down_mode!r}")
+        if self.wq.upper() != REFINE_WQ:
+            raise ValueError(f"WR {REFINE_WR} refines a {REFINE_WQ} base whose scales it fits itself; WQ {self.wq} "
+                             f"cannot be refined (use WQ {REFINE_WQ}, or a residual WR type)")
+
+    @property
+    def is_refine(self) -> bool:
+        """Whether this preset uses the refine codec (refine.py) instead of a quantized residual or copy."""
+        return self.down_mode == "refine"
+
+    @property
+    def codec(self) -> str | None:
+        """The sidecar's codec name (rapidmoe.residual.codec), or None for the classic residual/copy sidecar."""
+        return REFINE_CODEC if self.is_refine else None
 
     def tensor_types(self, names: set[str] | frozenset[str]) -> dict[str, str]:
         """Per-tensor types that override `other` in a file with these tensor names. The token embedding's
@@ -72,12 +104,12 @@ class Preset:
 
     @property
     def down_hi(self) -> str:
-        """Type of the sidecar's down tensor (the copy, or the residual)."""
+        """Type of the sidecar's down tensor (the copy, or the residual; REFINE1 for the refine codec)."""
         return self.down_type if self.down_mode == "copy" else self.wr
 
     def bits(self) -> dict[str, float]:
         """Bits per routed-expert weight: each part, the critical path, and the total stored."""
-        wq, wr, hi = bits_per_weight(self.wq), bits_per_weight(self.wr), bits_per_weight(self.down_hi)
+        wq, wr, hi = _bits(self.wq), _bits(self.wr), _bits(self.down_hi)
         gate_up_critical = wq + wr
         down_critical = hi if self.down_mode == "copy" else wq + wr
         return {
@@ -107,7 +139,17 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            description="the cpu preset with every non-expert matrix in Q8_0 (more accurate attention, more bytes)"),
     Preset("dense", "Q3_K", "Q4_K", "residual",
            description="Q3_K + Q4_K residual everywhere (highest quality, largest)"),
+    Preset("refine", REFINE_WQ, REFINE_WR, "refine", other="Q4_K_M", token_embd="Q8_0", output="Q4_K",
+           description="the refine codec: a stock-runnable Q3_K base fitted for one refinement bit per weight of "
+                       "gate, up and down (4.44 bpw on the critical path); other tensors as cpu-fast"),
+    Preset("refine-q8", REFINE_WQ, REFINE_WR, "refine",
+           description="the refine preset with every non-expert matrix in Q8_0 (as cpu-q8)"),
 )}
+
+
+def _bits(name: str) -> float:
+    """Bits per weight of a WQ, WR or down type (the refine codec's WR: one bit)."""
+    return REFINE_BITS if name.upper() == REFINE_WR else bits_per_weight(name)
 
 
 # `convert`'s preset when none is named: on a machine with a GPU the paper's (WQ small enough for the device), on

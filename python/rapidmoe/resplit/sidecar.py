@@ -1,15 +1,17 @@
 """The residual sidecar's format: tensor names, metadata keys, and the check that pairs it with its base.
 
 Version 1. Tensors: `blk.N.ffn_{gate,up}_exps.wr` (residuals, and `ffn_down_exps.wr` in residual mode) or
-`blk.N.ffn_down_exps.hi` (the high-precision copy of down used by critical experts), each with the base
-tensor's shape [n_in, n_out, n_expert]; `type_fallbacks` (when present) lists the parts whose row size made them
-take llama-quantize's fallback type instead of the preset's. A sidecar belongs to exactly one `.wq.gguf`, and the
-conversion records what every load checks (docs/resplit.md, Pairing): the pair id (the source's tensor table and
-sampled data, the preset, the imatrix); the base's size and tensor table (`base_layout_sha256`) and a sampled
-fingerprint of its tensor data (`base_samples`, fingerprint.py); the sidecar's own size and header
+`blk.N.ffn_down_exps.hi` (the high-precision copy of down used by critical experts), each with the base tensor's
+shape [n_in, n_out, n_expert]. A sidecar of the refine codec (`codec` = "q3k-refine1", refine.py; absent: the
+classic residual/copy sidecar) holds instead `blk.N.ffn_{gate,up,down}_exps.rf`, I8 with ne = [n_in/8, n_out,
+n_expert]: one refinement bit per weight of the Q3_K base; `type_fallbacks` (when present) lists the parts whose row
+size made them take llama-quantize's fallback type instead of the preset's. A sidecar belongs to exactly one
+`.wq.gguf`, and the conversion records what every load checks (docs/resplit.md, Pairing): the pair id (the source's
+tensor table and sampled data, the preset, the imatrix); the base's size and tensor table (`base_layout_sha256`) and
+a sampled fingerprint of its tensor data (`base_samples`, fingerprint.py); the sidecar's own size and header
 (`header_sha256`) and sampled data (`data_samples`). `rapidmoe-cli inspect --verify` adds the full hashes of the
-base (`base_sha256`) and of the sidecar's data (`data_sha256`). Sidecars written before these existed load with
-a warning, checked as their version was.
+base (`base_sha256`) and of the sidecar's data (`data_sha256`). Sidecars written before these existed load with a
+warning, checked as their version was.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from gguf import GGUFWriter
 from ..errors import ModelFileError
 from ..ggufio import GGUFFile, GGUFFormatError
 from .fingerprint import DEFAULT_SCHEME, DIGEST_CHARS, SampleScheme, sample_digests
-from .presets import Preset
+from .presets import REFINE_CODEC, Preset
 
 FORMAT_VERSION = 1
 SIDECAR_ARCH = "rapidmoe-residual"
@@ -35,12 +37,17 @@ KEY = "rapidmoe.residual."
 FINGERPRINT_KEYS = ("samples.window", "samples.budget", "samples.min_windows", "base_samples", "data_samples",
                     "data_sha256", "header_sha256")
 _SHA_LEN = 64
+# the codecs this RapidMoE reads (rapidmoe.residual.codec; a sidecar without the key is the classic residual/copy one)
+CODECS = (REFINE_CODEC,)
 
 log = logging.getLogger(__name__)
 
 
 def sidecar_name(base_name: str, role: str, down_mode: str) -> str:
+    """The sidecar tensor of a routed-expert tensor: `.rf` (refine codec), `.hi` (down's copy) or `.wr`."""
     stem = base_name.removesuffix(".weight")
+    if down_mode == "refine":
+        return f"{stem}.rf"
     return f"{stem}.hi" if role == "down" and down_mode == "copy" else f"{stem}.wr"
 
 
@@ -69,6 +76,8 @@ def add_metadata(w: GGUFWriter, *, preset: Preset, pair_id: str, base_arch: str,
     w.add_string(KEY + "base_architecture", base_arch)
     w.add_uint32(KEY + "base_block_count", n_layer)
     w.add_uint32(KEY + "base_expert_count", n_expert)
+    if preset.codec is not None:
+        w.add_string(KEY + "codec", preset.codec)
     for k, v in asdict(preset).items():
         w.add_string(KEY + f"preset.{k}", str(v))
     if type_fallbacks:  # "<tensor> <wq|sidecar> <asked>-><used>": rows the preset's type could not take
@@ -261,6 +270,10 @@ def check_pair(wq_path: PathOrFile, wr_path: PathOrFile, *, verify: bool = True,
     if int(meta.get("format_version", 0)) != FORMAT_VERSION:
         raise ModelFileError(f"{side.path} has sidecar format {meta.get('format_version')}, "
                              f"this RapidMoE reads {FORMAT_VERSION}")
+    codec = meta.get("codec")
+    if codec is not None and codec not in CODECS:
+        raise ModelFileError(f"sidecar {side.path} holds codec {codec!r}, which this RapidMoE does not read (it reads "
+                             f"{', '.join(CODECS)} and the classic residual/copy sidecar); not used with {base.path}")
     base_id = base.get("rapidmoe.resplit.pair_id")
     if base_id != meta["pair_id"]:
         raise ModelFileError(f"sidecar {side.path} does not belong to {base.path}: pair id {meta['pair_id']} in the "

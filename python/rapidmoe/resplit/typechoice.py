@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..errors import ModelFileError
 from ..ggml_types import fit_type, fits_rows
-from .presets import Preset
+from .presets import REFINE_WR, Preset
 
 # llama.cpp's routed-expert tensors, stacked as its shared MoE builder reads them (blk.N.ffn_{gate,up,down}_exps or
 # the merged ffn_gate_up_exps, each [n_in, n_out, n_expert]): the tensors RESplit splits and -ot patterns match
@@ -36,7 +36,7 @@ class ExpertPlan:
     name: str
     role: str  # gate, up, down, gate_up
     wq: str
-    hi: str  # the sidecar tensor's type (residual, or down's copy)
+    hi: str  # the sidecar tensor's type (residual, or down's copy; REFINE1: the refine codec's bits)
     fallbacks: tuple[tuple[str, str, str], ...]  # (part, asked type, type used) where the row size forced a change
 
     def describe_fallbacks(self) -> list[str]:
@@ -56,7 +56,9 @@ def plan_expert(name: str, shape: tuple[int, ...], preset: Preset) -> ExpertPlan
         raise ValueError(f"{name} is not a routed-expert tensor")
     n_in = int(shape[0])
     asked = {"wq": preset.wq.upper(), "sidecar": (preset.down_hi if role == "down" else preset.wr).upper()}
-    used = {part: fit_type(ty, n_in) for part, ty in asked.items()}
+    # the refine codec's sidecar (REFINE1: one bit per weight) is no ggml type and has no fallback (the converter
+    # refuses rows that are not whole Q3_K super-blocks)
+    used = {part: ty if ty == REFINE_WR else fit_type(ty, n_in) for part, ty in asked.items()}
     fallbacks = tuple((part, asked[part], used[part]) for part in asked if used[part] != asked[part])
     return ExpertPlan(name, role, used["wq"], used["sidecar"], fallbacks)
 

@@ -27,6 +27,7 @@ from rapidmoe.resplit.refine import (
     pack_q3k,
     unpack_q3k,
 )
+from rapidmoe.resplit.report import format_table
 from rapidmoe.synthetic import spec_for, write_model
 
 TINY_MOE_A = ROOT.parent / "shared" / "models" / "tiny-moe-a" / "model-f16.gguf"
@@ -309,6 +310,9 @@ def test_convert_writes_a_refine_pair(micro: Path, tmp_path: Path, preset: str) 
         # comparison with Q4_K is made on trained weights, where it is meaningful: test_errors_against_ggml_...)
         assert rel["critical"] < rel["wq_only"] / 1.8 and rel["wq_only"] < 1.3 * rel["Q3_K"]
     assert res.report["bits"]["critical"] == 4.4375  # type: ignore[index]
+    assert res.report["codec"] == "q3k-refine1"
+    table = format_table(res.report).splitlines()
+    assert table[0].split()[-3:] == ["Q3_K", "Q4_K", "Q8_0"] and "REFINE1 bits" in table[2]
     other = base.tensor("blk.0.attn_q.weight").tensor_type
     assert other == (GGMLQuantizationType.Q8_0 if preset == "refine-q8" else GGMLQuantizationType.Q4_K)
 

@@ -381,6 +381,7 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset
         seconds = time.perf_counter() - t0
         report = {
             "source": str(src_p), "preset": asdict(preset), "bits": preset.bits(), "pair_id": pair_id,
+            **({"codec": preset.codec} if preset.codec is not None else {}),
             "imatrix": imatrix is not None, "seconds": round(seconds, 3),
             "files": {"wq_bytes": wq_tmp.stat().st_size, "wr_bytes": wr_tmp.stat().st_size,
                       "source_bytes": src_p.stat().st_size},

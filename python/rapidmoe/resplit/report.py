@@ -1,5 +1,6 @@
 """Reconstruction-error bookkeeping for RESplit: ||W - What|| / ||W|| per tensor and in total, for WQ alone,
-the critical path (deq WQ + deq WR, or the down copy), and plain Q4_K / Q8_0 of the same weights.
+the critical path (deq WQ + deq WR, the down copy, or the refine codec's refined weights), and plain Q4_K / Q8_0
+of the same weights (and Q3_K with the refine codec: its base's stock counterpart).
 
 Pure numpy; sums of squares are accumulated in float64 so totals are exact aggregates, not averages of ratios.
 """
@@ -9,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from .presets import REFINE_WR
 
 
 def _sq(x: np.ndarray) -> float:
@@ -69,17 +72,24 @@ class TensorReport:
                 "sidecar_is_copy": self.down_copy, "rel_error": self.acc.summary(), "fallbacks": self.fallbacks}
 
 
+def _sidecar_label(t: dict[str, Any]) -> str:
+    if t["sidecar_type"] == REFINE_WR:
+        return f"{REFINE_WR} bits"
+    return f"{t['sidecar_type']} {'copy' if t['sidecar_is_copy'] else 'res'}"
+
+
 def format_table(report: dict[str, Any]) -> str:
-    """The per-tensor and total relative errors as a fixed-width table."""
-    rows = [("tensor", "wq", "sidecar", "WQ only", "critical", "Q4_K", "Q8_0")]
+    """The per-tensor and total relative errors as a fixed-width table (with the refine codec, whose base is a Q3_K
+    fitted for the refinement, ggml's own Q3_K of the same weights as a column too)."""
+    refs = ("Q3_K", "Q4_K", "Q8_0") if "Q3_K" in report["total"] else ("Q4_K", "Q8_0")
+    rows = [("tensor", "wq", "sidecar", "WQ only", "critical", *refs)]
     for t in report["tensors"]:
         e = t["rel_error"]
-        side = t["sidecar_type"] + (" copy" if t["sidecar_is_copy"] else " res")
-        rows.append((t["name"], t["wq_type"], side, f"{e['wq_only']:.4f}", f"{e['critical']:.4f}",
-                     f"{e.get('Q4_K', float('nan')):.4f}", f"{e.get('Q8_0', float('nan')):.4f}"))
+        rows.append((t["name"], t["wq_type"], _sidecar_label(t), f"{e['wq_only']:.4f}", f"{e['critical']:.4f}",
+                     *(f"{e.get(r, float('nan')):.4f}" for r in refs)))
     tot = report["total"]
     rows.append(("TOTAL (routed experts)", "", "", f"{tot['wq_only']:.4f}", f"{tot['critical']:.4f}",
-                 f"{tot.get('Q4_K', float('nan')):.4f}", f"{tot.get('Q8_0', float('nan')):.4f}"))
+                 *(f"{tot.get(r, float('nan')):.4f}" for r in refs)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]

@@ -101,6 +101,19 @@ def test_resplit_bytes_match_a_conversion(tiny_qwen: Path, tmp_path: Path) -> No
 
 
 @pytest.mark.native
+def test_refine_bytes_match_a_conversion(tiny_qwen: Path, tmp_path: Path) -> None:
+    """The refine codec: a Q3_K base and a bit plane of one bit per weight, sized as the converter writes them."""
+    preset = get_preset("refine-q8")
+    res = convert(tiny_qwen, tmp_path, preset, progress=False, report_experts=1)
+    m = read_gguf_shapes(tiny_qwen)
+    fp = footprint(m, resplit_types(preset), preset)
+    wq = GGUFFile(res.wq_path).tensors
+    assert sum(int(t.n_bytes) for t in wq if classify(t.name) == ROUTED) == fp.routed_bytes
+    assert sum(int(t.n_bytes) for t in GGUFFile(res.wr_path).tensors) == sum(fp.sidecar.values())
+    assert sum(fp.sidecar.values()) * 8 * 110 == fp.routed_bytes * 256  # 1 bit against Q3_K's 3.4375
+
+
+@pytest.mark.native
 def test_q4_k_m_types_are_llama_quantize_s(tiny_model: Path, tmp_path: Path) -> None:
     from rapidmoe import llama_cpp  # noqa: PLC0415 - the compiled parts (the module imports without them)
 
@@ -198,6 +211,14 @@ def test_too_small_gpu_falls_back_to_cpu_only(toy: tuple) -> None:
     assert plan(m, preset=PRESET, gpu_mem=0).scheme == "cpu-only"
     off, full = plan(m, "cpu-offload", gpu_mem=1024, reserve=0), plan(m, "full-gpu", gpu_mem=1024, reserve=0)
     assert not off.fits and not full.fits and "GPU memory" in off.problems[0]
+
+
+def test_refine_keeps_every_expert_in_dram(toy: tuple) -> None:
+    """Its critical experts are computed on the CPU from the WQ experts: however large the GPU, they stay in DRAM."""
+    m, _, _ = toy
+    p = plan(m, preset=get_preset("refine"), reserve=0)
+    assert p.experts_on_gpu == 0 and p.device_bytes(GPU, ROUTED) == 0
+    assert "--n-cpu-moe" in p.realization.args and any("refine codec" in n for n in p.notes)
 
 
 def test_baselines(toy: tuple) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from ..ggml_types import tensor_bytes
 from ..resplit.presets import Preset
 from .tensors import ROUTED, ModelShapes
-from .typeplan import TypeRule, sidecar_type
+from .typeplan import TypeRule, sidecar_bytes
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,13 @@ def footprint(model: ModelShapes, rule: TypeRule, preset: Preset | None = None) 
         experts[t.layer] = experts.get(t.layer, 0) + n // t.shape[2]  # experts are the outermost dimension
         if preset is not None:
             label = _sidecar_label(t.role or "", preset)
-            sidecar[label] = sidecar.get(label, 0) + tensor_bytes(sidecar_type(t, preset), t.shape)
+            sidecar[label] = sidecar.get(label, 0) + sidecar_bytes(t, preset)
     return Footprint(parts, experts, sidecar, model.n_expert)
 
 
 def _sidecar_label(role: str, preset: Preset) -> str:
+    if preset.is_refine:
+        return "refinement bits (REFINE1, gate/up/down)"
     if role == "down":
         if preset.down_mode == "copy":
             return f"down copy ({preset.down_hi})"

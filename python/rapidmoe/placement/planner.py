@@ -131,7 +131,9 @@ def plan(model: ModelShapes, scheme: str = "resplit", *, preset: Preset | None =
     else:
         fp = footprint(model, q4_k_m_types(model))
         types = "Q4_K_M-like: llama-quantize's Q4_K_M type rules"
-    b = _Builder(model, fp, scheme, n_ctx, reserve, gpu_mem, freq, form)
+    # the refine codec computes its critical slots on the CPU from the WQ experts themselves: they stay in DRAM
+    cpu_experts = scheme == "resplit" and preset is not None and preset.is_refine
+    b = _Builder(model, fp, scheme, n_ctx, reserve, gpu_mem, freq, form, cpu_experts)
     return b.build(types, cpu_mem)
 
 
@@ -150,6 +152,7 @@ class _Builder:
     gpu_mem: int | None
     freq: ExpertFrequency
     form: str = "WQ"  # what the routed experts' main form is called in the rows
+    cpu_experts: bool = False  # every routed expert in DRAM whatever the GPU budget (the refine codec)
 
     def base_rows(self, device: str) -> list[Row]:
         """Everything but the routed experts and the sidecar: parts, KV cache, reserve. llama.cpp keeps the token
@@ -174,8 +177,11 @@ class _Builder:
                              + (" (split routing runs on the CPU)" if self.fp.sidecar else ""))
             log.info("planner: GPU budget %s < base %d, CPU-only", self.gpu_mem, base)
             cached: dict[int, tuple[int, ...]] = {}
-        elif self.scheme == "cpu-offload":
+        elif self.scheme == "cpu-offload" or self.cpu_experts:
             cached = {}
+            if self.cpu_experts:
+                notes.append("the refine codec computes its critical experts on the CPU from the WQ experts "
+                             "themselves: every routed expert stays in DRAM")
         elif self.scheme == "full-gpu":
             cached = {il: tuple(range(self.model.n_expert)) for il in self.fp.expert_bytes}
         else:

@@ -6,9 +6,10 @@ Pure functions of names and shapes; ggml_types.tensor_bytes turns types into byt
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
-from ..ggml_types import fit_type, fits_rows
+from ..ggml_types import fit_type, fits_rows, tensor_bytes
 from ..resplit.presets import Preset
 from ..resplit.typechoice import KEEP_F32_RE, plan_expert, tensor_type
 from .tensors import ModelShapes, TensorShape
@@ -57,8 +58,17 @@ def resplit_types(preset: Preset, model: ModelShapes | None = None) -> TypeRule:
 
 def sidecar_type(t: TensorShape, preset: Preset) -> str:
     """Type of a routed-expert tensor's sidecar (.wr.gguf) counterpart: the residual, or down's copy (or
-    llama-quantize's fallback where rows are not whole blocks of it, as the converter writes it)."""
+    llama-quantize's fallback where rows are not whole blocks of it, as the converter writes it); REFINE1 for the
+    refine codec's bit plane (no ggml type: see sidecar_bytes)."""
     return plan_expert(t.name, t.shape, preset).hi
+
+
+def sidecar_bytes(t: TensorShape, preset: Preset) -> int:
+    """Bytes of a routed-expert tensor's sidecar counterpart: one bit per weight for the refine codec's bit plane,
+    else the size of its ggml type."""
+    if preset.is_refine:
+        return math.prod(t.shape) // 8
+    return tensor_bytes(sidecar_type(t, preset), t.shape)
 
 
 def _use_more_bits(i: int, n: int) -> bool:

@@ -24,7 +24,7 @@ from ..errors import ModelFileError, RapidMoEError
 from ..llama import Llama
 from ..modelfile import require_moe
 from ..umia import load_policy
-from . import routes, sse
+from . import anthropic, routes, sse
 from .chat import CHATML, ChatTemplate
 from .config import ServerConfig
 from .engine import Engine
@@ -258,6 +258,8 @@ class Handler(BaseHTTPRequestHandler):
                 else:
                     self._send(reply)
         except ApiError as e:
+            if path in routes.ANTHROPIC_PATHS:  # Anthropic's clients read their own error shape
+                e = anthropic.error(e)
             status = e.status
             if self._sent:  # never a second status line: the answer is cut, the connection closed
                 log.error("%s %s: %s after the headers were sent", method, path, e.message)
@@ -274,7 +276,10 @@ class Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
             else:
                 try:
-                    self._send(routes.Reply(500, ApiError(500, "server_error", "internal server error").to_bytes()))
+                    err = ApiError(500, "server_error", "internal server error")
+                    if path in routes.ANTHROPIC_PATHS:
+                        err = anthropic.error(err)
+                    self._send(routes.Reply(500, err.to_bytes()))
                 except OSError:
                     self.close_connection = True
         finally:

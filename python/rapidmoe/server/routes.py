@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import __version__
 from .._runtime import llama_cpp as lc
-from . import metrics, responses, sse, toolcalls
+from . import anthropic, metrics, responses, sse, toolcalls
 from .chat import ChatTemplate, check_messages
 from .config import ServerConfig
 from .engine import Chunk, Engine, Event, Failed, Finished, QueueFull, Ticket
@@ -296,11 +296,17 @@ def _whole(st: AppState, ts: list[Ticket], req: Request,
     return json_reply(final(got), n_tokens=sum(fin.n_decoded for _, fin in got))
 
 
+def _llama_error_event(e: ApiError) -> bytes:
+    return sse.error_event(e.body())
+
+
 def _stream(st: AppState, ts: list[Ticket], req: Request, fmt: Callable[[int, Event, bool], list[bytes]],
-            done: bool, end: Callable[[list[Finished]], list[bytes]] | None = None) -> Reply | Stream:
+            done: bool, end: Callable[[list[Finished]], list[bytes]] | None = None,
+            error_event: Callable[[ApiError], bytes] = _llama_error_event) -> Reply | Stream:
     """SSE of all choices, interleaved as their tokens come (`fmt(index, event, first of this choice)`), then
     `end(every Finished)` and `[DONE]`. The first event is waited for here, so an error before any output is a
-    plain error reply; one after it is an error event that ends the stream (the other choices cancelled)."""
+    plain error reply; one after it is an error event (`error_event`, llama-server's by default) that ends the
+    stream (the other choices cancelled)."""
     first = _next(st, ts, req)
     if first is None:
         return Reply(499, b"")
@@ -317,7 +323,7 @@ def _stream(st: AppState, ts: list[Ticket], req: Request, fmt: Callable[[int, Ev
             i, ev = got
             if isinstance(ev, Failed):
                 _cancel(st, ts)
-                yield sse.error_event(ApiError(ev.status, ev.type, ev.message).body())
+                yield error_event(ApiError(ev.status, ev.type, ev.message))
                 return
             assert isinstance(ev, (Chunk, Finished))
             decoded[i] = ev.n_decoded
@@ -472,13 +478,33 @@ def _usage_end(meta: responses.Meta, obj: str) -> Callable[[list[Finished]], lis
     return end
 
 
-def chat_completions(st: AppState, req: Request) -> Reply | Stream:
-    """POST /v1/chat/completions: the GGUF's chat template, then generation as for completions (`n` choices of the
-    one conversation); with tools or a thinking template, each answer is split into reasoning, content and tool
-    calls (toolcalls.py)."""
-    body = req.json()
-    model = st.check_model(body)
-    refuse_unsupported(body)
+@dataclass(frozen=True)
+class ChatSetup:
+    """A chat request made ready for the engine: the rendered prompt, its tokens, the generation parameters (with
+    the tool grammar of `tool_choice` required/named) and how to split the answer. Shared by
+    /v1/chat/completions and the routes that map onto it (Anthropic Messages, OpenAI Responses), so templating,
+    sampling and tool parsing have one implementation."""
+
+    prompt: str
+    toks: list[int]
+    params: GenerationParams
+    treq: toolcalls.ToolRequest | None
+    open_think: bool  # the prompt ends inside `<think>` (DeepSeek-R1): the answer starts as reasoning
+    reasoning: bool  # split `<think>` reasoning off the answer
+
+    @property
+    def parses(self) -> bool:
+        return (self.treq is not None and self.treq.parse) or self.reasoning
+
+    def parser(self) -> toolcalls.OutputParser:
+        """A fresh parser for one answer (with nothing to split, it passes the text through, stripped)."""
+        return toolcalls.OutputParser(family=self.treq.family if self.treq else None,
+                                      parse_tools=self.treq is not None and self.treq.parse,
+                                      reasoning=self.reasoning, starts_in_thinking=self.open_think)
+
+
+def chat_setup(st: AppState, body: dict[str, Any]) -> ChatSetup:
+    """Render, tokenize and read the generation parameters of an OpenAI chat body (messages, tools, sampling)."""
     assert st.template is not None and st.engine is not None
     prompt, treq = _chat_prompt(st, body)
     toks = _tokenize(st, prompt, add_special=True)
@@ -490,15 +516,23 @@ def chat_completions(st: AppState, req: Request) -> Reply | Stream:
         g = toolcalls.tool_grammar(treq, open_think)
         check_grammar(st.engine.llm._model.vocab, g, "tools")
         params = dataclasses.replace(params, grammar=g)
-    jobs = jobs_for([(toks, prompt)], params, get_n(body))
     reasoning = body.get("reasoning_format", "auto") != "none" and toolcalls.template_thinks(st.template.source)
-    if (treq is not None and treq.parse) or reasoning:
-        parsers = [toolcalls.OutputParser(family=treq.family if treq else None,
-                                          parse_tools=treq is not None and treq.parse, reasoning=reasoning,
-                                          starts_in_thinking=open_think) for _ in jobs]
-        return _chat_parsed(st, req, body, model, jobs, parsers)
+    return ChatSetup(prompt, toks, params, treq, open_think, reasoning)
+
+
+def chat_completions(st: AppState, req: Request) -> Reply | Stream:
+    """POST /v1/chat/completions: the GGUF's chat template, then generation as for completions (`n` choices of the
+    one conversation); with tools or a thinking template, each answer is split into reasoning, content and tool
+    calls (toolcalls.py)."""
+    body = req.json()
+    model = st.check_model(body)
+    refuse_unsupported(body)
+    cs = chat_setup(st, body)
+    jobs = jobs_for([(cs.toks, cs.prompt)], cs.params, get_n(body))
+    if cs.parses:
+        return _chat_parsed(st, req, body, model, jobs, [cs.parser() for _ in jobs])
     stream = get_bool(body, "stream", False)
-    meta = _oai_meta(st, body, model, params)
+    meta = _oai_meta(st, body, model, cs.params)
     ts = _submit(st, jobs)
     if not stream:
         return _whole(st, ts, req, lambda got: responses.merged(
@@ -548,6 +582,65 @@ def _chat_parsed(st: AppState, req: Request, body: dict[str, Any], model: str, j
         return [sse.event(out)]
 
     return _stream(st, ts, req, fmt, done=True, end=_usage_end(meta, "chat.completion.chunk"))
+
+
+def _answer_deltas(cs: ChatSetup) -> Callable[[str, bool], toolcalls.Delta]:
+    """`feed(text, last)` -> the answer's parsed delta: through the chat route's parser when the request has tools
+    or the template thinks, else the text as it is (as the chat route answers it)."""
+    if not cs.parses:
+        return lambda text, last: toolcalls.Delta(content=text)
+    parser = cs.parser()
+
+    def feed(text: str, last: bool) -> toolcalls.Delta:
+        d = parser.feed(text)
+        if last:
+            d2 = parser.finish()
+            d.reasoning, d.content, d.calls = d.reasoning + d2.reasoning, d.content + d2.content, d.calls + d2.calls
+        return d
+    return feed
+
+
+def anthropic_messages(st: AppState, req: Request) -> Reply | Stream:
+    """POST /v1/messages: Anthropic's Messages API on the chat path (anthropic.py maps the request and shapes the
+    answer; errors are answered in Anthropic's shape by the HTTP layer, see ANTHROPIC_PATHS)."""
+    body = req.json()
+    chat = anthropic.to_chat(body)
+    model = st.check_model(chat)
+    cs = chat_setup(st, chat)
+    feed = _answer_deltas(cs)
+    msg_id = anthropic.message_id()
+    ts = _submit(st, jobs_for([(cs.toks, cs.prompt)], cs.params, 1))
+    if not get_bool(chat, "stream", False):
+        def final(got: list[tuple[str, Finished]]) -> dict[str, Any]:
+            text, fin = got[0]
+            blocks = anthropic.Blocks()
+            blocks.add(feed(text, True))
+            return anthropic.message(msg_id, model, blocks.blocks, fin)
+        return _whole(st, ts, req, final)
+
+    blocks = anthropic.Blocks()
+
+    def fmt(i: int, ev: Event, first: bool) -> list[bytes]:
+        assert isinstance(ev, (Chunk, Finished))
+        out = []
+        if first:
+            cached = ev.timings.cache_n if ev.timings is not None else 0
+            out += anthropic.message_start(msg_id, model, len(cs.toks), cached)
+        out += blocks.add(feed(ev.text, isinstance(ev, Finished)))
+        if isinstance(ev, Finished):
+            out += anthropic.message_end(blocks, ev)
+        return out
+
+    return _stream(st, ts, req, fmt, done=False, error_event=anthropic.error_event)
+
+
+def anthropic_count_tokens(st: AppState, req: Request) -> Reply:
+    """POST /v1/messages/count_tokens: the tokens of the prompt /v1/messages would evaluate (the chat template's
+    rendering of system, messages and tools, tokenized as the chat route does)."""
+    chat = anthropic.to_chat(req.json(), count_only=True)
+    st.check_model(chat)
+    prompt, _ = _chat_prompt(st, chat)
+    return json_reply({"input_tokens": len(_tokenize(st, prompt, add_special=True))})
 
 
 def apply_template(st: AppState, req: Request) -> Reply:
@@ -672,7 +765,10 @@ GET = {**dict.fromkeys(WEB_FILES, web_file), "/rapidmoe/stats": stats,
        "/slots": slots, "/metrics": get_metrics}
 POST = {"/completion": completion, "/completions": completion, "/v1/completions": oai_completions,
         "/chat/completions": chat_completions, "/v1/chat/completions": chat_completions,
-        "/tokenize": tokenize, "/detokenize": detokenize, "/apply-template": apply_template}
+        "/tokenize": tokenize, "/detokenize": detokenize, "/apply-template": apply_template,
+        "/v1/messages": anthropic_messages, "/v1/messages/count_tokens": anthropic_count_tokens}
+# Routes whose errors (also those of the HTTP layer: auth, limits, loading) are answered in Anthropic's shape.
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
 
 def model_meta(llm: Any, path: str) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from rapidmoe.ggml_types import fit_type, ggml_type
 from rapidmoe.ggufio import GGUFFile, Tensor, copy_metadata, n_rows, tensor_rows
 from rapidmoe.resplit import Preset, convert, get_preset
 from rapidmoe.resplit.convert import _add_quant_info, _byte_shape, _target_type
-from rapidmoe.resplit.imatrix import Imatrix
+from rapidmoe.resplit.imatrix import Imatrix, write_imatrix
 from rapidmoe.resplit.typechoice import EXPERT_RE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +59,9 @@ from bench_split import run_variant  # noqa: E402
 from common import log_softmax, pyplot  # noqa: E402
 
 STOCK_TYPES = "Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
+# the stock build's llama-quantize (tools/stock_llama.py), used only when already built: then every stock file is
+# compared byte for byte with llama-quantize's own output for the same tensor types (this script builds nothing)
+STOCK_QUANTIZE = ROOT / "build" / "stock" / "build" / "bin" / "llama-quantize"
 # the non-expert rule of every file here: 2-D matrices Q8_0 (F16 where rows do not fit), norms/router/biases F32
 # (typechoice.tensor_type); the WQ/WR types of this preset are never used
 Q8_OTHER = Preset("experts-only", "Q2_K", "Q2_K", other="Q8_0")
@@ -170,6 +173,22 @@ def stock_experts_file(src: Path, ty: str, out: Path, imatrix: Imatrix | None) -
     w.close()
     tmp.replace(out)
     return out
+
+
+def llama_quantize_check(src: Path, ty: str, ours: Path, imatrix: Path | None, work: Path) -> bool | None:
+    """Whether `ours` holds the same tensor types and bytes as the stock llama-quantize's
+    `--tensor-type ffn_{gate,up,down}_exps=<ty> src out Q8_0` (with `--imatrix`); None without the stock build."""
+    if not STOCK_QUANTIZE.exists():
+        return None
+    out = work / f"{ours.stem}.llama-quantize.gguf"
+    cmd = [str(STOCK_QUANTIZE), *(["--imatrix", str(imatrix)] if imatrix is not None else []),
+           *(x for role in ("gate", "up", "down") for x in ("--tensor-type", f"ffn_{role}_exps={ty.lower()}")),
+           str(src), str(out), "Q8_0", "2"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        return same_bytes(out, ours, experts=True) and same_bytes(out, ours, experts=False)
+    finally:
+        out.unlink(missing_ok=True)
 
 
 def f32_copy(src: Path, out: Path) -> Path:
@@ -299,12 +318,16 @@ def main() -> int:
     # files
     t0 = time.perf_counter()
     imatrix = None
+    imatrix_path = work / f"{src.stem}.imatrix.gguf"
     imatrix_s = 0.0
     if args.imatrix_variants:
         calib = args.calib or src.parent / "calib.txt"
         imatrix = collect_imatrix(src, calib.read_text(), n_ctx=args.n_ctx, max_chunks=args.imatrix_chunks,
                                   n_threads=args.threads, progress=False)
         imatrix_s = time.perf_counter() - t0
+        write_imatrix(imatrix, imatrix_path)  # for llama-quantize's cross-check
+        for old in work.glob(f"{src.stem}.experts-*.imat.gguf"):  # made with an earlier imatrix
+            old.unlink()
     variants: list[dict[str, Any]] = [
         {"variant": "F16 (reference)", "kind": "ref", "model": src, "bits": 16.0},
         {"variant": "F32 copy (numerical floor)", "kind": "floor", "bits": 32.0,
@@ -329,10 +352,16 @@ def main() -> int:
     checks["non_expert_identical"] = {v["variant"]: same_bytes(first["model"], v["model"], experts=False)
                                       for v in variants if v["kind"] in ("stock", "stock+imatrix", "ours")}
     checks["non_expert_types"] = sorted(set(tensor_types(first["model"], experts=False).values()))
+    checks["identical_to_stock_llama_quantize"] = {
+        v["variant"]: llama_quantize_check(src, v["type"], v["model"],
+                                           imatrix_path if v["kind"] == "stock+imatrix" else None, work)
+        for v in variants if v["kind"] in ("stock", "stock+imatrix")}
     for p in presets:  # a preset's WQ alone (r = 0) vs the stock file of the same type: the same expert bytes?
         st = next((v for v in variants if v["kind"] == "stock" and v["type"] == p.wq.upper()), None)
         if st is not None:
-            checks[f"{p.name} WQ experts == stock {p.wq.upper()} experts"] = same_bytes(
+            # True for the residual presets (their WQ is plain ggml quantization, so r = 0 is that stock file);
+            # False is expected where a preset fits its own WQ (the refine codec's Q3_K scales)
+            checks[f"{p.name}: WQ expert bytes identical to stock {p.wq.upper()}'s"] = same_bytes(
                 st["model"], pairs[p.name][0], experts=True)
 
     # logits
@@ -379,9 +408,9 @@ def main() -> int:
               "checks": checks, "files_s": files_s, "total_s": time.perf_counter() - t_start, "rows": rows,
               "command": " ".join(["python", "bench/bench_experts.py", *sys.argv[1:]])}
     stem = args.out_dir / f"experts-{name}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     png = stem.with_suffix(".png")
     result["plot"] = png.name if plot(result, png) else None
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(to_markdown(result))
     print(to_markdown(result))
     return 0
@@ -434,6 +463,20 @@ def add_interpolation(variants: list[dict[str, Any]], n_boot: int) -> None:
             v[f"{key}_ratio_ci90"] = [float(lo), float(hi)]
 
 
+def quantize_check(checks: dict[str, Any]) -> str:
+    """The sentence on how the stock files compare with the stock build's llama-quantize."""
+    res = checks.get("identical_to_stock_llama_quantize", {})
+    done = {k: v for k, v in res.items() if v is not None}
+    if not done:
+        return ("not compared here (no stock build of llama.cpp; `python tools/stock_llama.py llama-quantize` makes "
+                "one and the next run compares every file byte for byte).")
+    same = [k for k, v in done.items() if v]
+    diff = [k for k, v in done.items() if not v]
+    return (f"compared byte for byte with that command's output (the stock build of the same pin): "
+            f"{len(same)} of {len(done)} files identical in every tensor's type and data"
+            + (f"; DIFFERENT: {', '.join(diff)}" if diff else "") + ".")
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -465,11 +508,13 @@ def to_markdown(r: dict[str, Any]) -> str:
            f"llama-imatrix's statistics collected with our build in {im['seconds']:.0f} s) an importance matrix")
         + "; the other tensors by `rapidmoe.resplit.convert`'s rule with other = Q8_0. The equivalent stock command "
         "is `llama-quantize --tensor-type ffn_gate_exps=T --tensor-type ffn_up_exps=T --tensor-type ffn_down_exps=T "
-        "model-f16.gguf out.gguf Q8_0` (no stock build of llama.cpp on this machine; run in our build).",
+        f"model-f16.gguf out.gguf Q8_0` (+ `--imatrix`): {quantize_check(r['checks'])}",
         "- **ours P r=N**: `rapidmoe.resplit.convert` with preset P, other tensors forced to Q8_0 (no per-tensor "
         "overrides), run by `rapidmoe.Llama(wq, residual_path=wr, n_critical=N)`.",
-        *[f"- check: {k} = {v}" for k, v in r["checks"].items() if k not in ("non_expert_identical",
-                                                                             "non_expert_types")], "",
+        *[f"- check: {k}: {'yes' if v else 'no'}" for k, v in r["checks"].items()
+          if k not in ("non_expert_identical", "non_expert_types", "identical_to_stock_llama_quantize")],
+        "  (yes for a residual preset, whose WQ is plain ggml quantization: its r = 0 is that stock file; no is "
+        "expected where a preset fits its own WQ, as the refine codec's Q3_K scales)", "",
         "Bits = bits per routed-expert weight read per token. Stock: the type's bits per weight (every selected "
         "expert read whole). Ours: **the engine's counters** over the KL evaluation (`llm.moe_counters()`: WQ + "
         "sidecar bytes read, per expert slot, over one expert's weights); `preset bits` is the same from "

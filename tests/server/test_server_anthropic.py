@@ -32,8 +32,7 @@ TIME = {"name": "get_time", "input_schema": {"type": "object", "properties": {
     "zone": {"type": "integer", "minimum": -12, "maximum": 12}}, "required": ["zone"]}}
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["name"]: t["input_schema"] for t in TOOLS}
-OAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"],
-                                               **({"description": t["description"]} if "description" in t else {})}}
+OAI_TOOLS = [{"type": "function", "function": {"parameters" if k == "input_schema" else k: v for k, v in t.items()}}
              for t in TOOLS]
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY_FIELDS = {"temperature": 0.0}

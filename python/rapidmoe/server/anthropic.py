@@ -18,6 +18,7 @@ from typing import Any
 from .engine import Finished
 from .errors import ApiError, invalid_request
 from .params import check_utf8
+from .sse import named_event
 from .toolcalls import Delta, ToolCall
 
 # Request fields: Anthropic's that are implemented, plus three llama.cpp extensions (`chat_template_kwargs`, as
@@ -207,10 +208,14 @@ def _tools(v: Any) -> list[dict[str, Any]]:
         schema = t.get("input_schema")
         if not isinstance(schema, dict):
             raise invalid_request(f"\"{name}.input_schema\" is required and must be a JSON schema object")
-        fn: dict[str, Any] = {"name": _str(t.get("name"), f"{name}.name"), "parameters": schema}
+        _str(t.get("name"), f"{name}.name")
         if t.get("description") is not None:
-            fn["description"] = _str(t["description"], f"{name}.description")
-        out.append({"type": "function", "function": fn})
+            _str(t["description"], f"{name}.description")
+        # the function with the tool's keys in their order (the template writes it as JSON), input_schema renamed
+        out.append({"type": "function", "function": {"parameters" if k == "input_schema" else k: x
+                                                     for k, x in t.items()
+                                                     if k in ("name", "description", "input_schema")
+                                                     and x is not None}})
     return out
 
 
@@ -307,12 +312,6 @@ def error(e: ApiError) -> AnthropicError:
 
 def error_event(e: ApiError) -> bytes:
     return named_event("error", error(e).body())
-
-
-def named_event(name: str, data: dict[str, Any]) -> bytes:
-    """Anthropic's SSE framing: `event: NAME` then `data: JSON` (the data's `type` is the event's name)."""
-    return b"event: " + name.encode() + b"\ndata: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")
-                                                                 ).encode() + b"\n\n"
 
 
 # ---- answers ----

@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import __version__
 from .._runtime import llama_cpp as lc
-from . import anthropic, metrics, responses, sse, toolcalls
+from . import anthropic, metrics, responses, responses_api, sse, toolcalls
 from .chat import ChatTemplate, check_messages
 from .config import ServerConfig
 from .engine import Chunk, Engine, Event, Failed, Finished, QueueFull, Ticket
@@ -643,6 +643,37 @@ def anthropic_count_tokens(st: AppState, req: Request) -> Reply:
     return json_reply({"input_tokens": len(_tokenize(st, prompt, add_special=True))})
 
 
+def oai_responses(st: AppState, req: Request) -> Reply | Stream:
+    """POST /v1/responses: OpenAI's Responses API on the chat path (responses_api.py maps the request and shapes
+    the output items and stream events)."""
+    body = req.json()
+    chat = responses_api.to_chat(body)
+    model = st.check_model(chat)
+    cs = chat_setup(st, chat)
+    feed = _answer_deltas(cs)
+    head = responses_api.Head(model, body)
+    items = responses_api.Items()
+    ts = _submit(st, jobs_for([(cs.toks, cs.prompt)], cs.params, 1))
+    if not get_bool(chat, "stream", False):
+        def final(got: list[tuple[str, Finished]]) -> dict[str, Any]:
+            text, fin = got[0]
+            items.add(feed(text, True))
+            status = "incomplete" if responses_api.incomplete(fin) else "completed"
+            items.close(status)
+            return head.response(status, items.output, fin)
+        return _whole(st, ts, req, final)
+
+    def fmt(i: int, ev: Event, first: bool) -> list[bytes]:
+        assert isinstance(ev, (Chunk, Finished))
+        out = items.start(head) if first else []
+        out += items.add(feed(ev.text, isinstance(ev, Finished)))
+        if isinstance(ev, Finished):
+            out += items.finish(head, ev)
+        return out
+
+    return _stream(st, ts, req, fmt, done=False, error_event=responses_api.error_event)
+
+
 def apply_template(st: AppState, req: Request) -> Reply:
     return json_reply({"prompt": _chat_prompt(st, req.json())[0]})
 
@@ -766,7 +797,8 @@ GET = {**dict.fromkeys(WEB_FILES, web_file), "/rapidmoe/stats": stats,
 POST = {"/completion": completion, "/completions": completion, "/v1/completions": oai_completions,
         "/chat/completions": chat_completions, "/v1/chat/completions": chat_completions,
         "/tokenize": tokenize, "/detokenize": detokenize, "/apply-template": apply_template,
-        "/v1/messages": anthropic_messages, "/v1/messages/count_tokens": anthropic_count_tokens}
+        "/v1/messages": anthropic_messages, "/v1/messages/count_tokens": anthropic_count_tokens,
+        "/v1/responses": oai_responses, "/responses": oai_responses}
 # Routes whose errors (also those of the HTTP layer: auth, limits, loading) are answered in Anthropic's shape.
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 

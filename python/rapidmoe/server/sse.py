@@ -1,6 +1,7 @@
 """Server-Sent Events framing exactly as llama-server writes it (`format_oai_sse`).
 
 Each event is `data: <json>\\n\\n`; a list is one event per item; the OpenAI routes end with `data: [DONE]`.
+Anthropic's Messages and OpenAI's Responses streams name their events (`named_event`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ def event(data: Any) -> bytes:
     items = data if isinstance(data, list) else [data]
     return b"".join(b"data: " + json.dumps(x, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
                     for x in items)
+
+
+def named_event(name: str, data: dict[str, Any]) -> bytes:
+    """A named event, as Anthropic's Messages and OpenAI's Responses streams write them: `event: NAME` then
+    `data: JSON` (the data's `type` is the event's name)."""
+    return (b"event: " + name.encode() + b"\ndata: "
+            + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
 
 
 def error_event(error_body: dict[str, Any]) -> bytes:

@@ -36,6 +36,7 @@ _WHY = {"metadata": "request metadata", "thinking": "thinking budgets; thinking 
         "context management", "output_format": "structured output", "top_logprobs": "log-probabilities"}
 
 MAX_STOP = 16
+ERROR_PREFIX = "Error: "  # a tool_result with is_error: its text as the tool message, after this
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -103,8 +104,9 @@ def _system(v: Any) -> list[dict[str, Any]]:
 def _tool_result(b: dict[str, Any], name: str) -> dict[str, Any]:
     _check_keys(b, {"type", "tool_use_id", "content", "is_error", "cache_control"}, f"{name}.")
     _cache_control(b, name)
-    if b.get("is_error") not in (None, False):
-        raise refused(f"{name}.is_error", "the chat template has no way to mark a tool result as an error")
+    is_error = b.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
+        raise invalid_request(f"\"{name}.is_error\" must be a boolean")
     content = b.get("content")
     if content is None:
         text = ""
@@ -117,6 +119,8 @@ def _tool_result(b: dict[str, Any], name: str) -> dict[str, Any]:
                 raise refused(f"{name}.content[{k}].type \"{c['type']}\"", "only text in tool results")
             texts.append(_text_block(c, f"{name}.content[{k}]"))
         text = "\n".join(texts)
+    if is_error:  # chat templates have no error flag for a tool message: the model reads it in the text
+        text = f"{ERROR_PREFIX}{text}" if text else ERROR_PREFIX.rstrip(": ")
     return {"role": "tool", "tool_call_id": _str(b.get("tool_use_id"), f"{name}.tool_use_id"), "content": text}
 
 

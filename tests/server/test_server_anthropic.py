@@ -252,7 +252,7 @@ def test_tool_choice_any_and_tool_follow_the_schemas(server: str, request: pytes
 
 # ---- history with tool_use / tool_result / thinking, and count_tokens ----
 
-HISTORY = [
+HISTORY: list[dict[str, Any]] = [
     *MSGS,
     {"role": "assistant", "content": [
         {"type": "thinking", "thinking": "Use the tool.", "signature": ""},
@@ -290,7 +290,7 @@ def test_count_tokens_equals_the_rendered_prompt(qwen3: ServerProc) -> None:
     assert again.usage.input_tokens + (again.usage.cache_read_input_tokens or 0) == len(ref)
     assert blocks(again) == blocks(msg)
     # a tool_result with is_error: the tool message reads "Error: ..." (templates have no error flag)
-    failed = [*HISTORY[:2], {"role": "user", "content": [
+    failed: list[dict[str, Any]] = [*HISTORY[:2], {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_1", "content": "City not found", "is_error": True}]}]
     oai_failed = [*OAI_HISTORY[:2], {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: City not found"}]
     n = client(qwen3).messages.count_tokens(model="tiny", messages=failed, tools=TOOLS)

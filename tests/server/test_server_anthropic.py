@@ -314,6 +314,7 @@ REFUSED = [
     ({"messages": [{"role": "user", "content": [IMAGE]}]}, "messages[0].content[0].type \"image\""),
     ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name"),
     ({"messages": [{"role": "system", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [*MSGS, {"role": "assistant", "content": "The weather is"}]}, "messages[1].role \"assistant\" as"),
     ({"messages": [*MSGS, {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}]},
      "messages[1].content[0].type \"redacted_thinking\""),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "citations": [{"x": 1}]}]}]},

@@ -194,6 +194,8 @@ def _messages(v: Any) -> list[dict[str, Any]]:
         if calls:
             msg["tool_calls"] = calls
         out.append(msg)
+    if v[-1].get("role") == "assistant":  # Anthropic continues a final assistant turn; the chat path cannot
+        raise refused(f"messages[{len(v) - 1}].role \"assistant\" as the last message", "prefilling the answer")
     return out
 
 

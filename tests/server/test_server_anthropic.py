@@ -366,3 +366,19 @@ def test_http_layer_errors_in_anthropic_shape(qwen3: ServerProc, r1: ServerProc)
     status, r = qwen3.request("POST", "/v1/messages", {"model": "tiny", "max_tokens": 4,
                                                        "messages": [{"role": "user", "content": "word " * 3000}]})
     assert status == 400 and r["type"] == "error" and "context" in r["error"]["message"], r
+
+
+def test_api_key_as_x_api_key(tiny_qwen: Path, tmp_path: Path) -> None:
+    """The client sends its key as `x-api-key`; a wrong one is a 401 in Anthropic's shape."""
+    s = ServerProc(tiny_qwen, "-t", "1", "-c", "1024", "--api-key", "sekret", log_path=tmp_path / "key.log")
+    try:
+        good = anthropic.Anthropic(base_url=s.url, api_key="sekret", max_retries=0, timeout=60)
+        model = s.request("GET", "/v1/models", headers={"X-Api-Key": "sekret"})[1]["data"][0]["id"]
+        assert good.messages.count_tokens(model=model, messages=MSGS).input_tokens > 0
+        bad = anthropic.Anthropic(base_url=s.url, api_key="wrong", max_retries=0, timeout=60)
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            bad.messages.create(model=model, max_tokens=2, messages=MSGS)
+        assert e.value.body == {"type": "error", "error": {"type": "authentication_error",
+                                                           "message": "Invalid API Key"}}
+    finally:
+        s.stop()

@@ -17,7 +17,7 @@ from typing import Any
 
 from .engine import Finished
 from .errors import ApiError, invalid_request
-from .params import check_utf8
+from .params import check_keys, check_utf8, refused, text_value
 from .sse import named_event
 from .toolcalls import Delta, ToolCall
 
@@ -48,22 +48,6 @@ def message_id() -> str:
     return _rand("msg_")
 
 
-def refused(name: str, why: str = "") -> ApiError:
-    return invalid_request(f"\"{name}\" is not supported by this server" + (f" ({why})" if why else ""))
-
-
-def _check_keys(obj: dict[str, Any], allowed: frozenset[str] | set[str], where: str) -> None:
-    for k in obj:
-        if k not in allowed and obj[k] is not None:
-            raise refused(f"{where}{k}", _WHY.get(k, "") if not where else "")
-
-
-def _str(v: Any, name: str) -> str:
-    if not isinstance(v, str):
-        raise invalid_request(f"\"{name}\" must be a string")
-    return check_utf8(v, name)
-
-
 def _cache_control(block: dict[str, Any], name: str) -> None:
     """`cache_control` marks a prompt-cache breakpoint: the slots' prefix cache reuses every prompt's longest cached
     prefix anyway, so the one type Anthropic has ("ephemeral", any `ttl`) is honoured as is."""
@@ -74,11 +58,11 @@ def _cache_control(block: dict[str, Any], name: str) -> None:
 
 
 def _text_block(b: dict[str, Any], name: str) -> str:
-    _check_keys(b, {"type", "text", "cache_control", "citations"}, f"{name}.")
+    check_keys(b, {"type", "text", "cache_control", "citations"}, f"{name}.")
     if b.get("citations"):
         raise refused(f"{name}.citations", "citations")
     _cache_control(b, name)
-    return _str(b.get("text"), f"{name}.text")
+    return text_value(b.get("text"), f"{name}.text")
 
 
 def _blocks(v: Any, name: str) -> list[dict[str, Any]]:
@@ -96,13 +80,13 @@ def _system(v: Any) -> list[dict[str, Any]]:
     parts = []
     for j, b in enumerate(_blocks(v, "system")):
         if b["type"] != "text":
-            raise refused(f"system[{j}].type \"{b['type']}\"", "only text blocks")
+            raise refused(f"system[{j}].type", "only text blocks", value=b['type'])
         parts.append({"type": "text", "text": _text_block(b, f"system[{j}]")})
     return [{"role": "system", "content": parts}] if parts else []
 
 
 def _tool_result(b: dict[str, Any], name: str) -> dict[str, Any]:
-    _check_keys(b, {"type", "tool_use_id", "content", "is_error", "cache_control"}, f"{name}.")
+    check_keys(b, {"type", "tool_use_id", "content", "is_error", "cache_control"}, f"{name}.")
     _cache_control(b, name)
     is_error = b.get("is_error")
     if is_error is not None and not isinstance(is_error, bool):
@@ -116,22 +100,22 @@ def _tool_result(b: dict[str, Any], name: str) -> dict[str, Any]:
         texts = []
         for k, c in enumerate(_blocks(content, f"{name}.content")):
             if c["type"] != "text":
-                raise refused(f"{name}.content[{k}].type \"{c['type']}\"", "only text in tool results")
+                raise refused(f"{name}.content[{k}].type", "only text in tool results", value=c['type'])
             texts.append(_text_block(c, f"{name}.content[{k}]"))
         text = "\n".join(texts)
     if is_error:  # chat templates have no error flag for a tool message: the model reads it in the text
         text = f"{ERROR_PREFIX}{text}" if text else ERROR_PREFIX.rstrip(": ")
-    return {"role": "tool", "tool_call_id": _str(b.get("tool_use_id"), f"{name}.tool_use_id"), "content": text}
+    return {"role": "tool", "tool_call_id": text_value(b.get("tool_use_id"), f"{name}.tool_use_id"), "content": text}
 
 
 def _tool_use(b: dict[str, Any], name: str) -> dict[str, Any]:
-    _check_keys(b, {"type", "id", "name", "input", "cache_control"}, f"{name}.")
+    check_keys(b, {"type", "id", "name", "input", "cache_control"}, f"{name}.")
     _cache_control(b, name)
     args = b.get("input", {})
     if not isinstance(args, dict):
         raise invalid_request(f"\"{name}.input\" must be an object")
-    return {"id": _str(b.get("id"), f"{name}.id"), "type": "function",
-            "function": {"name": _str(b.get("name"), f"{name}.name"),
+    return {"id": text_value(b.get("id"), f"{name}.id"), "type": "function",
+            "function": {"name": text_value(b.get("name"), f"{name}.name"),
                          "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
@@ -148,7 +132,7 @@ def _messages(v: Any) -> list[dict[str, Any]]:
         name = f"messages[{i}]"
         if not isinstance(m, dict):
             raise invalid_request(f"\"{name}\" must be an object")
-        _check_keys(m, {"role", "content"}, f"{name}.")
+        check_keys(m, {"role", "content"}, f"{name}.")
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise invalid_request(f"\"{name}.role\" must be \"user\" or \"assistant\", got {role!r}")
@@ -169,7 +153,7 @@ def _messages(v: Any) -> list[dict[str, Any]]:
                         texts = []
                     out.append(_tool_result(b, bn))
                 else:
-                    raise refused(f"{bn}.type \"{b['type']}\"", "user content blocks: text and tool_result")
+                    raise refused(f"{bn}.type", "user content blocks: text and tool_result", value=b['type'])
             if texts or not blocks:
                 out.append({"role": "user", "content": texts or ""})
             continue
@@ -182,12 +166,13 @@ def _messages(v: Any) -> list[dict[str, Any]]:
             if b["type"] == "text":
                 texts_a.append(_text_block(b, bn))
             elif b["type"] == "thinking":
-                _check_keys(b, {"type", "thinking", "signature", "cache_control"}, f"{bn}.")
-                reasoning.append(_str(b.get("thinking"), f"{bn}.thinking"))
+                check_keys(b, {"type", "thinking", "signature", "cache_control"}, f"{bn}.")
+                reasoning.append(text_value(b.get("thinking"), f"{bn}.thinking"))
             elif b["type"] == "tool_use":
                 calls.append(_tool_use(b, bn))
             else:
-                raise refused(f"{bn}.type \"{b['type']}\"", "assistant content blocks: text, thinking and tool_use")
+                raise refused(f"{bn}.type", "assistant content blocks: text, thinking and tool_use",
+                              value=b["type"])
         msg["content"] = "\n".join(texts_a)
         if reasoning:
             msg["reasoning_content"] = "\n".join(reasoning)
@@ -195,7 +180,8 @@ def _messages(v: Any) -> list[dict[str, Any]]:
             msg["tool_calls"] = calls
         out.append(msg)
     if v[-1].get("role") == "assistant":  # Anthropic continues a final assistant turn; the chat path cannot
-        raise refused(f"messages[{len(v) - 1}].role \"assistant\" as the last message", "prefilling the answer")
+        raise refused(f"messages[{len(v) - 1}].role", "as the last message: Anthropic continues it (prefill), "
+                      "which the chat path does not do", value="assistant")
     return out
 
 
@@ -208,15 +194,16 @@ def _tools(v: Any) -> list[dict[str, Any]]:
         if not isinstance(t, dict):
             raise invalid_request(f"\"{name}\" must be an object")
         if t.get("type", "custom") != "custom":
-            raise refused(f"{name}.type \"{t['type']}\"", "server and client tools of Anthropic's; only custom tools")
-        _check_keys(t, {"type", "name", "description", "input_schema", "cache_control"}, f"{name}.")
+            raise refused(f"{name}.type", "server and client tools of Anthropic's; only custom tools",
+                          value=t["type"])
+        check_keys(t, {"type", "name", "description", "input_schema", "cache_control"}, f"{name}.")
         _cache_control(t, name)
         schema = t.get("input_schema")
         if not isinstance(schema, dict):
             raise invalid_request(f"\"{name}.input_schema\" is required and must be a JSON schema object")
-        _str(t.get("name"), f"{name}.name")
+        text_value(t.get("name"), f"{name}.name")
         if t.get("description") is not None:
-            _str(t["description"], f"{name}.description")
+            text_value(t["description"], f"{name}.description")
         # the function with the tool's keys in their order (the template writes it as JSON), input_schema renamed
         out.append({"type": "function", "function": {"parameters" if k == "input_schema" else k: x
                                                      for k, x in t.items()
@@ -229,10 +216,10 @@ def _tool_choice(v: Any, chat: dict[str, Any]) -> None:
     if not isinstance(v, dict) or v.get("type") not in ("auto", "any", "tool", "none"):
         raise invalid_request("\"tool_choice\" must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}")
     kind = v["type"]
-    _check_keys(v, {"type", "name", "disable_parallel_tool_use"} if kind == "tool" else
+    check_keys(v, {"type", "name", "disable_parallel_tool_use"} if kind == "tool" else
                 {"type", "disable_parallel_tool_use"} if kind in ("auto", "any") else {"type"}, "tool_choice.")
     if kind == "tool":
-        chat["tool_choice"] = {"type": "function", "function": {"name": _str(v.get("name"), "tool_choice.name")}}
+        chat["tool_choice"] = {"type": "function", "function": {"name": text_value(v.get("name"), "tool_choice.name")}}
     else:
         chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
     one = v.get("disable_parallel_tool_use")
@@ -256,7 +243,7 @@ def _number(body: dict[str, Any], name: str, lo: float, hi: float) -> None:
 def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
     """The OpenAI chat body of a Messages (or count_tokens) request; 400 naming any field, message key, block type
     or tool key that is not implemented."""
-    _check_keys(body, COUNT_FIELDS if count_only else MESSAGES_FIELDS, "")
+    check_keys(body, COUNT_FIELDS if count_only else MESSAGES_FIELDS, why=_WHY)
     _cache_control(body, "")
     system = _system(body["system"]) if body.get("system") is not None else []
     chat: dict[str, Any] = {"messages": [*system, *_messages(body.get("messages"))]}

@@ -4,6 +4,7 @@ Each reader raises errors.invalid_request with the field's name; nothing here to
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -131,6 +132,28 @@ def refuse_unsupported(body: dict[str, Any], skip: frozenset[str] = frozenset())
         v = body.get(name)
         if v is not None and not is_off(v):
             raise not_supported(name, why)
+
+
+def refused(name: str, why: str = "", value: Any = None) -> ApiError:
+    """400 naming a field of the Anthropic and Responses routes this server does not implement (and, for a type it
+    does not do, the value): those APIs answer a field they do not know with a 400."""
+    what = f"\"{name}\"" + (f": {json.dumps(value, ensure_ascii=False)}" if value is not None else "")
+    return invalid_request(f"{what} is not supported by this server" + (f" ({why})" if why else ""))
+
+
+def check_keys(obj: dict[str, Any], allowed: frozenset[str] | set[str], where: str = "",
+               why: dict[str, str] | None = None) -> None:
+    """`refused` for the first key of `obj` (at path `where`) not in `allowed`; null counts as absent."""
+    for k in obj:
+        if k not in allowed and obj[k] is not None:
+            raise refused(f"{where}{k}", (why or {}).get(k, ""))
+
+
+def text_value(v: Any, name: str) -> str:
+    """A string field's value (UTF-8 text), else a 400 naming it."""
+    if not isinstance(v, str):
+        raise invalid_request(f"\"{name}\" must be a string")
+    return check_utf8(v, name)
 
 
 def _type_error(name: str, want: str, got: Any) -> Exception:

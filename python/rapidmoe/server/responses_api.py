@@ -17,7 +17,7 @@ from typing import Any
 
 from .engine import Finished
 from .errors import ApiError, invalid_request
-from .params import check_utf8
+from .params import check_keys, check_utf8, refused, text_value
 from .sse import named_event
 from .toolcalls import Delta, ToolCall
 
@@ -39,22 +39,6 @@ def new_id(prefix: str, n: int = 24) -> str:
     return prefix + "".join(secrets.choice(_ALNUM) for _ in range(n))
 
 
-def refused(name: str, why: str = "") -> ApiError:
-    return invalid_request(f"\"{name}\" is not supported by this server" + (f" ({why})" if why else ""))
-
-
-def _check_keys(obj: dict[str, Any], allowed: set[str] | frozenset[str], where: str) -> None:
-    for k in obj:
-        if k not in allowed and obj[k] is not None:
-            raise refused(f"{where}{k}", _WHY.get(k, "") if not where else "")
-
-
-def _str(v: Any, name: str) -> str:
-    if not isinstance(v, str):
-        raise invalid_request(f"\"{name}\" must be a string")
-    return check_utf8(v, name)
-
-
 def _parts(v: Any, name: str, kinds: tuple[str, ...]) -> str:
     """A message's content: a string, or parts of the given text types joined by newlines (as the chat route
     joins text parts)."""
@@ -68,11 +52,11 @@ def _parts(v: Any, name: str, kinds: tuple[str, ...]) -> str:
         if not isinstance(p, dict) or not isinstance(p.get("type"), str):
             raise invalid_request(f"\"{pn}\" must be a content part with a \"type\"")
         if p["type"] not in kinds:
-            raise refused(f"{pn}.type \"{p['type']}\"", "text parts: " + ", ".join(kinds))
-        _check_keys(p, {"type", "text", "annotations", "logprobs"}, f"{pn}.")
+            raise refused(f"{pn}.type", "text parts: " + ", ".join(kinds), value=p['type'])
+        check_keys(p, {"type", "text", "annotations", "logprobs"}, f"{pn}.")
         if p.get("annotations"):
             raise refused(f"{pn}.annotations")
-        texts.append(_str(p.get("text"), f"{pn}.text"))
+        texts.append(text_value(p.get("text"), f"{pn}.text"))
     return "\n".join(texts)
 
 
@@ -97,7 +81,7 @@ def _input(v: Any, out: list[dict[str, Any]]) -> None:
             raise invalid_request(f"\"{name}\" must be an object")
         kind = item.get("type", "message")
         if kind == "message":
-            _check_keys(item, {"type", "role", "content", "id", "status"}, f"{name}.")
+            check_keys(item, {"type", "role", "content", "id", "status"}, f"{name}.")
             role = item.get("role")
             if role in ("user", "system", "developer"):
                 out.append({"role": role, "content": _parts(item.get("content"), f"{name}.content",
@@ -110,17 +94,17 @@ def _input(v: Any, out: list[dict[str, Any]]) -> None:
                 raise invalid_request(f"\"{name}.role\" must be \"user\", \"system\", \"developer\" or "
                                       f"\"assistant\", got {role!r}")
         elif kind == "function_call":
-            _check_keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, f"{name}.")
+            check_keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, f"{name}.")
             _assistant(out).setdefault("tool_calls", []).append({
-                "id": _str(item.get("call_id"), f"{name}.call_id"), "type": "function",
-                "function": {"name": _str(item.get("name"), f"{name}.name"),
-                             "arguments": _str(item.get("arguments"), f"{name}.arguments")}})
+                "id": text_value(item.get("call_id"), f"{name}.call_id"), "type": "function",
+                "function": {"name": text_value(item.get("name"), f"{name}.name"),
+                             "arguments": text_value(item.get("arguments"), f"{name}.arguments")}})
         elif kind == "function_call_output":
-            _check_keys(item, {"type", "call_id", "output", "id", "status"}, f"{name}.")
-            out.append({"role": "tool", "tool_call_id": _str(item.get("call_id"), f"{name}.call_id"),
+            check_keys(item, {"type", "call_id", "output", "id", "status"}, f"{name}.")
+            out.append({"role": "tool", "tool_call_id": text_value(item.get("call_id"), f"{name}.call_id"),
                         "content": _parts(item.get("output"), f"{name}.output", ("input_text",))})
         elif kind == "reasoning":
-            _check_keys(item, {"type", "id", "summary", "content", "encrypted_content", "status"}, f"{name}.")
+            check_keys(item, {"type", "id", "summary", "content", "encrypted_content", "status"}, f"{name}.")
             if item.get("encrypted_content"):
                 raise refused(f"{name}.encrypted_content", "encrypted reasoning")
             content = item.get("content")
@@ -131,8 +115,8 @@ def _input(v: Any, out: list[dict[str, Any]]) -> None:
                 msg["reasoning_content"] = msg["reasoning_content"] + "\n" + text if msg.get("reasoning_content") \
                     else text
         else:
-            raise refused(f"{name}.type \"{kind}\"", "input items: message, function_call, function_call_output, "
-                          "reasoning")
+            raise refused(f"{name}.type", "input items: message, function_call, function_call_output, reasoning",
+                          value=kind)
 
 
 def _reasoning_text(v: Any, name: str, kind: str) -> str:
@@ -142,8 +126,8 @@ def _reasoning_text(v: Any, name: str, kind: str) -> str:
     for j, p in enumerate(v):
         if not isinstance(p, dict) or p.get("type") != kind:
             raise invalid_request(f"\"{name}[{j}]\" must be {{\"type\": \"{kind}\", \"text\": ...}}")
-        _check_keys(p, {"type", "text"}, f"{name}[{j}].")
-        texts.append(_str(p.get("text"), f"{name}[{j}].text"))
+        check_keys(p, {"type", "text"}, f"{name}[{j}].")
+        texts.append(text_value(p.get("text"), f"{name}[{j}].text"))
     return "\n".join(texts)
 
 
@@ -158,8 +142,8 @@ def _tools(v: Any, forced: bool) -> list[dict[str, Any]]:
         if not isinstance(t, dict):
             raise invalid_request(f"\"{name}\" must be an object")
         if t.get("type") != "function":
-            raise refused(f"{name}.type \"{t.get('type')}\"", "built-in tools; only function tools")
-        _check_keys(t, {"type", "name", "description", "parameters", "strict"}, f"{name}.")
+            raise refused(f"{name}.type", "built-in tools; only function tools", value=t.get('type'))
+        check_keys(t, {"type", "name", "description", "parameters", "strict"}, f"{name}.")
         strict = t.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise invalid_request(f"\"{name}.strict\" must be a boolean")
@@ -169,9 +153,9 @@ def _tools(v: Any, forced: bool) -> list[dict[str, Any]]:
         params = t.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise invalid_request(f"\"{name}.parameters\" must be a JSON schema object")
-        _str(t.get("name"), f"{name}.name")
+        text_value(t.get("name"), f"{name}.name")
         if t.get("description") is not None:
-            _str(t["description"], f"{name}.description")
+            text_value(t["description"], f"{name}.description")
         # the function as given (its keys in their order: the template writes it as JSON), less type and strict
         out.append({"type": "function", "function": {k: x for k, x in t.items()
                                                      if k not in ("type", "strict") and x is not None}})
@@ -182,10 +166,10 @@ def _tool_choice(v: Any) -> Any:
     if v in ("auto", "none", "required"):
         return v
     if isinstance(v, dict) and v.get("type") == "function":
-        _check_keys(v, {"type", "name"}, "tool_choice.")
-        return {"type": "function", "function": {"name": _str(v.get("name"), "tool_choice.name")}}
+        check_keys(v, {"type", "name"}, "tool_choice.")
+        return {"type": "function", "function": {"name": text_value(v.get("name"), "tool_choice.name")}}
     if isinstance(v, dict) and isinstance(v.get("type"), str):
-        raise refused(f"tool_choice.type \"{v['type']}\"", "\"auto\", \"none\", \"required\" or a function")
+        raise refused("tool_choice.type", "\"auto\", \"none\", \"required\" or a function", value=v['type'])
     raise invalid_request("\"tool_choice\" must be \"auto\", \"none\", \"required\" or "
                           "{\"type\": \"function\", \"name\": ...}")
 
@@ -194,19 +178,19 @@ def _text_format(v: Any) -> dict[str, Any] | None:
     """`text.format` -> the chat route's `response_format` (None for plain text)."""
     if not isinstance(v, dict):
         raise invalid_request("\"text\" must be an object")
-    _check_keys(v, {"format"}, "text.")
+    check_keys(v, {"format"}, "text.")
     fmt = v.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
         raise invalid_request("\"text.format\" must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}")
     if fmt["type"] == "text":
-        _check_keys(fmt, {"type"}, "text.format.")
+        check_keys(fmt, {"type"}, "text.format.")
         return None
     if fmt["type"] == "json_object":
-        _check_keys(fmt, {"type"}, "text.format.")
+        check_keys(fmt, {"type"}, "text.format.")
         return {"type": "json_object"}
-    _check_keys(fmt, {"type", "name", "schema", "strict", "description"}, "text.format.")
+    check_keys(fmt, {"type", "name", "schema", "strict", "description"}, "text.format.")
     if not isinstance(fmt.get("schema"), dict):
         raise invalid_request("\"text.format.schema\" is required and must be a JSON schema object")
     return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}
@@ -215,7 +199,7 @@ def _text_format(v: Any) -> dict[str, Any] | None:
 def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """The OpenAI chat body of a Responses request; 400 naming any field, item type or tool that is not
     implemented."""
-    _check_keys(body, FIELDS, "")
+    check_keys(body, FIELDS, why=_WHY)
     if body.get("store") is True:
         raise refused("store", "stored responses; send \"store\": false")
     if body.get("truncation") not in (None, "disabled"):
@@ -226,7 +210,7 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         raise invalid_request("\"input\" is required")
     messages: list[dict[str, Any]] = []
     if body.get("instructions") is not None:
-        messages.append({"role": "system", "content": _str(body["instructions"], "instructions")})
+        messages.append({"role": "system", "content": text_value(body["instructions"], "instructions")})
     _input(body["input"], messages)
     chat: dict[str, Any] = {"messages": messages}
     choice = _tool_choice(body["tool_choice"]) if body.get("tool_choice") is not None else None

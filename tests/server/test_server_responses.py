@@ -182,6 +182,10 @@ def test_tool_history_renders_as_chat(qwen3: ServerProc) -> None:
     toks = prompt_tokens(qwen3, {"messages": chat, "tools": OAI_TOOLS})
     r = client(qwen3).responses.create(model="tiny", input=history, tools=TOOLS, max_output_tokens=2, **GREEDY)
     assert r.usage.input_tokens == len(toks)
+    n = client(qwen3).responses.input_tokens.count(model="tiny", input=history, tools=TOOLS)
+    assert (n.object, n.input_tokens) == ("response.input_tokens", len(toks))
+    status, err = qwen3.request("POST", "/v1/responses/input_tokens", {"input": history, "max_output_tokens": 2})
+    assert status == 400 and "\"max_output_tokens\"" in err["error"]["message"], err  # not a count field
 
 
 REFUSED = [

@@ -26,6 +26,8 @@ from .toolcalls import Delta, ToolCall
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "tools", "tool_choice",
                     "parallel_tool_calls", "stream", "temperature", "top_p", "text", "store", "truncation", "include",
                     "chat_template_kwargs", "grammar", "seed"})
+COUNT_FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
+                          "truncation", "chat_template_kwargs"})  # /v1/responses/input_tokens
 _WHY = {"previous_response_id": "stored responses", "conversation": "stored conversations", "background":
         "background responses", "reasoning": "reasoning effort and summaries", "metadata": "request metadata",
         "prompt": "prompt templates", "service_tier": "service tiers", "max_tool_calls": "a tool-call budget",
@@ -196,10 +198,10 @@ def _text_format(v: Any) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}
 
 
-def to_chat(body: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAI chat body of a Responses request; 400 naming any field, item type or tool that is not
-    implemented."""
-    check_keys(body, FIELDS, why=_WHY)
+def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
+    """The OpenAI chat body of a Responses (or input_tokens) request; 400 naming any field, item type or tool that
+    is not implemented."""
+    check_keys(body, COUNT_FIELDS if count_only else FIELDS, why=_WHY)
     if body.get("store") is True:
         raise refused("store", "stored responses; send \"store\": false")
     if body.get("truncation") not in (None, "disabled"):

@@ -674,6 +674,14 @@ def oai_responses(st: AppState, req: Request) -> Reply | Stream:
     return _stream(st, ts, req, fmt, done=False, error_event=responses_api.error_event)
 
 
+def oai_responses_input_tokens(st: AppState, req: Request) -> Reply:
+    """POST /v1/responses/input_tokens: the tokens of the prompt /v1/responses would evaluate."""
+    chat = responses_api.to_chat(req.json(), count_only=True)
+    st.check_model(chat)
+    prompt, _ = _chat_prompt(st, chat)
+    return json_reply({"object": "response.input_tokens", "input_tokens": len(_tokenize(st, prompt, True))})
+
+
 def apply_template(st: AppState, req: Request) -> Reply:
     return json_reply({"prompt": _chat_prompt(st, req.json())[0]})
 
@@ -798,7 +806,8 @@ POST = {"/completion": completion, "/completions": completion, "/v1/completions"
         "/chat/completions": chat_completions, "/v1/chat/completions": chat_completions,
         "/tokenize": tokenize, "/detokenize": detokenize, "/apply-template": apply_template,
         "/v1/messages": anthropic_messages, "/v1/messages/count_tokens": anthropic_count_tokens,
-        "/v1/responses": oai_responses, "/responses": oai_responses}
+        "/v1/responses": oai_responses, "/responses": oai_responses,
+        "/v1/responses/input_tokens": oai_responses_input_tokens, "/responses/input_tokens": oai_responses_input_tokens}
 # Routes whose errors (also those of the HTTP layer: auth, limits, loading) are answered in Anthropic's shape.
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 

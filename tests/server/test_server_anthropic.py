@@ -307,7 +307,7 @@ def test_count_tokens_equals_the_rendered_prompt(qwen3: ServerProc) -> None:
 
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
 REFUSED = [
-    ({"metadata": {"user_id": "u1"}}, "\"metadata\""),
+    ({"container": "c1"}, "\"container\""),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "\"thinking\""),
     ({"service_tier": "auto"}, "\"service_tier\""),
     ({"frequency_penalty": 0.5}, "\"frequency_penalty\""),
@@ -343,10 +343,18 @@ def test_refused_with_anthropic_error(qwen3: ServerProc, extra: dict[str, Any], 
     assert needle in r["error"]["message"], r
 
 
+def test_metadata_is_accepted(qwen3: ServerProc) -> None:
+    """Claude Code sends metadata.user_id with every request: it identifies the user and changes nothing."""
+    with_meta = client(qwen3).messages.create(model="tiny", max_tokens=3, messages=MSGS, metadata={"user_id": "u"},
+                                              extra_body={"temperature": 0.0})
+    plain = client(qwen3).messages.create(model="tiny", max_tokens=3, messages=MSGS, extra_body={"temperature": 0.0})
+    assert with_meta.content == plain.content and with_meta.usage.output_tokens == plain.usage.output_tokens
+
+
 def test_refusals_through_the_client(qwen3: ServerProc) -> None:
     with pytest.raises(anthropic.BadRequestError) as e:
-        client(qwen3).messages.create(model="tiny", max_tokens=4, messages=MSGS, metadata={"user_id": "u"})
-    assert "\"metadata\"" in e.value.message and e.value.body["error"]["type"] == "invalid_request_error"
+        client(qwen3).messages.create(model="tiny", max_tokens=4, messages=MSGS, service_tier="auto")
+    assert "\"service_tier\"" in e.value.message and e.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.BadRequestError) as e:
         client(qwen3).messages.count_tokens(model="tiny", messages=MSGS, thinking={"type": "enabled",
                                                                                    "budget_tokens": 2048})

@@ -191,7 +191,7 @@ def test_tool_history_renders_as_chat(qwen3: ServerProc) -> None:
 REFUSED = [
     ({"previous_response_id": "resp_1"}, "\"previous_response_id\""),
     ({"reasoning": {"effort": "low"}}, "\"reasoning\""),
-    ({"metadata": {"a": "b"}}, "\"metadata\""),
+    ({"prompt_cache_key": "k"}, "\"prompt_cache_key\""),
     ({"store": True}, "\"store\""),
     ({"truncation": "auto"}, "\"truncation\""),
     ({"include": ["reasoning.encrypted_content"]}, "\"include\""),

@@ -23,14 +23,16 @@ from .toolcalls import Delta, ToolCall
 
 # Request fields: Anthropic's that are implemented, plus three llama.cpp extensions (`chat_template_kwargs`, as
 # llama-server passes it on; `grammar` and `seed`, as on the chat route). Any other field is refused by name.
+# `metadata` (Anthropic's end-user id, which Claude Code sends with every request) has no effect on the answer and
+# is accepted, as the chat route accepts OpenAI's `metadata` and `user`
 MESSAGES_FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
                              "top_p", "top_k", "tools", "tool_choice", "cache_control", "chat_template_kwargs",
-                             "grammar", "seed"})
+                             "grammar", "seed", "metadata"})
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "cache_control",
                           "chat_template_kwargs"})
 
 # Why some well-known fields are refused (the message names the field either way).
-_WHY = {"metadata": "request metadata", "thinking": "thinking budgets; thinking blocks come from the chat "
+_WHY = {"thinking": "thinking budgets; thinking blocks come from the chat "
         "template, `chat_template_kwargs` switches them where the template can", "service_tier": "service tiers",
         "container": "code-execution containers", "mcp_servers": "MCP servers", "context_management":
         "context management", "output_format": "structured output", "top_logprobs": "log-probabilities"}

@@ -25,11 +25,11 @@ from .toolcalls import Delta, ToolCall
 # (`chat_template_kwargs`, `grammar`, `seed`, as on the chat route); any other field is refused by name.
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "tools", "tool_choice",
                     "parallel_tool_calls", "stream", "temperature", "top_p", "text", "store", "truncation", "include",
-                    "chat_template_kwargs", "grammar", "seed"})
+                    "chat_template_kwargs", "grammar", "seed", "metadata", "user"})  # the last two: no effect on
 COUNT_FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
                           "truncation", "chat_template_kwargs"})  # /v1/responses/input_tokens
 _WHY = {"previous_response_id": "stored responses", "conversation": "stored conversations", "background":
-        "background responses", "reasoning": "reasoning effort and summaries", "metadata": "request metadata",
+        "background responses", "reasoning": "reasoning effort and summaries",
         "prompt": "prompt templates", "service_tier": "service tiers", "max_tool_calls": "a tool-call budget",
         "top_logprobs": "log-probabilities", "stream_options": "stream options", "prompt_cache_key":
         "cache keys; the slots' prefix cache works without one", "safety_identifier": "", "user": ""}

@@ -221,15 +221,15 @@ def q8_other(preset: Preset) -> Preset:
     return preset if forced == preset else dataclasses.replace(forced, name=f"{preset.name}+other-q8")
 
 
-def our_pair(src: Path, preset: Preset, work: Path) -> tuple[Path, Path, bool]:
-    """(.wq.gguf, .wr.gguf, converted now) of `src` with `preset`, reused when the cached pair was made with the
-    same preset definition."""
-    d = work / f"{src.stem}.{preset.name}"
+def our_pair(src: Path, preset: Preset, work: Path, imatrix: Imatrix | None = None) -> tuple[Path, Path, bool]:
+    """(.wq.gguf, .wr.gguf, converted now) of `src` with `preset` (and the importance matrix, if given), reused when
+    the cached pair was made with the same preset definition (an imatrix pair is remade with every new imatrix)."""
+    d = work / f"{src.stem}.{preset.name}{'.imat' if imatrix is not None else ''}"
     wq, wr, rep = d / f"{src.stem}.wq.gguf", d / f"{src.stem}.wr.gguf", d / f"{src.stem}.resplit.json"
-    if wq.exists() and wr.exists() and rep.exists() and \
+    if imatrix is None and wq.exists() and wr.exists() and rep.exists() and \
             json.loads(rep.read_text()).get("preset") == json.loads(json.dumps(dataclasses.asdict(preset))):
         return wq, wr, False
-    convert(src, d, preset, progress=False, report_experts=1, force=True)
+    convert(src, d, preset, imatrix=imatrix, progress=False, report_experts=1, force=True)
     return wq, wr, True
 
 
@@ -287,6 +287,8 @@ def main() -> int:
     ap.add_argument("--r", default=None, help="fixed r values, comma-separated (default: 0..top-k)")
     ap.add_argument("--imatrix-variants", action="store_true",
                     help="also every stock type with an importance matrix computed from --calib")
+    ap.add_argument("--imatrix-presets", action="store_true",
+                    help="with --imatrix-variants: also our presets converted with that importance matrix")
     ap.add_argument("--imatrix-chunks", type=int, default=32, help="calibration chunks of --n-ctx for the imatrix")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--boot", type=int, default=2000, help="chunk resamples for the ratio's interval")
@@ -344,6 +346,11 @@ def main() -> int:
         wq, wr, _ = pairs[p.name]
         variants += [{"variant": f"ours {p.name} r={r}", "kind": "ours", "preset": p.name, "r": r, "model": wq,
                       "residual": wr} for r in rs]
+    if args.imatrix_presets and imatrix is not None:  # the same presets converted with the importance matrix
+        for p in presets:
+            wq, wr, _ = our_pair(src, p, work, imatrix)
+            variants += [{"variant": f"ours+imatrix {p.name} r={r}", "kind": "ours", "preset": p.name, "r": r,
+                          "model": wq, "residual": wr} for r in rs]
     files_s = time.perf_counter() - t0
 
     # the fixed part really is fixed: every file's non-expert tensors hold the same bytes as the first stock file's

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from datetime import datetime
 from typing import Any
 
 from .._runtime import llama_cpp
@@ -36,16 +37,25 @@ class ChatTemplate:
     def __init__(self, template: str, bos_token: str, eos_token: str) -> None:
         self.source = template
         self._fmt = _Formatter(template, eos_token, bos_token)
+        self._fmt_bare = _Formatter(template, eos_token, bos_token, add_generation_prompt=False)
 
     def render(self, messages: list[dict[str, Any]], body: dict[str, Any],
-               tools: list[dict[str, Any]] | None = None) -> str:
+               tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
+        """The prompt text. Besides messages and tools the template sees what llama-server gives it by default:
+        `enable_thinking` true (its default reasoning "auto"; Command-R7B's template renders an empty thinking
+        block without it), today's date as `datetime` ("%b %d %Y") and `date_string` ("%d %b %Y") (Llama 3.x
+        templates print it); then `chat_template_kwargs`, which may override each."""
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise invalid_request("\"chat_template_kwargs\" must be an object")
+        now = datetime.now()
+        kwargs = {"enable_thinking": True, "datetime": now.strftime("%b %d %Y"),
+                  "date_string": now.strftime("%d %b %Y"), **kwargs}
+        fmt = self._fmt if add_generation_prompt else self._fmt_bare
         if "<|channel|>" not in self.source:  # llama.cpp maps "developer" to "system" for all but GPT-OSS
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         try:
-            return self._fmt(messages=messages, tools=tools or None, **kwargs).prompt  # type: ignore[arg-type]
+            return fmt(messages=messages, tools=tools or None, **kwargs).prompt  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - a template error is the request's (raise_exception in the template)
             raise invalid_request(f"chat template failed: {e}") from None
 

@@ -210,6 +210,8 @@ class Engine:
         self._mem = lc.llama_get_memory(self._ctx)
         lc.llama_memory_clear(self._mem, True)  # the slots own every sequence from here on
         self.n_vocab = int(lc.llama_vocab_n_tokens(self._vocab))
+        # every end-of-generation token: `ignore_eos` bans them (llama-server's logit_bias_eog)
+        self.eog = tuple(t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self._vocab, t))
         self.n_ctx_slot = int(lc.llama_n_ctx_seq(self._ctx))
         self.n_batch = min(n_batch, int(lc.llama_n_batch(self._ctx)))
         self.n_parallel = n_parallel

@@ -61,6 +61,13 @@ def render(stats: EngineStats, snap: EngineSnapshot, requests: dict[tuple[str, i
     _item(out, "llamacpp:tokens_predicted_seconds_total", c, "Predict process time", stats.predicted_seconds)
     _item(out, "llamacpp:n_decode_total", c, "Total number of llama_decode() calls", stats.n_decode)
     _item(out, "llamacpp:n_tokens_max", c, "Largest observed n_tokens.", stats.n_tokens_max)
+    # llama-server's speculative-decoding counters: this server never drafts, so each is exactly 0 (it emits them
+    # without a draft model too, and dashboards and llama.cpp's own tests expect the series)
+    for name, help_ in (("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated"),
+                        ("spec_decode_num_accepted_tokens_total",
+                         "Speculative: Total draft tokens accepted by the target model"),
+                        ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps")):
+        _item(out, f"llamacpp:{name}", c, help_, 0)
     _item(out, "llamacpp:prompt_tokens_seconds", g, "Average prompt throughput in tokens/s.",
           stats.prompt_tokens / stats.prompt_seconds if stats.prompt_seconds else 0.0)
     _item(out, "llamacpp:predicted_tokens_seconds", g, "Average generation throughput in tokens/s.",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +50,8 @@ class SamplingParams:
     def to_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "logit_bias"}
         d["dry_sequence_breakers"] = list(self.dry_sequence_breakers)
-        d["logit_bias"] = [[t, b if math.isfinite(b) else False] for t, b in self.logit_bias]
+        # llama-server's shape: {"bias", "token"} objects, a ban (-inf) as null (nlohmann's JSON for -inf)
+        d["logit_bias"] = [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in self.logit_bias]
         return d
 
 
@@ -224,34 +226,45 @@ def get_stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(check_utf8(s, "stop") for s in v)
 
 
-def get_logit_bias(body: dict[str, Any], n_vocab: int) -> tuple[tuple[int, float], ...]:
-    """`[[id, bias|false], ...]` (llama-server) or `{"id": bias}` (OpenAI); string keys that are not ids refused."""
+def get_logit_bias(body: dict[str, Any], n_vocab: int,
+                   tokenize: Callable[[str], list[int]] | None = None) -> tuple[tuple[int, float], ...]:
+    """`[[token, bias|false], ...]` (llama-server) or `{"token": bias}` (OpenAI), as llama-server reads them: in
+    the array a token is an id or a text, in the object a key is an id when it is all digits, else a text; a text's
+    bias applies to each of its tokens (`tokenize`: no BOS, special tokens as plain text). Anything else is refused
+    by name (llama-server skips it silently)."""
     v = body.get("logit_bias")
     if v is None:
         return ()
     pairs: list[tuple[Any, Any]]
     if isinstance(v, dict):
-        pairs = list(v.items())
+        pairs = [(_id_or_text(k), b) for k, b in v.items()]
     elif isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v):
         pairs = [(p[0], p[1]) for p in v]
     else:
         raise invalid_request("\"logit_bias\" must be [[token, bias], ...] or {\"token\": bias}")
     out = []
     for tok, bias in pairs:
-        try:
-            tid = int(tok) if not isinstance(tok, bool) else -1
-        except (TypeError, ValueError):
-            raise invalid_request(f"\"logit_bias\": token {tok!r} is not a token id") from None
-        if not 0 <= tid < n_vocab:
-            raise invalid_request(f"\"logit_bias\": token id {tid} out of range [0, {n_vocab})")
         if bias is False:
             b = -math.inf
         elif isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias):
             b = float(bias)
         else:
-            raise invalid_request(f"\"logit_bias\": bias for {tid} must be a number or false")
-        out.append((tid, b))
+            raise invalid_request(f"\"logit_bias\": bias for {tok!r} must be a number or false")
+        if isinstance(tok, str) and tokenize is not None:
+            out += [(t, b) for t in tokenize(check_utf8(tok, "logit_bias"))]
+            continue
+        if not isinstance(tok, int) or isinstance(tok, bool):
+            raise invalid_request(f"\"logit_bias\": token {tok!r} is not a token id or a text")
+        if not 0 <= tok < n_vocab:
+            raise invalid_request(f"\"logit_bias\": token id {tok} out of range [0, {n_vocab})")
+        out.append((tok, b))
     return tuple(out)
+
+
+def _id_or_text(key: str) -> int | str:
+    """An object key of logit_bias: a token id when it is a whole decimal integer (llama-server's strtol test, so
+    "-1" is an id, out of range), else the text to tokenize."""
+    return int(key) if re.fullmatch(r"\s*[+-]?[0-9]+", key) else key
 
 
 def get_breakers(body: dict[str, Any]) -> tuple[str, ...]:
@@ -264,7 +277,11 @@ def get_breakers(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(check_utf8(x, "dry_sequence_breakers") for x in v)
 
 
-def sampling_from(body: dict[str, Any], n_vocab: int, default_seed: int, default_temp: float) -> SamplingParams:
+def sampling_from(body: dict[str, Any], n_vocab: int, default_seed: int, default_temp: float,
+                  tokenize: Callable[[str], list[int]] | None = None,
+                  eog: tuple[int, ...] = ()) -> SamplingParams:
+    """The sampler settings of a request. `ignore_eos` bans every end-of-generation token `eog` with a -inf
+    logit bias after the request's own (llama-server's logit_bias_eog), so they are never sampled."""
     seed = get_int(body, "seed", default_seed, lo=-1, hi=2**32 - 1)
     dry_base = get_float(body, "dry_base", 1.75, lo=-1e3, hi=1e3)
     return SamplingParams(
@@ -292,7 +309,8 @@ def sampling_from(body: dict[str, Any], n_vocab: int, default_seed: int, default
         dry_sequence_breakers=get_breakers(body),
         min_keep=get_int(body, "min_keep", 0, lo=0, hi=INT32_MAX),
         seed=SEED_RANDOM if seed == -1 else seed,
-        logit_bias=get_logit_bias(body, n_vocab),
+        logit_bias=get_logit_bias(body, n_vocab, tokenize)
+        + (tuple((t, -math.inf) for t in eog) if get_bool(body, "ignore_eos", False) else ()),
     )
 
 
@@ -332,7 +350,8 @@ def choice_seed(seed: int, j: int) -> int:
 
 
 def generation_from(body: dict[str, Any], *, n_vocab: int, default_n_predict: int, default_seed: int,
-                    default_temp: float, route: str = "native") -> GenerationParams:
+                    default_temp: float, route: str = "native", tokenize: Callable[[str], list[int]] | None = None,
+                    eog: tuple[int, ...] = ()) -> GenerationParams:
     """llama-server reads `n_predict`, then `max_tokens` (OpenAI), then `max_completion_tokens`."""
     n_predict = get_int(body, "n_predict", default_n_predict, lo=-1)
     for name in ("max_tokens", "max_completion_tokens"):
@@ -344,7 +363,7 @@ def generation_from(body: dict[str, Any], *, n_vocab: int, default_n_predict: in
         ignore_eos=get_bool(body, "ignore_eos", False),
         t_max_predict_ms=get_int(body, "t_max_predict_ms", 0, lo=0),
         id_slot=get_int(body, "id_slot", -1, lo=-1),
-        sampling=sampling_from(body, n_vocab, default_seed, default_temp),
+        sampling=sampling_from(body, n_vocab, default_seed, default_temp, tokenize, eog),
         n_probs=get_n_probs(body, route, n_vocab),
         cache_prompt=get_bool(body, "cache_prompt", True),
     )

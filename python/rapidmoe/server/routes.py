@@ -190,7 +190,8 @@ def _gen_params(st: AppState, body: dict[str, Any], route: str) -> GenerationPar
     assert st.engine is not None
     c = st.config
     p = generation_from(body, n_vocab=st.engine.n_vocab, default_n_predict=c.n_predict, default_seed=c.seed,
-                        default_temp=c.temperature, route=route)
+                        default_temp=c.temperature, route=route, eog=st.engine.eog,
+                        tokenize=lambda text: _tokenize(st, text, add_special=False, parse_special=False))
     grammar = grammar_from(body, st.engine.llm._model.vocab)
     return dataclasses.replace(p, grammar=grammar) if grammar is not None else p
 
@@ -455,10 +456,12 @@ def oai_completions(st: AppState, req: Request) -> Reply | Stream:
     return _stream(st, ts, req, fmt, done=True, end=_usage_end(meta, "text_completion"))
 
 
-def _chat_prompt(st: AppState, body: dict[str, Any]) -> tuple[str, toolcalls.ToolRequest | None]:
+def _chat_prompt(st: AppState, body: dict[str, Any],
+                 add_generation_prompt: bool = True) -> tuple[str, toolcalls.ToolRequest | None]:
     assert st.template is not None
     treq = toolcalls.tools_from(body, st.template.source)
-    return st.template.render(check_messages(body), body, body.get("tools") if treq else None), treq
+    tools = body.get("tools") if treq else None
+    return st.template.render(check_messages(body), body, tools, add_generation_prompt), treq
 
 
 def _oai_meta(st: AppState, body: dict[str, Any], model: str, params: GenerationParams) -> responses.Meta:
@@ -682,8 +685,20 @@ def oai_responses_input_tokens(st: AppState, req: Request) -> Reply:
     return json_reply({"object": "response.input_tokens", "input_tokens": len(_tokenize(st, prompt, True))})
 
 
+def chat_input_tokens(st: AppState, req: Request) -> Reply:
+    """POST /v1/chat/completions/input_tokens (and /chat/completions/input_tokens), as llama-server: the token
+    count of the prompt /v1/chat/completions would evaluate for the same body (template, messages and tools)."""
+    body = req.json()
+    st.check_model(body)
+    prompt, _ = _chat_prompt(st, body)
+    return json_reply({"input_tokens": len(_tokenize(st, prompt, add_special=True))})
+
+
 def apply_template(st: AppState, req: Request) -> Reply:
-    return json_reply({"prompt": _chat_prompt(st, req.json())[0]})
+    """POST /apply-template: the rendered prompt; `add_generation_prompt` false leaves the assistant's header off
+    (as llama-server; the chat route refuses it, since it cannot continue a turn)."""
+    body = req.json()
+    return json_reply({"prompt": _chat_prompt(st, body, get_bool(body, "add_generation_prompt", True))[0]})
 
 
 def tokenize(st: AppState, req: Request) -> Reply:
@@ -804,6 +819,7 @@ GET = {**dict.fromkeys(WEB_FILES, web_file), "/rapidmoe/stats": stats,
        "/slots": slots, "/metrics": get_metrics}
 POST = {"/completion": completion, "/completions": completion, "/v1/completions": oai_completions,
         "/chat/completions": chat_completions, "/v1/chat/completions": chat_completions,
+        "/chat/completions/input_tokens": chat_input_tokens, "/v1/chat/completions/input_tokens": chat_input_tokens,
         "/tokenize": tokenize, "/detokenize": detokenize, "/apply-template": apply_template,
         "/v1/messages": anthropic_messages, "/v1/messages/count_tokens": anthropic_count_tokens,
         "/v1/responses": oai_responses, "/responses": oai_responses,

@@ -94,51 +94,87 @@ inline __m256i bits_to_bytes(uint32_t m) {
 #endif
 }
 
+// the 16 scales sc_j - 32 of a Q3_K block as int8, from its 12 bytes (3 words: low nibbles, high nibbles, 2-bit tops)
+inline __m128i q3k_scales_simd(const uint8_t * s) {
+    uint32_t a, b, c;
+    std::memcpy(&a, s, 4);
+    std::memcpy(&b, s + 4, 4);
+    std::memcpy(&c, s + 8, 4);
+    const uint32_t lo = 0x0F0F0F0Fu, two = 0x03030303u;
+    const __m128i v = _mm_setr_epi32((int) ((a & lo) | ((c & two) << 4)), (int) ((b & lo) | (((c >> 2) & two) << 4)),
+                                     (int) (((a >> 4) & lo) | (((c >> 4) & two) << 4)),
+                                     (int) (((b >> 4) & lo) | (((c >> 6) & two) << 4)));
+    return _mm_sub_epi8(v, _mm_set1_epi8(32));
+}
+
 } // namespace
 
-float rapidmoe_refine_dot(int64_t n, const uint8_t * wq, const uint8_t * bits, const void * x) {
-    const auto * xb = (const uint8_t *) x;
+#ifndef RAPIDMOE_PREFETCH
+#define RAPIDMOE_PREFETCH 2048
+#endif
+
+void rapidmoe_refine_dot_multi(int64_t n, const uint8_t * wq, const uint8_t * bits, const void * const * xs, int nx,
+                               float * out) {
     const __m256i m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
-    float sum = 0.0f;
-    for (int64_t b = 0; b < n / 256; ++b, wq += RAPIDMOE_Q3K_BLOCK, bits += 32, xb += RAPIDMOE_Q8K_BLOCK) {
-        _mm_prefetch((const char *) wq + 4 * RAPIDMOE_Q3K_BLOCK, _MM_HINT_T0);
-        _mm_prefetch((const char *) wq + 4 * RAPIDMOE_Q3K_BLOCK + 64, _MM_HINT_T0);
-        int8_t sc[16];
-        q3k_scales(wq + Q3K_SCALES, sc);
+    // for 32 weights c (sub-blocks 2c, 2c + 1): int16 lanes 0-7 <- scale 2c, lanes 8-15 <- scale 2c + 1, from the
+    // block's 16 int16 scales: a 32-bit word (scales 2c, 2c + 1) broadcast, then a byte shuffle per 128-bit half
+    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    float sum[RAPIDMOE_REFINE_MAX_X] = {};
+    for (int64_t b = 0; b < n / 256; ++b, wq += RAPIDMOE_Q3K_BLOCK, bits += 32) {
+        // 2 KiB ahead (the next rows of the expert: its rows are contiguous), as our Q2_K gemv found best
+        _mm_prefetch((const char *) wq + RAPIDMOE_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *) wq + RAPIDMOE_PREFETCH + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *) bits + RAPIDMOE_PREFETCH / 4, _MM_HINT_T0);
+        // the block's weights once, for every activation: f = 2 * (low + 4 * high) + t in 0..15, and the scales
+        const __m256i sc16 = _mm256_cvtepi8_epi16(q3k_scales_simd(wq + Q3K_SCALES));
         const __m256i hm = _mm256_loadu_si256((const __m256i *) (wq + Q3K_HMASK));
         const __m256i qs[2] = { _mm256_loadu_si256((const __m256i *) (wq + Q3K_QS)),
                                 _mm256_loadu_si256((const __m256i *) (wq + Q3K_QS + 32)) };
-        const auto * xq = (const int8_t *) (xb + Q8K_QS);
-        __m256i acc = _mm256_setzero_si256();
+        __m256i f[8], s[8];
         for (int c = 0; c < 8; ++c) { // 32 weights: sub-blocks 2c and 2c + 1
             const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs[c / 4], 2 * (c % 4)), m3);
             const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hm, c), m1);
             uint32_t tb;
             std::memcpy(&tb, bits + 4 * c, 4);
-            // f = 2 * (low + 4 * high) + t, in 0..15
-            const __m256i f = _mm256_add_epi8(_mm256_add_epi8(_mm256_add_epi8(low, low), _mm256_slli_epi16(high, 3)),
-                                              bits_to_bytes(tb));
-            const __m256i p = _mm256_maddubs_epi16(f, _mm256_loadu_si256((const __m256i *) (xq + 32 * c)));
-            const __m256i s = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * c]), _mm_set1_epi16(sc[2 * c + 1]));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+            f[c] = _mm256_add_epi8(_mm256_add_epi8(_mm256_add_epi8(low, low), _mm256_slli_epi16(high, 3)),
+                                   bits_to_bytes(tb));
+            s[c] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(c)), pick);
         }
-        // sum (2f - 17) x = 2 sum f x - 17 sum x, with Q8_K's sums of 16
-        int16_t bs[16];
-        std::memcpy(bs, xb + Q8K_BSUMS, sizeof(bs));
-        int32_t c17 = 0;
-        for (int j = 0; j < 16; ++j) {
-            c17 += sc[j] * bs[j];
+        const float dw = half_to_float(wq + Q3K_D);
+        for (int i = 0; i < nx; ++i) {
+            const auto * xb = (const uint8_t *) xs[i] + b * RAPIDMOE_Q8K_BLOCK;
+            const auto * xq = (const int8_t *) (xb + Q8K_QS);
+            __m256i acc = _mm256_setzero_si256();
+            for (int c = 0; c < 8; ++c) {
+                const __m256i p = _mm256_maddubs_epi16(f[c], _mm256_loadu_si256((const __m256i *) (xq + 32 * c)));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s[c]));
+            }
+            // sum (2f - 17) x = 2 sum f x - 17 sum x, with Q8_K's sums of 16
+            const __m256i c17 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) (xb + Q8K_BSUMS)), sc16);
+            const __m256i v = _mm256_sub_epi32(_mm256_add_epi32(acc, acc),
+                                               _mm256_mullo_epi32(c17, _mm256_set1_epi32(17)));
+            sum[i] += dw * x_scale(xb) * (float) hsum_i32(v);
         }
-        const int32_t isum = 2 * hsum_i32(acc) - 17 * c17;
-        sum += half_to_float(wq + Q3K_D) * x_scale(xb) * (float) isum;
     }
-    return 0.25f * sum;
+    for (int i = 0; i < nx; ++i) {
+        out[i] = 0.25f * sum[i];
+    }
 }
 #else
-float rapidmoe_refine_dot(int64_t n, const uint8_t * wq, const uint8_t * bits, const void * x) {
-    return rapidmoe_refine_dot_ref(n, wq, bits, x);
+void rapidmoe_refine_dot_multi(int64_t n, const uint8_t * wq, const uint8_t * bits, const void * const * xs, int nx,
+                               float * out) {
+    for (int i = 0; i < nx; ++i) {
+        out[i] = rapidmoe_refine_dot_ref(n, wq, bits, xs[i]);
+    }
 }
 #endif
+
+float rapidmoe_refine_dot(int64_t n, const uint8_t * wq, const uint8_t * bits, const void * x) {
+    float out;
+    rapidmoe_refine_dot_multi(n, wq, bits, &x, 1, &out);
+    return out;
+}
 
 namespace {
 
@@ -206,14 +242,24 @@ void refine_mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
         const int32_t e = slots[s0].expert;
         for (int64_t rb = r0; rb < r1; rb += ROWS) {
             const int64_t re = std::min(rb + ROWS, r1);
-            for (size_t si = s0; si < s1; ++si) {
-                const refine_slot & sl = slots[si];
-                const uint8_t * xq = tl_q8.data() + (size_t) tl_row_of[(size_t) (sl.t * n_b + sl.j % n_b)] * q8_row;
-                float * out = (float *) ((char *) dst->data + sl.j * dst->nb[1] + sl.t * dst->nb[2]);
+            // up to RAPIDMOE_REFINE_MAX_X of the expert's slots at once: each weight block is unpacked once for them
+            for (size_t g0 = s0; g0 < s1; g0 += RAPIDMOE_REFINE_MAX_X) {
+                const int nx = (int) std::min<size_t>(RAPIDMOE_REFINE_MAX_X, s1 - g0);
+                const void * xs[RAPIDMOE_REFINE_MAX_X];
+                float * outs[RAPIDMOE_REFINE_MAX_X];
+                for (int i = 0; i < nx; ++i) {
+                    const refine_slot & sl = slots[g0 + i];
+                    xs[i] = tl_q8.data() + (size_t) tl_row_of[(size_t) (sl.t * n_b + sl.j % n_b)] * q8_row;
+                    outs[i] = (float *) ((char *) dst->data + sl.j * dst->nb[1] + sl.t * dst->nb[2]);
+                }
                 for (int64_t r = rb; r < re; ++r) {
                     const auto * w = (const uint8_t *) wq->data + r * wq->nb[1] + e * wq->nb[2];
                     const auto * tb = (const uint8_t *) bits->data + r * bits->nb[1] + e * bits->nb[2];
-                    out[r] = rapidmoe_refine_dot(n_in, w, tb, xq);
+                    float res[RAPIDMOE_REFINE_MAX_X];
+                    rapidmoe_refine_dot_multi(n_in, w, tb, xs, nx, res);
+                    for (int i = 0; i < nx; ++i) {
+                        outs[i][r] = res[i];
+                    }
                 }
             }
         }

@@ -20,6 +20,11 @@ constexpr size_t RAPIDMOE_Q8K_BLOCK = 292;
 // adds to the float sum in block order, so every kernel gives the reference's bits.
 float rapidmoe_refine_dot_ref(int64_t n, const uint8_t * wq, const uint8_t * bits, const void * x);
 float rapidmoe_refine_dot(int64_t n, const uint8_t * wq, const uint8_t * bits, const void * x); // SIMD where built
+// the same row against nx <= RAPIDMOE_REFINE_MAX_X activations (a prompt batch's tokens routed to one expert): each
+// weight block is unpacked once for all of them; out[i] has the bits rapidmoe_refine_dot gives for xs[i]
+constexpr int RAPIDMOE_REFINE_MAX_X = 8;
+void rapidmoe_refine_dot_multi(int64_t n, const uint8_t * wq, const uint8_t * bits, const void * const * xs, int nx,
+                               float * out);
 
 // dst [n_out, k, T] f32 = refined(wq)[ids[j, t]] @ b[:, j % b->ne[1], t] for slots with ids >= 0, zero rows elsewhere.
 // wq: Q3_K [n_in, n_out, n_expert] (plain layout, CPU memory); bits: I8 [n_in/8, n_out, n_expert]; b: f32

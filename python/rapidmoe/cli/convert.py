@@ -27,7 +27,7 @@ def convert(
 ) -> None:
     """Split every routed expert into WQ (low-bit, in NAME.wq.gguf, which stock llama.cpp runs) and the quantized residual WR (NAME.wr.gguf sidecar); print bits per weight and the reconstruction-error table.
 
-    --preset auto (the default) takes cpu-fast where llama.cpp sees no GPU: on the 8.1 GB bench model on 2 CPU cores it decoded 1.52x as fast as stock Q4_K_M at r = 1 with lower KL to F16 (0.063 vs 0.074) and pp512 1.02x; 1.65x at r = 0 (KL 0.133); cpu (Q6_K output head) at r = 2: KL 0.030 at 1.27x (bench/results/frontier-qwen3moe-bench-reps3.md). Where a GPU is found it takes paper (IQ1_M WQ, small enough for the device; needs --imatrix or --calib-text).
+    --preset auto (the default) takes cpu-fast where llama.cpp sees no GPU: on the 8.1 GB bench model on 2 CPU cores it decoded 1.52x as fast as stock Q4_K_M at r = 1 with lower KL to F16 (0.063 vs 0.074) and pp512 1.02x; 1.65x at r = 0 (KL 0.133); cpu (Q6_K output head) at r = 2: KL 0.030 at 1.27x (bench/results/frontier-qwen3moe-bench-reps3.md). Where a GPU is found it takes paper (IQ1_M WQ, small enough for the device; needs --imatrix or --calib-text). For quality per byte take refine (a Q3_K base fitted for one refinement bit per weight): on the trained tiny-moe-a, experts only, every slot critical reaches stock Q4_K's KL at 4.44 bits (0.00201 vs 0.00211) and r = 1 half of stock's KL at equal bits; it decodes slower than cpu-fast on x86 today (no repacked Q3_K kernel yet; docs/resplit.md).
     """
     from ..calibration.imatrix import collect_imatrix  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit import convert as run_convert  # noqa: PLC0415  (lazy: keeps --help fast)

@@ -11,7 +11,9 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 from reference.numpy_forward import ffn, load, route
 from reference.refine import refined
-from testkit import TEXT
+from reference.split_logits import all_logits as _logits
+from reference.split_logits import prompt_tokens as _tokens
+from reference.split_logits import rel_error as _rel
 
 from rapidmoe import Llama, RapidMoEError, _core
 from rapidmoe.cache import ExpertCacheConfig
@@ -25,23 +27,6 @@ def refine_pair(request: pytest.FixtureRequest, make_split):  # type: ignore[no-
     return make_split(request.param, PRESET)
 
 
-def _tokens(path: Path) -> list[int]:
-    llm = Llama(path, n_ctx=128, vocab_only=True, verbose=False)
-    toks = llm.tokenize(TEXT, add_bos=False)[:24]
-    llm.close()
-    return toks
-
-
-def _logits(path: Path, toks: list[int], **kw) -> np.ndarray:  # type: ignore[no-untyped-def]
-    llm = Llama(path, n_ctx=128, logits_all=True, verbose=False, n_threads=2, **kw)
-    llm.eval(toks)
-    out = np.array(llm.scores[: len(toks)], dtype=np.float64)
-    llm.close()
-    return out
-
-
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _refined_experts(wq: GGUFFile, wr: GGUFFile, stem: str) -> np.ndarray:

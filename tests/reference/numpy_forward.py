@@ -231,6 +231,14 @@ def ffn_block(m: Model, il: int, h: np.ndarray) -> np.ndarray:
 def forward(model: str | Path | Model, tokens: list[int] | np.ndarray) -> np.ndarray:
     """Logits (n_tokens, n_vocab) for a token sequence starting at position 0, float64."""
     m = model if isinstance(model, Model) else load(model)
+    head = m.tensors["output.weight"] if m.has("output.weight") else m.tensors["token_embd.weight"]
+    return hidden(m, tokens) @ np.asarray(head, np.float64).T
+
+
+def hidden(model: str | Path | Model, tokens: list[int] | np.ndarray) -> np.ndarray:
+    """The last hidden states after the output norm (n_tokens, n_embd), float64: llama.cpp's per-token
+    embeddings (`result_norm`, what pooling none returns and the other poolings pool)."""
+    m = model if isinstance(model, Model) else load(model)
     if m.arch not in ("qwen3moe", "deepseek2"):
         raise ValueError(f"unsupported architecture {m.arch!r}")
     eps = m.hp("attention.layer_norm_rms_epsilon")
@@ -245,6 +253,4 @@ def forward(model: str | Path | Model, tokens: list[int] | np.ndarray) -> np.nda
         else:
             x = x + attn_mla(m, il, h, pos, rope, kq_mscale2)
         x = x + ffn_block(m, il, rms_norm(x, m.w(f"blk.{il}.ffn_norm.weight"), eps))
-    x = rms_norm(x, m.w("output_norm.weight"), eps)
-    head = m.tensors["output.weight"] if m.has("output.weight") else m.tensors["token_embd.weight"]
-    return x @ np.asarray(head, np.float64).T
+    return rms_norm(x, m.w("output_norm.weight"), eps)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -10,6 +11,14 @@ import typer
 from ..errors import RapidMoEError
 from . import options
 from .budget import cache_placement, placement
+
+
+class Pooling(str, Enum):  # llama-server's --pooling
+    none = "none"
+    mean = "mean"
+    cls = "cls"
+    last = "last"
+    rank = "rank"
 
 
 @options.engine_options
@@ -43,6 +52,9 @@ def serve(
     metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="Serve GET /metrics.")] = True,
     slots: Annotated[bool, typer.Option("--slots/--no-slots", help="Serve GET /slots.")] = True,
     ui: Annotated[bool, typer.Option("--ui/--no-ui", help="Serve the chat page at /.")] = True,
+    embedding: Annotated[bool, typer.Option("--embedding", "--embeddings", help="Serve /v1/embeddings, /embedding and /embeddings (otherwise 501, as llama-server); generation keeps working.")] = False,
+    pooling: Annotated[Optional[Pooling], typer.Option("--pooling", help="Pooling of embeddings (default: the model's; a causal LM's is none, which /v1/embeddings refuses).")] = None,
+    embd_normalize: Annotated[int, typer.Option("--embd-normalize", help="Normalisation of pooled embeddings: -1 none, 0 max absolute (int16 range), 1 taxicab, 2 euclidean, p > 2 p-norm.", min=-1)] = 2,
     trace: options.TraceOpt = None,
     cache_policy: options.CachePolicyOpt = options.CachePolicy.static,
     verbose: options.Verbose = False,
@@ -82,6 +94,7 @@ def serve(
         trace=trace, api_keys=keys, timeout=timeout,
         queue_timeout=queue_timeout, max_body=max_body, max_connections=max_connections,
         header_timeout=header_timeout, body_timeout=body_timeout, keepalive_timeout=keepalive_timeout, chat_template=chat_template, seed=seed, temperature=temp,
-        metrics=metrics, slots=slots, ui=ui, verbose=verbose)
+        metrics=metrics, slots=slots, ui=ui, embeddings=embedding,
+        pooling=pooling.value if pooling is not None else None, embd_normalize=embd_normalize, verbose=verbose)
     logging.getLogger("rapidmoe.server").setLevel(logging.INFO)
     run_server(config)

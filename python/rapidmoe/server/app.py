@@ -29,6 +29,7 @@ from .chat import CHATML, ChatTemplate
 from .config import ServerConfig
 from .engine import Engine
 from .errors import ApiError, authentication, invalid_request, not_found, payload_too_large, unavailable
+from .pooling import pooling_type
 
 log = logging.getLogger(__name__)
 
@@ -446,7 +447,7 @@ def _load(config: ServerConfig, st: routes.AppState) -> Llama:
                     rpc_servers=list(config.rpc_servers) or None, tensor_split=list(config.tensor_split) or None,
                     expert_cache=config.expert_cache,
                     residual_path=config.residual, n_critical=config.n_critical, overlap=config.overlap,
-                    n_seq_max=config.parallel, trace=config.trace,
+                    n_seq_max=config.parallel, trace=config.trace, pooling_type=pooling_type(config.pooling),
                     verbose=config.verbose)
     except RapidMoEError:
         raise
@@ -467,7 +468,7 @@ def _load(config: ServerConfig, st: routes.AppState) -> Llama:
     st.add_bos = md.get("tokenizer.ggml.add_bos_token", "true") != "false"
     st.model_meta = routes.model_meta(llm, str(config.model))
     st.engine = Engine(llm, n_parallel=config.parallel, queue_size=config.queue_size, n_batch=config.n_batch,
-                       queue_timeout=config.queue_timeout)
+                       queue_timeout=config.queue_timeout, embeddings=config.embeddings)
     log.info("model loaded: %s (%s), %d slots x %d tokens of context", config.model, info.architecture,
              config.parallel, st.engine.n_ctx_slot)
     return llm

@@ -43,6 +43,9 @@ class ServerConfig:
     queue_timeout: float = 600.0  # longest wait for a request's first choice to get a slot before 503, seconds
     max_body: int = 1 << 20  # request body limit, bytes
     chat_template: str | None = None  # Jinja template overriding the GGUF's
+    embeddings: bool = False  # serve /v1/embeddings and /embedding(s) (llama-server's --embedding)
+    pooling: str | None = None  # --pooling: none|mean|cls|last|rank (server/pooling.py); None: the model's
+    embd_normalize: int = 2  # --embd-normalize for pooled embeddings: -1 none, 0 max abs, 1 taxicab, 2 euclidean
     seed: int = -1  # default sampling seed (-1: random)
     temperature: float = 0.8  # default sampling temperature
     metrics: bool = True

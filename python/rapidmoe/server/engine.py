@@ -3,6 +3,8 @@
 [HTTP threads] --submit--> waiting queue --admit--> slots (one llama sequence each)
     --> one llama_decode per step: prompt chunks + one token per generating slot --> per-slot sampling
     --> events (Chunk ..., Finished | Failed) on each ticket's queue --> HTTP threads.
+Embedding tickets (`--embedding`) take slots too, in steps of their own with the context's embeddings switched on
+(llama-server's rule: a batch is all generation or all embedding); when both wait, the steps alternate.
 Nothing here knows JSON or HTTP; cancelled tickets (client gone) free their slot at the next step.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Union
 import numpy as np
 
 from .._runtime import llama_cpp as lc
+from . import pooling
 from .params import GenerationParams
 from .sampling import SlotSampler
 from .text import TextAssembler
@@ -111,13 +114,22 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class Embedded:
+    """An embedding ticket's answer: one pooled vector (normalised as asked), or with pooling none one raw vector
+    per prompt token."""
+
+    vectors: np.ndarray  # float32 [1 or n_prompt, n_embd_out]
+    n_prompt: int
+
+
+@dataclass(frozen=True)
 class Failed:
     status: int
     type: str
     message: str
 
 
-Event = Union[Chunk, Finished, Failed]
+Event = Union[Chunk, Finished, Embedded, Failed]
 
 
 @dataclass
@@ -146,6 +158,7 @@ class Ticket:
     events: queue.Queue[tuple[int, Event]] = field(default_factory=queue.Queue)  # (index, event)
     index: int = 0  # the choice this ticket answers
     cancelled: bool = False
+    embd_normalize: int | None = None  # an embedding ticket: its normalisation (pooling.normalize); None: generate
 
     def put(self, ev: Event) -> None:
         self.events.put((self.index, ev))
@@ -203,10 +216,16 @@ class _Slot:
 
 
 class Engine:
-    def __init__(self, llm: Llama, *, n_parallel: int, queue_size: int, n_batch: int, queue_timeout: float) -> None:
+    def __init__(self, llm: Llama, *, n_parallel: int, queue_size: int, n_batch: int, queue_timeout: float,
+                 embeddings: bool = False) -> None:
         self.llm = llm
         self._ctx = llm.ctx
         self._vocab = llm._model.vocab
+        self.embeddings = embeddings  # embedding tickets are taken (serve --embedding)
+        self.pooling = int(lc.llama_pooling_type(self._ctx))  # --pooling, else the model's
+        self.n_embd_out = int(lc.llama_model_n_embd_out(llm._model.model))
+        self.n_ubatch = int(lc.llama_n_ubatch(self._ctx))
+        self._embd_on = False  # the last step was an embedding step (the context's embeddings are on)
         self._mem = lc.llama_get_memory(self._ctx)
         lc.llama_memory_clear(self._mem, True)  # the slots own every sequence from here on
         self.n_vocab = int(lc.llama_vocab_n_tokens(self._vocab))
@@ -249,6 +268,16 @@ class Engine:
     def submit_many(self, jobs: list[tuple[list[int], GenerationParams]]) -> list[Ticket]:
         """Queue all of one request's generations, or none (QueueFull): ticket i answers choice i, all tickets
         share one events queue. They wait in order and run in whichever slots free up, side by side."""
+        return self._enqueue([(prompt, params, None) for prompt, params in jobs])
+
+    def submit_embeddings(self, prompts: list[list[int]], normalize: int) -> list[Ticket]:
+        """Queue one embedding ticket per prompt (all or none, as submit_many); each answers an Embedded event.
+        The route has checked that each fits a batch and a slot (embeddings.check_fits)."""
+        assert self.embeddings
+        stateless = GenerationParams(cache_prompt=False)  # an embedding reuses no KV; its slot is the LRU one
+        return self._enqueue([(prompt, stateless, normalize) for prompt in prompts])
+
+    def _enqueue(self, jobs: list[tuple[list[int], GenerationParams, int | None]]) -> list[Ticket]:
         events: queue.Queue[tuple[int, Event]] = queue.Queue()
         with self._cv:
             cap = self.capacity
@@ -258,8 +287,8 @@ class Engine:
                                 f"(--parallel {self.n_parallel} + --queue-size {self.queue_size})")
             wait = QueueWait(time.monotonic() + self.queue_timeout)
             tickets = []
-            for i, (prompt, params) in enumerate(jobs):
-                tickets.append(Ticket(self._next_id, prompt, params, wait, events, index=i))
+            for i, (prompt, params, embd) in enumerate(jobs):
+                tickets.append(Ticket(self._next_id, prompt, params, wait, events, index=i, embd_normalize=embd))
                 self._next_id += 1
             self._outstanding += len(tickets)
             self._waiting.extend(tickets)
@@ -384,12 +413,13 @@ class Engine:
     def _start(self, s: _Slot, t: Ticket) -> None:
         s.ticket = t
         t.wait.started = True  # the request is being answered: its other choices are no longer timed out
-        s.sampler = SlotSampler(t.params.sampling, self._vocab, self.n_vocab, t.params.grammar)
-        for tok in t.prompt:
-            s.sampler.accept(tok)  # penalties see the prompt, as in llama-server
-        s.asm = TextAssembler(list(t.params.stop))
+        if t.embd_normalize is None:
+            s.sampler = SlotSampler(t.params.sampling, self._vocab, self.n_vocab, t.params.grammar)
+            for tok in t.prompt:
+                s.sampler.accept(tok)  # penalties see the prompt, as in llama-server
+            s.asm = TextAssembler(list(t.params.stop))
         n_keep = common_prefix(s.cache, t.prompt) if t.params.cache_prompt else 0
-        n_keep = min(n_keep, len(t.prompt) - 1)  # the last prompt token is evaluated again for its logits
+        n_keep = max(0, min(n_keep, len(t.prompt) - 1))  # the last prompt token is evaluated again for its logits
         if n_keep < len(s.cache) and not lc.llama_memory_seq_rm(self._mem, s.id, n_keep, -1):
             lc.llama_memory_seq_rm(self._mem, s.id, -1, -1)  # the memory cannot cut a tail: start empty
             n_keep = 0
@@ -404,8 +434,80 @@ class Engine:
         s.t_first = 0.0
 
     def _step(self) -> None:
-        b, n = self._batch, 0
-        busy = [s for s in self.slots if s.busy]
+        embedding = [s for s in self.slots if s.busy and s.ticket is not None and s.ticket.embd_normalize is not None]
+        generating = [s for s in self.slots if s.busy and s not in embedding]
+        if embedding and (not generating or not self._embd_on):  # alternate while both wait
+            self._embed_step(embedding)
+        elif generating:
+            self._generate_step(generating)
+
+    def _set_embeddings(self, on: bool) -> None:
+        """The context's embeddings output, switched per batch as llama-server does (llama_set_embeddings)."""
+        if on != self._embd_on:
+            lc.llama_set_embeddings(self._ctx, on)
+            self._embd_on = on
+
+    def _decode(self, n: int, busy: list[_Slot]) -> bool:
+        """llama_decode of the batch's first n tokens for the busy slots; False (and they failed) on an error."""
+        b = self._batch
+        b.n_tokens = n
+        t0 = time.perf_counter()
+        rc = lc.llama_decode(self._ctx, b)
+        dt = time.perf_counter() - t0
+        self.llm.after_decode(n)  # the routing trace (serve --trace) and a refreshing expert cache follow each step
+        self.stats.n_decode += 1
+        self.stats.busy_slots += len(busy)
+        self.stats.decode_seconds += dt
+        if rc != 0 and self._stopping:
+            log.warning("llama_decode aborted (%d) with %d tokens in %d slots: shutting down", rc, n, len(busy))
+            for s in busy:
+                self._fail(s, 503, "unavailable_error", "server shutting down")
+            return False
+        if rc != 0:
+            log.error("llama_decode returned %d with %d tokens in %d slots", rc, n, len(busy))
+            for s in busy:
+                self._fail(s, 500, "server_error", f"llama_decode failed ({rc})")
+            return False
+        return True
+
+    def _embed_step(self, busy: list[_Slot]) -> None:
+        """One batch of embedding prompts, every token an output. A prompt that pooling needs whole (mean, cls,
+        none) waits for a batch it fits in whole; a last-token one is fed in chunks like a generation's."""
+        n, rows = 0, {}
+        for s in busy:
+            assert s.ticket is not None
+            rest = s.ticket.prompt[s.i_prompt:]
+            if not pooling.can_split(self.pooling) and n + len(rest) > min(self.n_batch, self.n_ubatch):
+                continue
+            chunk = rest[:self.n_batch - n]
+            rows[s.id] = list(range(n, n + len(chunk)))
+            for tok in chunk:
+                self._add(s, tok, n, True)
+                s.i_prompt += 1
+                n += 1
+            if n >= self.n_batch:
+                break
+        if n == 0:
+            return
+        self._set_embeddings(True)
+        if not self._decode(n, [s for s in busy if s.id in rows]):
+            return
+        for s in busy:
+            t = s.ticket
+            if t is None or s.id not in rows or s.i_prompt < len(t.prompt):
+                continue
+            assert t.embd_normalize is not None
+            vectors = pooling.read(self._ctx, self.pooling, s.id, rows[s.id], self.n_embd_out)
+            if self.pooling != lc.LLAMA_POOLING_TYPE_NONE:  # llama-server normalises pooled vectors only
+                vectors = pooling.normalize(vectors[0], t.embd_normalize)[None, :]
+            self.stats.prompt_tokens += len(t.prompt)
+            self.stats.prompt_seconds += time.perf_counter() - s.t_start
+            self.stats.requests_finished += 1
+            t.put(Embedded(vectors, len(t.prompt)))
+            self._release(s)
+
+    def _generate_step(self, busy: list[_Slot]) -> None:
+        n = 0
         for s in busy:  # generating slots first: one token each keeps their latency flat
             s.i_batch = -1
             if not s.prefilling and s.last_token >= 0:
@@ -426,23 +528,8 @@ class Engine:
                 n += 1
         if n == 0:
             return
-        b.n_tokens = n
-        t0 = time.perf_counter()
-        rc = lc.llama_decode(self._ctx, b)
-        dt = time.perf_counter() - t0
-        self.llm.after_decode(n)  # the routing trace (serve --trace) and a refreshing expert cache follow each step
-        self.stats.n_decode += 1
-        self.stats.busy_slots += len(busy)
-        self.stats.decode_seconds += dt
-        if rc != 0 and self._stopping:
-            log.warning("llama_decode aborted (%d) with %d tokens in %d slots: shutting down", rc, n, len(busy))
-            for s in busy:
-                self._fail(s, 503, "unavailable_error", "server shutting down")
-            return
-        if rc != 0:
-            log.error("llama_decode returned %d with %d tokens in %d slots", rc, n, len(busy))
-            for s in busy:
-                self._fail(s, 500, "server_error", f"llama_decode failed ({rc})")
+        self._set_embeddings(False)
+        if not self._decode(n, busy):
             return
         for s in busy:
             if s.i_batch >= 0:

@@ -17,10 +17,10 @@ from typing import Any
 
 from .. import __version__
 from .._runtime import llama_cpp as lc
-from . import anthropic, metrics, responses, responses_api, sse, toolcalls
+from . import anthropic, embeddings, metrics, responses, responses_api, sse, toolcalls
 from .chat import ChatTemplate, check_messages
 from .config import ServerConfig
-from .engine import Chunk, Engine, Event, Failed, Finished, QueueFull, Ticket
+from .engine import Chunk, Embedded, Engine, Event, Failed, Finished, QueueFull, Ticket
 from .errors import ApiError, exceed_context, invalid_request, not_found, unavailable
 from .params import (
     MAX_CHOICES,
@@ -694,6 +694,61 @@ def chat_input_tokens(st: AppState, req: Request) -> Reply:
     return json_reply({"input_tokens": len(_tokenize(st, prompt, add_special=True))})
 
 
+def _embedding_tokens(st: AppState, entry: Any, name: str) -> list[int]:
+    if isinstance(entry, dict) and "content" in entry:
+        return _tokenize(st, check_utf8(embeddings.content_text(entry["content"], f"{name}.content"), name),
+                         st.add_bos)
+    return _one_prompt(st, entry, name)
+
+
+def _embeddings(st: AppState, req: Request, oai_route: bool) -> Reply:
+    """POST /v1/embeddings and /embedding(s): one embedding ticket per prompt, answered when all are done."""
+    e = st.engine
+    assert e is not None
+    if not e.embeddings:
+        raise embeddings.not_enabled()
+    body = req.json()
+    model = st.check_model(body)
+    er = embeddings.parse(body, oai_route=oai_route, pooling=e.pooling, default_normalize=st.config.embd_normalize)
+    name = "input" if "input" in body else "content"
+    prompts = [_embedding_tokens(st, x, name if len(er.entries) == 1 else f"{name}[{i}]")
+               for i, x in enumerate(er.entries)]
+    for toks in prompts:
+        embeddings.check_fits(len(toks), pooling=e.pooling, n_ubatch=e.n_ubatch, n_ctx_slot=e.n_ctx_slot)
+    if e.capacity is not None and len(prompts) > e.capacity:
+        raise invalid_request(f"the request has {len(prompts)} inputs; this server holds at most {e.capacity} at "
+                              f"once (--parallel {e.n_parallel} + --queue-size {e.queue_size})")
+    try:
+        ts = e.submit_embeddings(prompts, er.normalize)
+    except QueueFull as err:
+        raise unavailable(f"server busy: {err}") from None
+    done: dict[int, Embedded] = {}
+    while len(done) < len(ts):
+        got = _next(st, ts, req)
+        if got is None:
+            return Reply(499, b"")
+        i, ev = got
+        if isinstance(ev, Failed):
+            _raise_failed(st, ts, ev)
+        assert isinstance(ev, Embedded)
+        done[i] = ev
+    vectors = [done[i].vectors for i in range(len(ts))]
+    if er.oai:
+        return json_reply(embeddings.oai_answer(model, vectors, [done[i].n_prompt for i in range(len(ts))],
+                                                er.use_base64))
+    return json_reply(embeddings.native_answer(vectors))
+
+
+def embeddings_native(st: AppState, req: Request) -> Reply:
+    """POST /embedding, /embeddings: llama-server's shape (a list of {index, embedding: [vectors]})."""
+    return _embeddings(st, req, oai_route=False)
+
+
+def embeddings_oai(st: AppState, req: Request) -> Reply:
+    """POST /v1/embeddings: OpenAI's shape (with `content` instead of `input`, the native one, as llama-server)."""
+    return _embeddings(st, req, oai_route=True)
+
+
 def apply_template(st: AppState, req: Request) -> Reply:
     """POST /apply-template: the rendered prompt; `add_generation_prompt` false leaves the assistant's header off
     (as llama-server; the chat route refuses it, since it cannot continue a turn)."""
@@ -823,7 +878,8 @@ POST = {"/completion": completion, "/completions": completion, "/v1/completions"
         "/tokenize": tokenize, "/detokenize": detokenize, "/apply-template": apply_template,
         "/v1/messages": anthropic_messages, "/v1/messages/count_tokens": anthropic_count_tokens,
         "/v1/responses": oai_responses, "/responses": oai_responses,
-        "/v1/responses/input_tokens": oai_responses_input_tokens, "/responses/input_tokens": oai_responses_input_tokens}
+        "/v1/responses/input_tokens": oai_responses_input_tokens, "/responses/input_tokens": oai_responses_input_tokens,
+        "/embedding": embeddings_native, "/embeddings": embeddings_native, "/v1/embeddings": embeddings_oai}
 # Routes whose errors (also those of the HTTP layer: auth, limits, loading) are answered in Anthropic's shape.
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 

@@ -13,12 +13,16 @@ import sys
 VALUE = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": "--seed", "--ctx-size": "-c",
          "--parallel": "--parallel", "--n-predict": "--n-predict", "--alias": "--alias", "--api-key": "--api-key",
          "--batch-size": "--batch-size", "--threads": "--threads", "--chat-template": "--chat-template",
-         "--chat-template-file": "--chat-template-file", "--n-gpu-layers": "-ngl", "--tags": "--tags"}
-FLAG = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots", "--no-ui": "--no-ui"}
+         "--chat-template-file": "--chat-template-file", "--n-gpu-layers": "-ngl", "--tags": "--tags",
+         "--pooling": "--pooling", "--embd-normalize": "--embd-normalize", "--reasoning-format": "--reasoning-format",
+         "--reasoning": "--reasoning", "--chat-template-kwargs": "--chat-template-kwargs"}
+FLAG = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots", "--no-ui": "--no-ui",
+        "--embedding": "--embedding", "--embeddings": "--embedding", "--jinja": "--jinja", "--no-jinja": "--no-jinja"}
+# --ubatch-size: ours is --batch-size (the suite sets both alike)
 IGNORED_VALUE = {"--hf-repo", "--hf-file", "--ubatch-size", "-ctk", "-ctv", "-fa", "--model-url", "--cache-ram",
-                 "--reasoning-format", "--reasoning", "--cors-origins"}
-IGNORED_FLAG = {"--offline", "--no-jinja", "--jinja", "--no-mmproj", "--cont-batching", "--kv-unified",
-                "--swa-full", "--no-cache-idle-slots", "--verbose"}
+                 "--cors-origins"}
+IGNORED_FLAG = {"--offline", "--no-mmproj", "--cont-batching", "--kv-unified", "--swa-full", "--no-cache-idle-slots",
+                "--verbose"}
 
 
 def main(argv: list[str]) -> int:

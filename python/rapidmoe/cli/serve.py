@@ -1,10 +1,11 @@
 """`rapidmoe-cli serve`: llama-server's HTTP API (native and OpenAI routes) over the RapidMoE engine."""
 from __future__ import annotations
 
+import json
 import logging
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -47,6 +48,11 @@ def serve(
     keepalive_timeout: Annotated[float, typer.Option("--keepalive-timeout", help="Idle keep-alive connections are closed after this, seconds.", min=0.1)] = 5.0,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="Jinja chat template instead of the GGUF's.")] = None,
     chat_template_file: Annotated[Optional[Path], typer.Option("--chat-template-file", help="File with a Jinja chat template.")] = None,
+    jinja: Annotated[bool, typer.Option("--jinja/--no-jinja", help="Render chat with the Jinja template (default). --no-jinja: llama.cpp's built-in format for the template's family (or a --chat-template name such as chatml, command-r), no tools, the whole answer as content, as llama-server.")] = True,
+    chat_template_kwargs: Annotated[Optional[str], typer.Option("--chat-template-kwargs", help="Template arguments for every chat request, a JSON object (a request's chat_template_kwargs override them).")] = None,
+    reasoning: Annotated[str, typer.Option("--reasoning", "-rea", help="Thinking in chat: on|off|auto (auto: the template's default). on/off set the template's enable_thinking.")] = "auto",
+    reasoning_format: Annotated[str, typer.Option("--reasoning-format", help="Default reasoning_format of chat requests: auto|deepseek (thoughts in reasoning_content) or none (left in content).")] = "auto",
+    reasoning_budget: Annotated[int, typer.Option("--reasoning-budget", help="Thinking token budget: only -1 (unrestricted); budgets are not implemented and other values are refused.", min=-1)] = -1,
     seed: Annotated[int, typer.Option("--seed", "-s", help="Default sampling seed (-1: random).", min=-1)] = -1,
     temp: Annotated[float, typer.Option("--temp", help="Default temperature.", min=0.0)] = 0.8,
     metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="Serve GET /metrics.")] = True,
@@ -74,6 +80,12 @@ def serve(
             chat_template = chat_template_file.read_text(encoding="utf-8")
         except OSError as e:
             raise RapidMoEError(f"cannot read --chat-template-file {chat_template_file}: {e.strerror}") from None
+    template_kwargs = _template_kwargs(chat_template_kwargs, reasoning)
+    if reasoning_format not in ("auto", "deepseek", "none"):
+        raise RapidMoEError(f"--reasoning-format {reasoning_format}: not supported (auto, deepseek or none; "
+                            "deepseek-legacy, which keeps the thoughts in content too, is not implemented)")
+    if reasoning_budget != -1:
+        raise RapidMoEError(f"--reasoning-budget {reasoning_budget}: reasoning budgets are not implemented (-1 only)")
     rpc_servers = tuple(parse_servers(engine.rpc))
     keys = tuple(k.strip() for k in (api_key or "").split(",") if k.strip())
     path = model if model is not None else ensure_default_model()
@@ -94,7 +106,30 @@ def serve(
         trace=trace, api_keys=keys, timeout=timeout,
         queue_timeout=queue_timeout, max_body=max_body, max_connections=max_connections,
         header_timeout=header_timeout, body_timeout=body_timeout, keepalive_timeout=keepalive_timeout, chat_template=chat_template, seed=seed, temperature=temp,
+        jinja=jinja, chat_template_kwargs=template_kwargs, reasoning_format=reasoning_format,
         metrics=metrics, slots=slots, ui=ui, embeddings=embedding,
         pooling=pooling.value if pooling is not None else None, embd_normalize=embd_normalize, verbose=verbose)
     logging.getLogger("rapidmoe.server").setLevel(logging.INFO)
     run_server(config)
+
+
+REASONING = {"on": True, "enabled": True, "true": True, "1": True, "off": False, "disabled": False, "false": False,
+             "0": False, "auto": None, "-1": None}  # llama-server's is_truthy / is_falsey / is_autoy values
+
+
+def _template_kwargs(text: str | None, reasoning: str) -> tuple[tuple[str, Any], ...]:
+    """--chat-template-kwargs (a JSON object), then --reasoning on|off as `enable_thinking`."""
+    kwargs: dict[str, Any] = {}
+    if text is not None:
+        try:
+            kwargs = json.loads(text)
+        except ValueError as e:
+            raise RapidMoEError(f"--chat-template-kwargs is not valid JSON: {e}") from None
+        if not isinstance(kwargs, dict):
+            raise RapidMoEError("--chat-template-kwargs must be a JSON object")
+    if reasoning.lower() not in REASONING:
+        raise RapidMoEError(f"--reasoning {reasoning}: expected on, off or auto")
+    think = REASONING[reasoning.lower()]
+    if think is not None:
+        kwargs["enable_thinking"] = think
+    return tuple(kwargs.items())

@@ -24,7 +24,7 @@ from ..errors import ModelFileError, RapidMoEError
 from ..llama import Llama
 from ..modelfile import require_moe
 from ..umia import load_policy
-from . import anthropic, routes, sse
+from . import anthropic, legacy_chat, routes, sse
 from .chat import CHATML, ChatTemplate
 from .config import ServerConfig
 from .engine import Engine
@@ -462,9 +462,15 @@ def _load(config: ServerConfig, st: routes.AppState) -> Llama:
     vocab = llm._model
     md = llm.metadata
     template = config.chat_template or md.get("tokenizer.chat_template") or CHATML
+    if config.jinja and template == "chatml":  # the one built-in name llama-server's Jinja path takes
+        template = CHATML
+    if not config.jinja and not legacy_chat.supported(template):
+        llm.close()
+        raise RapidMoEError("--no-jinja: llama.cpp has no built-in format for this chat template; give "
+                            f"--chat-template NAME ({', '.join(legacy_chat.builtin_names())}) or drop --no-jinja")
     bos = vocab.token_get_text(llm.token_bos()) if llm.token_bos() >= 0 else ""
     eos = vocab.token_get_text(llm.token_eos()) if llm.token_eos() >= 0 else ""
-    st.template = ChatTemplate(template, bos, eos)
+    st.template = ChatTemplate(template, bos, eos, jinja=config.jinja, kwargs=dict(config.chat_template_kwargs))
     st.add_bos = md.get("tokenizer.ggml.add_bos_token", "true") != "false"
     st.model_meta = routes.model_meta(llm, str(config.model))
     st.engine = Engine(llm, n_parallel=config.parallel, queue_size=config.queue_size, n_batch=config.n_batch,

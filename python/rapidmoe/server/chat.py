@@ -1,7 +1,8 @@
 """Chat messages -> prompt text with the model's Jinja chat template, as llama-server applies it.
 
 The template comes from the GGUF (`tokenizer.chat_template`), or --chat-template; a model without one gets
-ChatML, llama-server's fallback. Rendering uses llama-cpp-python's sandboxed Jinja formatter.
+ChatML, llama-server's fallback. Rendering uses llama-cpp-python's sandboxed Jinja formatter; with --no-jinja,
+llama.cpp's built-in formats (legacy_chat.py).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from .._runtime import llama_cpp
+from . import legacy_chat
 from .errors import ApiError, invalid_request
 from .params import check_utf8
 
@@ -34,23 +36,32 @@ class _Formatter(llama_cpp.llama_chat_format.Jinja2ChatFormatter):
 
 
 class ChatTemplate:
-    def __init__(self, template: str, bos_token: str, eos_token: str) -> None:
+    def __init__(self, template: str, bos_token: str, eos_token: str, *, jinja: bool = True,
+                 kwargs: dict[str, Any] | None = None) -> None:
+        """`jinja` False: llama.cpp's built-in format for the template (llama-server's --no-jinja); `kwargs`: the
+        server's template arguments (--chat-template-kwargs, --reasoning on|off), under each request's own."""
         self.source = template
-        self._fmt = _Formatter(template, eos_token, bos_token)
-        self._fmt_bare = _Formatter(template, eos_token, bos_token, add_generation_prompt=False)
+        self.jinja = jinja
+        self.kwargs = dict(kwargs or {})
+        if jinja:
+            self._fmt = _Formatter(template, eos_token, bos_token)
+            self._fmt_bare = _Formatter(template, eos_token, bos_token, add_generation_prompt=False)
 
     def render(self, messages: list[dict[str, Any]], body: dict[str, Any],
                tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
         """The prompt text. Besides messages and tools the template sees what llama-server gives it by default:
         `enable_thinking` true (its default reasoning "auto"; Command-R7B's template renders an empty thinking
         block without it), today's date as `datetime` ("%b %d %Y") and `date_string` ("%d %b %Y") (Llama 3.x
-        templates print it); then `chat_template_kwargs`, which may override each."""
+        templates print it); then the server's (--chat-template-kwargs, --reasoning on|off) and the request's
+        `chat_template_kwargs`, each overriding what comes before."""
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise invalid_request("\"chat_template_kwargs\" must be an object")
+        if not self.jinja:  # no template arguments without Jinja, as llama-server's legacy path
+            return legacy_chat.render(self.source, messages, add_generation_prompt)
         now = datetime.now()
         kwargs = {"enable_thinking": True, "datetime": now.strftime("%b %d %Y"),
-                  "date_string": now.strftime("%d %b %Y"), **kwargs}
+                  "date_string": now.strftime("%d %b %Y"), **self.kwargs, **kwargs}
         fmt = self._fmt if add_generation_prompt else self._fmt_bare
         if "<|channel|>" not in self.source:  # llama.cpp maps "developer" to "system" for all but GPT-OSS
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]

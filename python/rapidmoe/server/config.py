@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..cache.config import ExpertCacheConfig
 
@@ -43,6 +44,10 @@ class ServerConfig:
     queue_timeout: float = 600.0  # longest wait for a request's first choice to get a slot before 503, seconds
     max_body: int = 1 << 20  # request body limit, bytes
     chat_template: str | None = None  # Jinja template overriding the GGUF's
+    jinja: bool = True  # render chat with the Jinja template; False: llama.cpp's built-in formats (--no-jinja)
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()  # server-wide template arguments (--chat-template-kwargs,
+    # --reasoning on|off as enable_thinking), under each request's chat_template_kwargs
+    reasoning_format: str = "auto"  # default reasoning_format of chat requests: auto|deepseek split <think>, none not
     embeddings: bool = False  # serve /v1/embeddings and /embedding(s) (llama-server's --embedding)
     pooling: str | None = None  # --pooling: none|mean|cls|last|rank (server/pooling.py); None: the model's
     embd_normalize: int = 2  # --embd-normalize for pooled embeddings: -1 none, 0 max abs, 1 taxicab, 2 euclidean

@@ -459,6 +459,12 @@ def oai_completions(st: AppState, req: Request) -> Reply | Stream:
 def _chat_prompt(st: AppState, body: dict[str, Any],
                  add_generation_prompt: bool = True) -> tuple[str, toolcalls.ToolRequest | None]:
     assert st.template is not None
+    if not st.template.jinja:  # llama-server's legacy path has neither tools nor a tool choice
+        if isinstance(body.get("tools"), list) and body["tools"]:
+            raise invalid_request("tools param requires --jinja flag")
+        if isinstance(body.get("tool_choice"), str) and body["tool_choice"] != "auto":
+            raise invalid_request("tool_choice param requires --jinja flag")
+        return st.template.render(check_messages(body), body, None, add_generation_prompt), None
     treq = toolcalls.tools_from(body, st.template.source)
     tools = body.get("tools") if treq else None
     return st.template.render(check_messages(body), body, tools, add_generation_prompt), treq
@@ -512,14 +518,16 @@ def chat_setup(st: AppState, body: dict[str, Any]) -> ChatSetup:
     prompt, treq = _chat_prompt(st, body)
     toks = _tokenize(st, prompt, add_special=True)
     params = _gen_params(st, body, route="chat")
-    open_think = prompt.rstrip().endswith(toolcalls.THINK_OPEN)
+    open_think = st.template.jinja and prompt.rstrip().endswith(toolcalls.THINK_OPEN)
     if treq is not None and treq.choice in ("required", "named"):
         if params.grammar is not None:
             raise invalid_request("Cannot use custom grammar constraints with tool_choice required or a named tool")
         g = toolcalls.tool_grammar(treq, open_think)
         check_grammar(st.engine.llm._model.vocab, g, "tools")
         params = dataclasses.replace(params, grammar=g)
-    reasoning = body.get("reasoning_format", "auto") != "none" and toolcalls.template_thinks(st.template.source)
+    # no reasoning split without Jinja: llama-server's legacy path parses the whole answer as content
+    reasoning = (st.template.jinja and body.get("reasoning_format", st.config.reasoning_format) != "none"
+                 and toolcalls.template_thinks(st.template.source))
     return ChatSetup(prompt, toks, params, treq, open_think, reasoning)
 
 

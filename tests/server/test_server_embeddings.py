@@ -234,6 +234,18 @@ def test_refused_without_the_flag(servers: Callable[..., ServerProc]) -> None:
         assert "Start it with `--embeddings`" in r["error"]["message"]
 
 
+def test_reranking_is_refused_by_name(servers: Callable[..., ServerProc], f32: Path) -> None:
+    """Reranking (a classification head's score) is not implemented: its routes answer 501 naming it, as
+    llama-server without --reranking; --pooling rank is refused at start."""
+    s = servers("--embedding", "--pooling", "mean")
+    for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
+        status, r = s.request("POST", path, {"query": "a", "documents": ["b"]})
+        assert status == 501 and "reranking" in r["error"]["message"], r
+    r = subprocess.run([sys.executable, "-m", "rapidmoe.cli", "serve", str(f32), "--port", "0", "--embedding",
+                        "--pooling", "rank"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--pooling rank" in r.stdout + r.stderr
+
+
 STOCK_SCRIPT = """
 import json, sys, llama_cpp
 pooling = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "last": llama_cpp.LLAMA_POOLING_TYPE_LAST,

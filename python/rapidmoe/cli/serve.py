@@ -59,7 +59,7 @@ def serve(
     slots: Annotated[bool, typer.Option("--slots/--no-slots", help="Serve GET /slots.")] = True,
     ui: Annotated[bool, typer.Option("--ui/--no-ui", help="Serve the chat page at /.")] = True,
     embedding: Annotated[bool, typer.Option("--embedding", "--embeddings", help="Serve /v1/embeddings, /embedding and /embeddings (otherwise 501, as llama-server); generation keeps working.")] = False,
-    pooling: Annotated[Optional[Pooling], typer.Option("--pooling", help="Pooling of embeddings (default: the model's; a causal LM's is none, which /v1/embeddings refuses).")] = None,
+    pooling: Annotated[Optional[Pooling], typer.Option("--pooling", help="Pooling of embeddings (default: the model's; a causal LM's is none, which /v1/embeddings refuses). rank (reranking) is refused.")] = None,
     embd_normalize: Annotated[int, typer.Option("--embd-normalize", help="Normalisation of pooled embeddings: -1 none, 0 max absolute (int16 range), 1 taxicab, 2 euclidean, p > 2 p-norm.", min=-1)] = 2,
     trace: options.TraceOpt = None,
     cache_policy: options.CachePolicyOpt = options.CachePolicy.static,
@@ -84,6 +84,8 @@ def serve(
     if reasoning_format not in ("auto", "deepseek", "none"):
         raise RapidMoEError(f"--reasoning-format {reasoning_format}: not supported (auto, deepseek or none; "
                             "deepseek-legacy, which keeps the thoughts in content too, is not implemented)")
+    if pooling is Pooling.rank:
+        raise RapidMoEError("--pooling rank: reranking's pooling (a classification head's score) is not implemented")
     if reasoning_budget != -1:
         raise RapidMoEError(f"--reasoning-budget {reasoning_budget}: reasoning budgets are not implemented (-1 only)")
     rpc_servers = tuple(parse_servers(engine.rpc))

@@ -23,6 +23,13 @@ def not_enabled() -> ApiError:
                                                 "`--embeddings`")
 
 
+def rerank_refused() -> ApiError:
+    """Reranking reads a classification head's score (llama.cpp's rank pooling); the MoE language models this
+    server runs have none, so it is not implemented: llama-server's 501 for a server without --reranking."""
+    return ApiError(501, "not_supported_error", "This server does not support reranking (llama-server's "
+                                                "`--reranking`, which needs a model with a classification head)")
+
+
 @dataclass(frozen=True)
 class EmbeddingRequest:
     entries: list[Any]  # one per prompt, as given: text, token ids, ids mixed with text, {"prompt_string": ...}

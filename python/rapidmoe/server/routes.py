@@ -757,6 +757,12 @@ def embeddings_oai(st: AppState, req: Request) -> Reply:
     return _embeddings(st, req, oai_route=True)
 
 
+def rerank(st: AppState, req: Request) -> Reply:
+    """POST /rerank (and llama-server's other names for it): not implemented, refused with llama-server's status
+    for a server without --reranking (501)."""
+    raise embeddings.rerank_refused()
+
+
 def apply_template(st: AppState, req: Request) -> Reply:
     """POST /apply-template: the rendered prompt; `add_generation_prompt` false leaves the assistant's header off
     (as llama-server; the chat route refuses it, since it cannot continue a turn)."""
@@ -887,7 +893,8 @@ POST = {"/completion": completion, "/completions": completion, "/v1/completions"
         "/v1/messages": anthropic_messages, "/v1/messages/count_tokens": anthropic_count_tokens,
         "/v1/responses": oai_responses, "/responses": oai_responses,
         "/v1/responses/input_tokens": oai_responses_input_tokens, "/responses/input_tokens": oai_responses_input_tokens,
-        "/embedding": embeddings_native, "/embeddings": embeddings_native, "/v1/embeddings": embeddings_oai}
+        "/embedding": embeddings_native, "/embeddings": embeddings_native, "/v1/embeddings": embeddings_oai,
+        **dict.fromkeys(("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"), rerank)}
 # Routes whose errors (also those of the HTTP layer: auth, limits, loading) are answered in Anthropic's shape.
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 

@@ -53,6 +53,10 @@ MAGIC = b"RMOETRC1"
 VERSION = 1
 _HEAD = struct.Struct("<8sIIIIII")
 TOPK_NAME = "ffn_moe_topk"
+MAX_MOE_LAYERS = 4096  # a corrupt count beyond this is refused before anything is sized by it
+# token_matrix() holds n_tokens * n_moe * k ids: at most the file's size plus this many (a trace with two or more
+# MoE layers stores every token's ids in each layer but the last, so only a damaged file comes near)
+MAX_SLACK_ELEMENTS = 1 << 24
 WEIGHTS_NAME = "ffn_moe_weights"
 
 
@@ -241,13 +245,20 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     _, version, n_moe, n_expert, k, id_bytes, meta_len = _HEAD.unpack_from(data)
     if version != VERSION:
         raise TraceError(f"{p}: trace version {version}, this reader knows {VERSION}")
+    if not (1 <= n_moe <= MAX_MOE_LAYERS and 1 <= n_expert <= 65536 and 1 <= k <= n_expert):
+        raise TraceError(f"{p}: corrupt trace header ({n_moe} MoE layers, {n_expert} experts, top-{k})")
     off = _HEAD.size
     try:
         meta = json.loads(data[off:off + meta_len].decode())
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise TraceError(f"{p}: unreadable trace metadata ({e})") from None
+    if not isinstance(meta, dict):
+        raise TraceError(f"{p}: the trace metadata is not a JSON object")
     off += meta_len
-    layers = tuple(int(x) for x in meta.pop("moe_layers", range(n_moe)))
+    try:
+        layers = tuple(int(x) for x in meta.pop("moe_layers", range(n_moe)))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise TraceError(f"{p}: the trace metadata's moe_layers is not a list of layer numbers ({e})") from None
     header = TraceHeader(n_expert, k, layers, meta)
     if len(layers) != n_moe or id_bytes != header.id_bytes:
         raise TraceError(f"{p}: inconsistent trace header ({n_moe} layers, metadata lists {len(layers)}; "
@@ -255,16 +266,23 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     steps: list[Step] = []
     predicted = bool(meta.get("predicted"))
     pre = struct.Struct(f"<I{n_moe}I")
+    n_total = 0
     while off < len(data):
         if off + pre.size > len(data):
             raise TraceError(f"{p}: truncated after {len(steps)} steps")
         n_tokens, *rows = pre.unpack_from(data, off)
         off += pre.size
+        # every MoE layer but the last routes all of its step's tokens (llama.cpp skips rows only in the last layer)
+        if any(r != n_tokens for r in rows[:-1]) or rows[-1] > n_tokens:
+            raise TraceError(f"{p}: corrupt step {len(steps)} ({n_tokens} tokens, rows per layer {rows[:8]})")
+        n_total += n_tokens
+        if n_total * n_moe * k > len(data) + MAX_SLACK_ELEMENTS:  # only a one-MoE-layer trace can get here
+            raise TraceError(f"{p}: corrupt trace: {n_total} tokens in {len(data)} bytes")
         ids, weights, pred = [], [], []
         for m, r in enumerate(rows):
             has_pred = predicted and m + 1 < n_moe
             nb_i, nb_w = r * k * id_bytes, r * k * 2
-            if off + nb_i * (2 if has_pred else 1) + nb_w > len(data) or r > n_tokens:
+            if off + nb_i * (2 if has_pred else 1) + nb_w > len(data):
                 raise TraceError(f"{p}: truncated or corrupt at step {len(steps)}")
             ids.append(np.frombuffer(data, header.id_dtype, r * k, off).reshape(r, k))
             off += nb_i
@@ -273,6 +291,8 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
             if has_pred:
                 pred.append(np.frombuffer(data, header.id_dtype, r * k, off).reshape(r, k))
                 off += nb_i
+            if r and max(int(ids[-1].max()), int(pred[-1].max()) if has_pred else 0) >= n_expert:
+                raise TraceError(f"{p}: step {len(steps)} names an expert beyond the header's {n_expert}")
         steps.append(Step(n_tokens, tuple(ids), tuple(weights), tuple(pred)))
     return Trace(header, tuple(steps))
 

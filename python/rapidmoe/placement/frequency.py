@@ -42,7 +42,11 @@ class ExpertFrequency:
             c = np.asarray(c, dtype=np.float64).reshape(-1)
             if (c < 0).any() or not np.isfinite(c).all():
                 raise FrequencyError(f"{source}: layer {il} has negative or non-finite counts")
+            if c.size == 0:
+                raise FrequencyError(f"{source}: layer {il} has no experts")
             total = c.sum()
+            if not np.isfinite(total):
+                raise FrequencyError(f"{source}: layer {il}'s counts sum past the float range")
             share[il] = c / total if total > 0 else np.full(c.size, 1.0 / c.size)
         return ExpertFrequency(share, source)
 
@@ -89,7 +93,7 @@ def read_frequency(path: str | os.PathLike[str], layers: list[int], n_layer: int
         if p.suffix == ".npy":
             return _rows_to_layers(np.load(p, allow_pickle=False).astype(np.float64), layers, n_layer, str(p))
         data = json.loads(p.read_text())
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RecursionError) as e:
         if isinstance(e, FrequencyError):
             raise
         raise FrequencyError(f"cannot read frequency table {p}: {e}") from e
@@ -98,13 +102,13 @@ def read_frequency(path: str | os.PathLike[str], layers: list[int], n_layer: int
     if isinstance(data, dict):
         try:
             return {int(k): np.asarray(v, dtype=np.float64) for k, v in data.items()}
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             raise FrequencyError(f"{p}: expected {{\"<layer>\": [counts...]}}: {e}") from e
     if isinstance(data, list):
         try:
             rows = np.asarray(data, dtype=np.float64)
-        except ValueError as e:
-            raise FrequencyError(f"{p}: rows of different lengths ({e})") from e
+        except (TypeError, ValueError, OverflowError) as e:
+            raise FrequencyError(f"{p}: expected rows of counts, all of one length ({e})") from e
         return _rows_to_layers(rows, layers, n_layer, str(p))
     raise FrequencyError(f"{p}: expected a list of per-layer count lists or an object of them")
 

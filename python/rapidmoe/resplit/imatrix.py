@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
 
 from ..errors import ModelFileError
-from ..ggufio import GGUFFile
+from ..ggufio import GGUFFile, GGUFFormatError
 
 
 @dataclass
@@ -57,11 +57,20 @@ def read_imatrix(path: str | os.PathLike[str]) -> Imatrix:
 
 
 def _read_gguf(p: Path) -> Imatrix:
-    r = GGUFFile(p)
+    try:
+        r = GGUFFile(p)
+    except GGUFFormatError as e:
+        raise ModelFileError(f"{p} is a damaged imatrix GGUF ({e})") from None
+    missing = r.missing_data()
+    if missing is not None:
+        raise ModelFileError(f"{p} is a truncated imatrix: tensor {missing[0].name} runs past the end of the file")
     im = Imatrix()
     if r.get("general.type", "imatrix") != "imatrix":
         raise ModelFileError(f"{p} is a GGUF but not an imatrix (general.type={r.get('general.type')})")
     for t in r.tensors:
+        if t.tensor_type != GGMLQuantizationType.F32 or not t.shape or min(t.shape) < 1:
+            raise ModelFileError(f"{p}: imatrix tensor {t.name} is {t.tensor_type.name} {list(t.shape)}; llama.cpp "
+                                 "writes non-empty F32 tensors")
         arr = np.array(t.data, dtype=np.float32)
         if t.name.endswith(".in_sum2"):
             im.in_sum2[t.name[: -len(".in_sum2")]] = arr.reshape(-1, int(t.shape[0]))
@@ -69,9 +78,16 @@ def _read_gguf(p: Path) -> Imatrix:
             im.counts[t.name[: -len(".counts")]] = arr.reshape(-1)
     if set(im.in_sum2) != set(im.counts):
         raise ModelFileError(f"{p}: imatrix tensors without matching counts")
-    im.datasets = [str(d) for d in r.get("imatrix.datasets", [])]
-    im.chunk_count = int(r.get("imatrix.chunk_count", 0))
-    im.chunk_size = int(r.get("imatrix.chunk_size", 0))
+    for name, s in im.in_sum2.items():
+        if im.counts[name].size != s.shape[0]:
+            raise ModelFileError(f"{p}: imatrix entry {name} has {s.shape[0]} matrices but {im.counts[name].size} "
+                                 "counts")
+    try:
+        im.datasets = [str(d) for d in r.get("imatrix.datasets", [])]
+        im.chunk_count = int(r.get("imatrix.chunk_count", 0))
+        im.chunk_size = int(r.get("imatrix.chunk_size", 0))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ModelFileError(f"{p}: bad imatrix metadata ({e})") from None
     return im
 
 
@@ -82,12 +98,18 @@ def _read_legacy(p: Path) -> Imatrix:
     try:
         (n,) = struct.unpack_from("<i", data, 0)
         off = 4
+        if n < 0:
+            raise ValueError(f"{n} entries")
         for _ in range(n):
             (ln,) = struct.unpack_from("<i", data, off)
+            if ln < 0 or off + 4 + ln > len(data):
+                raise ValueError(f"a name of {ln} bytes at offset {off}")
             name = data[off + 4: off + 4 + ln].decode()
             off += 4 + ln
             ncall, nval = struct.unpack_from("<ii", data, off)
             off += 8
+            if nval < 1:  # np.frombuffer reads everything left for a negative count
+                raise ValueError(f"entry {name} has {nval} values")
             vals = np.frombuffer(data, dtype=np.float32, count=nval, offset=off).copy()
             off += 4 * nval
             # legacy stores sum/ncall per value for one "matrix"; keep as mean with count 1

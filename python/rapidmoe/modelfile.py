@@ -12,6 +12,7 @@ from .errors import ModelFileError
 from .ggufio import GGUFFile, GGUFFormatError
 
 GGUF_MAGIC = b"GGUF"
+TENSOR_ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT: llama.cpp maps a model's tensor data only at multiples of it
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,11 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         t, have = missing
         raise ModelFileError(f"{p} is truncated: tensor {t.name} ends at byte {int(t.data_offset) + int(t.n_bytes)}, "
                              f"the file has {have}")
+    misplaced = next((t for t in reader.tensors if t.data_offset % TENSOR_ALIGNMENT), None)
+    if misplaced is not None:  # llama.cpp's CPU buffer asserts on such a pointer (ggml-backend.cpp): an abort
+        raise ModelFileError(f"{p} is damaged: the data of tensor {misplaced.name} starts at byte "
+                             f"{misplaced.data_offset}, not a multiple of {TENSOR_ALIGNMENT} (general.alignment "
+                             f"{reader.get('general.alignment', 32)}); llama.cpp cannot map it")
     arch = reader.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFileError(f"{p} has no general.architecture: not a llama.cpp model")
@@ -65,12 +71,56 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         raise ModelFileError(f"{p} is damaged: its tokenizer lists the token {token!r} twice (ids {first} and "
                              f"{second}); llama.cpp cannot load such a vocabulary")
 
+    bad = hparams_problem(reader, arch)
+    if bad is not None:
+        raise ModelFileError(f"{p} is damaged: {bad}; llama.cpp cannot load it")
+
     def hparam(name: str) -> int:
         v = reader.get(f"{arch}.{name}")
         return int(v) if isinstance(v, (int, float)) else 0
 
     return ModelInfo(path=p, architecture=arch, n_layer=hparam("block_count"), n_expert=hparam("expert_count"),
                      n_expert_used=hparam("expert_used_count"), n_tensors=len(reader.tensors), file_size=size)
+
+
+# llama.cpp's limits (src/llama-hparams.h) and the rope scaling types it knows (llama_rope_scaling_type_from_string)
+LLAMA_MAX_LAYERS = 512
+LLAMA_MAX_EXPERTS = 1024
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+
+
+def hparams_problem(reader: GGUFFile, arch: str) -> str | None:
+    """What in the hyperparameters llama.cpp's loader asserts on (llama_model::load_hparams: GGML_ASSERT ends the
+    process), or None. Only values of the types llama.cpp reads are judged; a wrong type it refuses itself."""
+    def num(key: str) -> int | None:
+        v = reader.get(f"{arch}.{key}")
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+    n_layer = num("block_count")
+    if n_layer is not None and not 0 < n_layer <= LLAMA_MAX_LAYERS:
+        return f"{arch}.block_count is {n_layer} (llama.cpp loads 1 to {LLAMA_MAX_LAYERS} layers)"
+    nextn = num("nextn_predict_layers")
+    if nextn is not None and n_layer is not None and nextn > n_layer:
+        return f"{arch}.nextn_predict_layers {nextn} exceeds block_count {n_layer}"
+    n_expert = num("expert_count") or 0
+    used = reader.get(f"{arch}.expert_used_count", 0)
+    used_values = used if isinstance(used, list) else [used]
+    if not all(isinstance(u, int) and not isinstance(u, bool) for u in used_values):
+        return None
+    used_max = max([0, *used_values])
+    groups, group_used = num("expert_group_count") or 0, num("expert_group_used_count") or 0
+    if not 0 <= n_expert <= LLAMA_MAX_EXPERTS:
+        return f"{arch}.expert_count is {n_expert} (llama.cpp allows up to {LLAMA_MAX_EXPERTS})"
+    if used_max > n_expert or (n_expert > 0 and used_max == 0):
+        return f"{arch}.expert_used_count {used_max} does not fit expert_count {n_expert}"
+    if (n_expert > 0 and groups >= n_expert) or (n_expert == 0 and groups != 0):
+        return f"{arch}.expert_group_count {groups} does not fit expert_count {n_expert}"
+    if n_expert > 0 and groups > 1 and (n_expert % groups or not 0 < group_used < groups):
+        return f"{arch}.expert_group_count {groups} (used {group_used}) does not divide expert_count {n_expert}"
+    scaling = reader.get(f"{arch}.rope.scaling.type")
+    if isinstance(scaling, str) and scaling not in ROPE_SCALING_TYPES:
+        return f"{arch}.rope.scaling.type is {scaling!r} (llama.cpp knows {', '.join(ROPE_SCALING_TYPES)})"
+    return None
 
 
 def duplicate_token(reader: GGUFFile) -> tuple[int, int] | None:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from fuzz.asan import asan_env
-from fuzz.campaign import replay, run_campaign, run_http
+from fuzz.campaign import keep, replay, run_campaign, run_http
 from fuzz.harness import base_env
 from fuzz.targets import TARGETS, prepare_bases
 
@@ -32,14 +32,23 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--asan", type=Path, default=None, help="the sanitizer build's directory (tools/asan_build.sh)")
     ap.add_argument("--replay", type=Path, default=None, help="a finding's JSON record: run it again")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="with --replay: write the finding as a regression input to this path (the tests replay it)")
+    ap.add_argument("--expect", default="", help="with --keep: a piece of the error line the fixed code prints")
     a = ap.parse_args()
 
     bases = prepare_bases(a.bases)
     env = asan_env(a.asan) if a.asan is not None else base_env()
     if a.replay is not None:
-        verdict, stderr = replay(bases, json.loads(a.replay.read_text()), a.out / "replay", env, a.timeout)
+        record = json.loads(a.replay.read_text())
+        verdict, stderr = replay(bases, record, a.out / "replay", env, a.timeout)
         print(stderr[-4000:], file=sys.stderr)
         print(f"{verdict.outcome.value}: {verdict.detail}")
+        if a.keep is not None:
+            if verdict.outcome.value != "clean_error" or a.expect not in verdict.detail:
+                print(f"not kept: the fixed code should give a clean error with {a.expect!r}", file=sys.stderr)
+                return 1
+            a.keep.write_text(json.dumps(keep(record, a.expect, record.get("found", "")), indent=1) + "\n")
         return 1 if verdict.outcome.is_finding else 0
     targets = a.targets.split(",")
     counts = dict(kv.split("=") for kv in a.n.split(",")) if "=" in a.n else dict.fromkeys(targets, a.n)

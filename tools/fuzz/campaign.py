@@ -155,3 +155,11 @@ def run_http(model: Path, n: int, *, seed: int, out: Path, env: dict[str, str], 
     summary.seconds = time.monotonic() - t0
     (out / "summary-http.json").write_text(json.dumps(summary.to_json(), indent=1))
     return summary
+
+
+def keep(record: dict[str, Any], expect: str, found: str) -> dict[str, Any]:
+    """A finding as a regression input (tests/fuzzing/regressions/): its recipe and command, what the fuzz run
+    found before the fix, and the piece of the one error line the fixed code prints."""
+    return {"target": record["target"], "seed": record["seed"], "index": record["index"], "argv": record["argv"],
+            "recipe": record["recipe"], "found": found or f"{record['outcome']}: {record['detail']}",
+            "expect": expect}

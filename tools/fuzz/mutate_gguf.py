@@ -58,7 +58,7 @@ def _put(off: int, b: bytes) -> Edit:
     return Edit(off, len(b), b)
 
 
-def _replace_string(s: StrSpan, new: bytes) -> Edit:
+def replace_string(s: StrSpan, new: bytes) -> Edit:
     return Edit(s.off, 8 + len(s.text), encode_string(new))
 
 
@@ -153,7 +153,7 @@ def kv_key(c: Ctx) -> list[Edit]:
     flipped = bytearray(kv.key.text or b"k")
     flipped[c.rng.randrange(len(flipped))] ^= 1 << c.rng.randrange(8)
     new = c.rng.choice([other, bytes(flipped), b"", b"\xff\xfe", b"x" * 300, kv.key.text + b"\0"])
-    return [_replace_string(kv.key, new)]
+    return [replace_string(kv.key, new)]
 
 
 def kv_drop(c: Ctx) -> list[Edit]:
@@ -196,7 +196,7 @@ def tok_dup(c: Ctx) -> list[Edit]:
     if kv is None or len(kv.items) < 2:
         return []
     i, j = c.rng.sample(range(len(kv.items)), 2)
-    return [_replace_string(kv.items[j], kv.items[i].text)]
+    return [replace_string(kv.items[j], kv.items[i].text)]
 
 
 def tok_edit(c: Ctx) -> list[Edit]:
@@ -206,7 +206,7 @@ def tok_edit(c: Ctx) -> list[Edit]:
     j = c.rng.randrange(len(kv.items))
     junk = bytes(c.rng.randrange(256) for _ in range(c.rng.randrange(1, 12)))
     new = c.rng.choice([b"", b"\xff\xfe", b"a" * 5000, junk, b"a b c", b" ", b"abc", b"\0", kv.items[j].text * 2])
-    return [_replace_string(kv.items[j], new)]
+    return [replace_string(kv.items[j], new)]
 
 
 def tok_special(c: Ctx) -> list[Edit]:
@@ -230,7 +230,7 @@ def tensor_name(c: Ctx) -> list[Edit]:
     flipped[c.rng.randrange(len(flipped))] ^= 1 << c.rng.randrange(8)
     new = c.rng.choice([other, bytes(flipped), b"", b"n" * 64, b"n" * 65, b"blk.99.ffn_up_exps.weight",
                         t.name.text.replace(b"blk.0.", b"blk.7."), t.name.text + b"\xff"])
-    return [_replace_string(t.name, new)]
+    return [replace_string(t.name, new)]
 
 
 def tensor_ndims(c: Ctx) -> list[Edit]:
@@ -351,9 +351,9 @@ def side_rename(c: Ctx) -> list[Edit]:
     elif choice == 2:
         form = c.rng.choice(["wr", "hi", "rf", "weight", "", "wr.wr"])
     else:
-        return [_replace_string(t.name, c.rng.choice([b"output.weight", b"token_embd.weight", b"blk.0.attn_q.weight",
+        return [replace_string(t.name, c.rng.choice([b"output.weight", b"token_embd.weight", b"blk.0.attn_q.weight",
                                                       b"blk.0.ffn_up_exps", b"blk..ffn__exps."]))]
-    return [_replace_string(t.name, f"blk.{layer}.ffn_{role}_exps.{form}".encode())]
+    return [replace_string(t.name, f"blk.{layer}.ffn_{role}_exps.{form}".encode())]
 
 
 # types a sidecar tensor may plausibly hold, and some it may not (I8, I32, the retired ids)
@@ -416,6 +416,19 @@ SIDECAR_OPS: dict[str, tuple[Op, float]] = {
 }
 
 
+def keep_data_aligned(lay: Layout, edits: list[Edit]) -> list[Edit]:
+    """Edits of the header only that change its length, completed by new padding so that the tensor data stays
+    aligned (moved as a whole by a multiple of the alignment): the file stays well-formed, and what the loader sees
+    is the edited field itself, not a shifted data section. Other edits are returned as they are."""
+    if not edits or any(e.offset + e.remove > lay.header_end for e in edits):
+        return edits
+    delta = sum(len(e.insert) - e.remove for e in edits)
+    if delta == 0:
+        return edits
+    pad = -(lay.header_end + delta) % lay.alignment
+    return [*edits, Edit(lay.header_end, lay.data_start - lay.header_end, bytes(pad))]
+
+
 def mutate(rng: random.Random, lay: Layout, data: bytes, ops: dict[str, tuple[Op, float]],
            n_ops: int | None = None) -> tuple[list[str], list[Edit]]:
     """1-3 operators (weighted) applied to the base; their names and edits. Operators that found nothing to edit
@@ -434,4 +447,6 @@ def mutate(rng: random.Random, lay: Layout, data: bytes, ops: dict[str, tuple[Op
         if e:
             done.append(name)
             edits.extend(e)
+    if rng.random() < 0.8:
+        edits = keep_data_aligned(lay, edits)
     return done, edits

@@ -3,7 +3,8 @@ must be a RapidMoEError (printed as the CLI prints it: one `rapidmoe-cli: error:
 is a finding (its traceback ends the process, as it would end the CLI's).
 
 Kinds: imatrix (convert --imatrix), frequency (--freq: .json/.npy tables or a GGUF imatrix), policy (--policy), trace
-(rapidmoe.trace.read_trace), gguf (rapidmoe.modelfile's header checks, which every command runs first).
+(rapidmoe.trace.read_trace), gguf (rapidmoe.modelfile's header checks, which every command runs first), llama-load
+(llama.cpp's loader alone: the `upstream` target).
 """
 from __future__ import annotations
 
@@ -58,8 +59,30 @@ def read_gguf(path: str) -> None:
     generation_problem(path)
 
 
+def llama_load(path: str) -> None:
+    """llama.cpp's own loader on the file, none of rapidmoe's checks first (the `upstream` target: which of its
+    asserts a file's contents reach), with fd 2 silenced as llama-cpp-python's Llama silences it."""
+    from rapidmoe._llama_cpp._utils import suppress_stdout_stderr  # noqa: PLC0415
+
+    from rapidmoe._runtime import llama_cpp  # noqa: PLC0415
+    from rapidmoe.errors import ModelFileError  # noqa: PLC0415
+
+    params = llama_cpp.llama_model_default_params()
+    with suppress_stdout_stderr(disable=False):
+        model = llama_cpp.llama_model_load_from_file(path.encode(), params)
+    if not model:
+        raise ModelFileError(f"llama.cpp could not load {path}")
+    llama_cpp.llama_model_free(model)
+
+
+def exec_file(path: str) -> None:
+    """The file's Python run in the case's process: the harness's own tests give it programs of known outcome."""
+    exec(compile(open(path).read(), path, "exec"), {"__name__": "__fuzz_exec__"})
+
+
 READERS: dict[str, Callable[[str], None]] = {"imatrix": read_imatrix, "frequency": read_frequency,
-                                             "policy": read_policy, "trace": read_trace, "gguf": read_gguf}
+                                             "policy": read_policy, "trace": read_trace, "gguf": read_gguf,
+                                             "llama-load": llama_load, "exec": exec_file}
 
 
 def run_reader(kind: str, path: str) -> int:

@@ -7,6 +7,8 @@ sidecar  the .wr.gguf of the default model's cpu-fast conversion, mutated by str
          re-signed (its sampled digests and header hash recomputed) so that the pairing checks pass and the C++
          loader sees the damage; `run --residual` and `inspect --residual`
 imatrix, frequency, policy, trace: the Python readers (readers.py), many inputs per second
+upstream the model target's mutants (same index, same bytes) loaded by llama.cpp alone: which of its asserts a file
+         reaches when nothing checks it first (the measurement behind rapidmoe's own checks; not a target to pass)
 """
 from __future__ import annotations
 
@@ -185,10 +187,13 @@ def _check_trace(workdir: Path, rc: int) -> str | None:
     return None
 
 
-def model_case(bases: Bases, seed: int, index: int, convert_share: float = 0.02) -> Case:
+def model_case(bases: Bases, seed: int, index: int, convert_share: float = 0.02, upstream: bool = False) -> Case:
+    """upstream: the same mutant (same index) loaded by llama.cpp alone, without rapidmoe's checks."""
     rng = _rng(seed, "model", index)
     base = "model" if rng.random() < 0.6 else "wq"
     recipe = _gguf_recipe(rng, bases, base, MODEL_OPS, "mutant.gguf")
+    if upstream:
+        return Case("upstream", index, ["--reader", "llama-load", "mutant.gguf"], recipe)
     r = rng.random()
     if r < convert_share:
         argv = ["convert", "mutant.gguf", "-o", "out", "--preset", "cpu-fast"]
@@ -231,12 +236,12 @@ def reader_case(bases: Bases, seed: int, index: int, kind: str) -> Case:
     return Case(kind, index, ["--reader", kind, recipe["file"]], recipe, 0.25)
 
 
-TARGETS = ("model", "sidecar", "imatrix", "frequency", "policy", "trace")
+TARGETS = ("model", "sidecar", "imatrix", "frequency", "policy", "trace")  # and "upstream", a measurement
 
 
 def make_case(bases: Bases, target: str, seed: int, index: int, convert_share: float = 0.02) -> Case:
-    if target == "model":
-        return model_case(bases, seed, index, convert_share)
+    if target in ("model", "upstream"):
+        return model_case(bases, seed, index, convert_share, upstream=target == "upstream")
     if target == "sidecar":
         return sidecar_case(bases, seed, index)
     return reader_case(bases, seed, index, target)

@@ -185,6 +185,19 @@ def test_generation_still_works_beside_embeddings(servers: Callable[..., ServerP
         assert np.abs(np.asarray(v) - ref).max() < 1e-5
 
 
+def test_prefix_cache_after_an_embedding(servers: Callable[..., ServerProc]) -> None:
+    """An embedding leaves its prompt's KV in the slot, computed by the same forward pass: a completion that reuses
+    it as a cached prefix answers as one evaluated from scratch."""
+    s = servers("--embedding", "--pooling", "mean", "--parallel", "1")
+    text = "Once upon a time there was a little"
+    body = {"prompt": text + " dog", "n_predict": 12, "ignore_eos": True, **GREEDY}
+    fresh = _ok(s, "/completion", {**body, "cache_prompt": False})["content"]
+    _ok(s, "/v1/embeddings", {"input": text})
+    cached = _ok(s, "/completion", body)
+    assert cached["timings"]["cache_n"] >= len(_tokens(s, text)) - 1
+    assert cached["content"] == fresh
+
+
 BAD = [
     ("/v1/embeddings", {}, 400, '"input" or "content" must be provided'),
     ("/v1/embeddings", {"input": []}, 400, '"input" must not be empty'),
@@ -200,6 +213,9 @@ BAD = [
     ("/v1/embeddings", {"input": "word " * 100}, 400, "too large to process"),  # mean: one ubatch (-b 64)
     ("/embedding", {"content": None}, 400, '"content"'),
     ("/v1/embeddings", {"input": "a", "model": 5}, 400, '"model" must be a string'),
+    ("/v1/embeddings", {"input": ["a"] * 2049}, 400, "at most 2048 per request"),
+    ("/v1/embeddings", {"input": None}, 400, '"input"'),
+    ("/v1/embeddings", {"input": [[]]}, 400, '"input[0]"'),
 ]
 
 

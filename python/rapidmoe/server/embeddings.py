@@ -16,6 +16,7 @@ from .errors import ApiError, exceed_context, invalid_request
 from .pooling import can_split
 
 DEFAULT_NORMALIZE = 2  # llama-server's --embd-normalize default: euclidean
+MAX_INPUTS = 2048  # prompts per request, OpenAI's limit (llama-server has none)
 
 
 def not_enabled() -> ApiError:
@@ -37,6 +38,8 @@ class EmbeddingRequest:
     oai: bool  # answer in OpenAI's shape (the OpenAI route with `input`; `content` always answers natively)
     use_base64: bool  # encoding_format "base64": each vector as its float32 bytes in base64
     normalize: int  # embd_normalize for pooled vectors (pooling.normalize)
+    name: str  # the field the prompts came in: "input" or "content"
+    several: bool  # the field held a list of prompts (named name[i] in errors)
 
 
 def _is_id(x: Any) -> bool:
@@ -57,17 +60,21 @@ def parse(body: dict[str, Any], *, oai_route: bool, pooling: int, default_normal
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise invalid_request("The format to return the embeddings in. Can be either float or base64")
-    if isinstance(prompt, list) and not any(_is_id(x) for x in prompt):
+    name = "input" if "input" in body else "content"
+    several = isinstance(prompt, list) and not any(_is_id(x) for x in prompt)
+    if several:
         entries = list(prompt)  # several prompts
     else:
         entries = [prompt]  # one: text, token ids, ids mixed with text, or an object
     if not entries:
         raise invalid_request("\"input\" must not be empty")
+    if len(entries) > MAX_INPUTS:
+        raise invalid_request(f"\"input\" has {len(entries)} prompts; at most {MAX_INPUTS} per request")
     normalize = body.get("embd_normalize", default_normalize)
     if not _is_id(normalize) or normalize < -1:
         raise invalid_request("\"embd_normalize\" must be an integer >= -1 (-1 none, 0 max absolute, 1 taxicab, "
                               "2 euclidean, p > 2 the p-norm)")
-    return EmbeddingRequest(entries, oai, fmt == "base64", normalize)
+    return EmbeddingRequest(entries, oai, fmt == "base64", normalize, name, several)
 
 
 def content_text(content: Any, name: str) -> str:

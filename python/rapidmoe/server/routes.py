@@ -718,8 +718,7 @@ def _embeddings(st: AppState, req: Request, oai_route: bool) -> Reply:
     body = req.json()
     model = st.check_model(body)
     er = embeddings.parse(body, oai_route=oai_route, pooling=e.pooling, default_normalize=st.config.embd_normalize)
-    name = "input" if "input" in body else "content"
-    prompts = [_embedding_tokens(st, x, name if len(er.entries) == 1 else f"{name}[{i}]")
+    prompts = [_embedding_tokens(st, x, f"{er.name}[{i}]" if er.several else er.name)
                for i, x in enumerate(er.entries)]
     for toks in prompts:
         embeddings.check_fits(len(toks), pooling=e.pooling, n_ubatch=e.n_ubatch, n_ctx_slot=e.n_ctx_slot)

@@ -7,7 +7,8 @@
 //                                      experts change every step), as ps per weight and GB/s
 //   kernel_cost check THREADS OUT TYPE...  small deterministic matmuls; writes every output's raw floats to OUT
 //                                      (the same inputs in every build: compare the files byte for byte) and
-//                                      prints the matmuls it ran ("experts q2_K repacked": a layout the CPU has)
+//                                      prints the matmuls it ran ("experts q2_K repacked": a layout the CPU has),
+//                                      each with the count of values written so far (its end in OUT)
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
@@ -61,6 +62,7 @@ struct Bench {
     bool run(const Shape & sh, ggml_type type, bool repacked, int copies, int steps, double * s_per_node,
              std::vector<float> * out_values) {
         const int64_t n_as = std::max<int64_t>(sh.n_as, 1);
+        rng.seed((uint32_t) (sh.n_in * 7919 + sh.n_out)); // the same inputs for a shape whatever ran before it
         ggml_init_params wp = { (size_t) (copies + 8) * ggml_tensor_overhead(), nullptr, true };
         ggml_context * cw = ggml_init(wp);
         std::vector<ggml_tensor *> ws(copies);
@@ -190,7 +192,7 @@ int main(int argc, char ** argv) {
                     continue;
                 }
                 if (check) {
-                    std::printf("%s %s %s\n", sh.name, argv[a], repacked ? "repacked" : "plain");
+                    std::printf("%s %s %s %zu\n", sh.name, argv[a], repacked ? "repacked" : "plain", values.size());
                 } else {
                     const double weights = (double) sh.n_in * sh.n_out * std::max(sh.k, 1);
                     std::printf("| %s | %s | %s | %.1f | %.1f | %.1f |\n", sh.name, argv[a], repacked ? "repacked" : "plain",

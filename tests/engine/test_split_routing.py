@@ -50,8 +50,11 @@ def test_r0_is_exactly_stock_on_the_wq_file(split_pair, stock_bin: Path, tmp_pat
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Bit for bit, with our repacked MUL_MAT_ID's 4-row gemm off (patch 0005: on, prompt batches sum in another
     order than stock's one gemv per row; test_repacked_mul_mat_id_gemm_rows_match_the_gemv checks that path). The
-    experts are repacked on an AVX-512 CPU, so this also holds our Q2_K gemv (patch 0006) to upstream's."""
+    experts are repacked on an AVX-512 CPU, so this also holds our Q2_K gemv (patch 0006) to upstream's. On an AVX2
+    CPU without AVX-512 stock keeps Q2_K plain and our build repacks it (patch 0006): RAPIDMOE_Q2_K_REPACK=0 keeps
+    it plain here too (tools/kernel_cost.py --check compares that repacked gemv with the plain kernel)."""
     monkeypatch.setenv("RAPIDMOE_REPACK_MMID_GEMM", "0")
+    monkeypatch.setenv("RAPIDMOE_Q2_K_REPACK", "0")
     _, wq, wr = split_pair
     toks = _tokens(wq)
     ours = _logits(wq, toks, residual_path=wr, n_critical=0)

@@ -22,12 +22,18 @@
 #endif
 
 #include <cstdint>
+#include <cstdlib>
 
 namespace {
 
 constexpr int PREFETCH_BYTES = 2048; // about three blocks ahead: the best of 1, 2, 4, 8, 16 KiB measured here
 
 }  // namespace
+
+bool rapidmoe_q2_K_repack_avx2() {
+    const char * env = std::getenv("RAPIDMOE_Q2_K_REPACK");
+    return env == nullptr || env[0] != '0';
+}
 
 void rapidmoe_gemv_q2_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc) {
     (void) bs;

@@ -1,0 +1,133 @@
+// Q4_K x Q8_K gemv over llama.cpp's repacked block_q4_Kx8 layout (8 columns interleaved in 8-byte chunks), for
+// decode steps: one activation row against a Q4_K matrix (attention, the output head, Q4_K experts).
+//
+// Why our own: in a decode step of the cpu-fast preset (and of stock Q4_K_M) most bytes read are Q4_K (on the
+// 8.1 GB bench model: attention and the output head, 155 MB a token against 50 MB of routed Q2_K experts), and
+// upstream's kernel is built as its Q2_K one was (patch 0006): every multiply blends two shuffled column vectors and
+// shuffles the activation, and nothing prefetches. This kernel, like ours for Q2_K,
+//  - multiplies each 4-column vector as it is laid out with the activation's 8 bytes broadcast (one load, no
+//    shuffle), so the 32-bit lanes hold (column, half) sums that one hadd per block folds;
+//  - prefetches the weights PREFETCH_BYTES ahead.
+// Every integer sum is exact (a 16-bit partial is at most 4 x 2 x 15 x 128) and the float operations per column
+// are upstream's, in its order, so the output is bit-identical to upstream's (tools/kernel_cost.py --check compares
+// it with the stock build's; tests/engine/test_cpu_kernels.py runs that).
+#include "rapidmoe-gemv-q4k.h"
+
+#include "repack.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int PREFETCH_BYTES = 2048; // about two blocks (1152 bytes each) ahead, as for Q2_K
+
+#if defined(__AVX2__)
+// The 12 bytes of one sub-block's 6-bit scales and mins of the 8 columns, unpacked as upstream does: bytes 0-7 the
+// columns' scales, 8-15 their mins
+inline __m128i unpack_scales_mins(const uint8_t * packed) {
+    constexpr uint32_t kmask1 = 0x3f3f3f3f;
+    constexpr uint32_t kmask2 = 0x0f0f0f0f;
+    constexpr uint32_t kmask3 = 0x03030303;
+    uint32_t u[4];
+    std::memcpy(u, packed, 12);
+    u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+    const uint32_t mins_lo = u[1] & kmask1;
+    u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+    u[2] = mins_lo;
+    u[0] &= kmask1;
+    return _mm_set_epi32((int) u[3], (int) u[2], (int) u[1], (int) u[0]);
+}
+#endif
+
+}  // namespace
+
+void rapidmoe_gemv_q4_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc) {
+    (void) bs;
+#if defined(__AVX2__)
+    const int nb = n / QK_K;
+    const __m256i m4b = _mm256_set1_epi8(0xF);
+    const char Z = (char) 0x80; // pshufb: a zero byte
+    // 16-bit lanes from the 8 scale bytes (byte c: column c), each column's scale 4 times: columns 0-3 or 4-7
+#define RAPIDMOE_SCALES(c0, c1, c2, c3)                                                                                \
+    _mm256_setr_epi8(c0, Z, c0, Z, c0, Z, c0, Z, c1, Z, c1, Z, c1, Z, c1, Z, c2, Z, c2, Z, c2, Z, c2, Z, c3, Z, c3, Z,  \
+                     c3, Z, c3, Z)
+    const __m256i scales_lo = RAPIDMOE_SCALES(0, 1, 2, 3);
+    const __m256i scales_hi = RAPIDMOE_SCALES(4, 5, 6, 7);
+#undef RAPIDMOE_SCALES
+    // hadd(lo, hi) holds columns 0 1 4 5 | 2 3 6 7: back to 0..7
+    const __m256i natural = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+
+    const auto * b_start = (const block_q4_Kx8 *) vx;
+    const auto * a_start = (const block_q8_K *) vy;
+    for (int y = 0; y < nr; y++) {
+        const block_q8_K * a_ptr = a_start + (int64_t) y * nb;
+        for (int x = 0; x < nc / 8; x++) {
+            const block_q4_Kx8 * b_ptr = b_start + (int64_t) x * nb;
+            __m256 acc_row = _mm256_setzero_ps();
+            __m256 acc_min_rows = _mm256_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                for (int i = 0; i < (int) sizeof(block_q4_Kx8); i += 64) {
+                    _mm_prefetch((const char *) (b_ptr + b) + PREFETCH_BYTES + i, _MM_HINT_T0);
+                }
+                const __m256 row_scale = _mm256_set1_ps(a_ptr[b].d);
+                const __m256 col_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b_ptr[b].d));
+                const __m256 col_dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b_ptr[b].dmin));
+                // the activation's sums of each 32 values (sub-blocks 0..7), as 16-bit lanes, twice
+                const __m256i q8sums = _mm256_loadu_si256((const __m256i *) a_ptr[b].bsums);
+                __m256i q8s = _mm256_castsi128_si256(
+                    _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1)));
+                q8s = _mm256_permute2f128_si256(q8s, q8s, 0);
+                __m256i acc_lo = _mm256_setzero_si256(); // lanes: (column 0-3, first/second 4 of each 8 bytes)
+                __m256i acc_hi = _mm256_setzero_si256(); // the same for columns 4-7
+                __m256i iacc_min_b = _mm256_setzero_si256();
+                for (int sb = 0; sb < QK_K / 64; sb++) {
+                    // 256 bytes: 4 x (columns 0-3, columns 4-7) 8 bytes each; low nibbles: sub-block 2 sb, high: 2 sb + 1
+                    const uint8_t * q = b_ptr[b].qs + sb * 256;
+                    const int8_t * aq = a_ptr[b].qs + sb * 64;
+                    const __m128i ms0 = unpack_scales_mins(b_ptr[b].scales + 24 * sb);
+                    const __m128i ms1 = unpack_scales_mins(b_ptr[b].scales + 24 * sb + 12);
+                    __m256i p_lo0 = _mm256_setzero_si256();
+                    __m256i p_hi0 = _mm256_setzero_si256();
+                    __m256i p_lo1 = _mm256_setzero_si256();
+                    __m256i p_hi1 = _mm256_setzero_si256();
+                    for (int i = 0; i < 4; i++) {
+                        const __m256i raw_lo = _mm256_loadu_si256((const __m256i *) (q + 64 * i));
+                        const __m256i raw_hi = _mm256_loadu_si256((const __m256i *) (q + 64 * i + 32));
+                        const __m256i a0 = _mm256_set1_epi64x(*(const int64_t *) (aq + 8 * i));
+                        const __m256i a1 = _mm256_set1_epi64x(*(const int64_t *) (aq + 32 + 8 * i));
+                        p_lo0 = _mm256_add_epi16(p_lo0, _mm256_maddubs_epi16(_mm256_and_si256(raw_lo, m4b), a0));
+                        p_hi0 = _mm256_add_epi16(p_hi0, _mm256_maddubs_epi16(_mm256_and_si256(raw_hi, m4b), a0));
+                        p_lo1 = _mm256_add_epi16(
+                            p_lo1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw_lo, 4), m4b), a1));
+                        p_hi1 = _mm256_add_epi16(
+                            p_hi1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw_hi, 4), m4b), a1));
+                    }
+                    const __m256i sc0 = _mm256_broadcastsi128_si256(ms0);
+                    const __m256i sc1 = _mm256_broadcastsi128_si256(ms1);
+                    acc_lo = _mm256_add_epi32(acc_lo, _mm256_madd_epi16(p_lo0, _mm256_shuffle_epi8(sc0, scales_lo)));
+                    acc_hi = _mm256_add_epi32(acc_hi, _mm256_madd_epi16(p_hi0, _mm256_shuffle_epi8(sc0, scales_hi)));
+                    acc_lo = _mm256_add_epi32(acc_lo, _mm256_madd_epi16(p_lo1, _mm256_shuffle_epi8(sc1, scales_lo)));
+                    acc_hi = _mm256_add_epi32(acc_hi, _mm256_madd_epi16(p_hi1, _mm256_shuffle_epi8(sc1, scales_hi)));
+                    // the mins of both sub-blocks side by side, against the activation's two 32-value sums
+                    const __m256i mins_01 = _mm256_cvtepu8_epi16(
+                        _mm_unpacklo_epi8(_mm_shuffle_epi32(ms0, 78), _mm_shuffle_epi32(ms1, 78)));
+                    iacc_min_b = _mm256_add_epi32(iacc_min_b, _mm256_madd_epi16(_mm256_shuffle_epi32(q8s, 0), mins_01));
+                    q8s = _mm256_bsrli_epi128(q8s, 4);
+                }
+                const __m256i iacc_b = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(acc_lo, acc_hi), natural);
+                acc_row = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc_b), _mm256_mul_ps(col_scale, row_scale), acc_row);
+                acc_min_rows =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc_min_b), _mm256_mul_ps(col_dmin, row_scale), acc_min_rows);
+            }
+            _mm256_storeu_ps(s + (y * nr + x * 8), _mm256_sub_ps(acc_row, acc_min_rows));
+        }
+    }
+#else
+    (void) n; (void) s; (void) vx; (void) vy; (void) nr; (void) nc;
+#endif
+}

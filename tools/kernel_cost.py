@@ -19,7 +19,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from stock_llama import STOCK, build_stock
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,11 +66,11 @@ def main() -> int:
             subprocess.run([str(exe), "time", str(args.threads), *types], check=True,
                            stderr=subprocess.DEVNULL)  # the repack buffer logs every tensor it repacks
         return 0
-    if len(exes) != 2:
+    if set(exes) != {"ours", "stock"}:
         ap.error("--check compares two builds: --builds ours,stock")
     with tempfile.TemporaryDirectory() as d:
         runs = {b: run_check(exe, args.threads, types, Path(d) / f"{b}.f32") for b, exe in exes.items()}
-    return compare(*runs.values(), names=list(exes))
+    return compare(runs["ours"], runs["stock"], names=["ours", "stock"])
 
 
 def run_check(exe: Path, threads: int, types: list[str], out: Path) -> dict[str, np.ndarray]:

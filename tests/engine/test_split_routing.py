@@ -251,8 +251,8 @@ def test_masked_mul_mat_id_matches_numpy(type_name: str) -> None:
 
 
 def _require_repacked(type_name: str) -> None:
-    """Skip where this CPU's ggml has no repacked layout for the type: llama.cpp repacks Q2_K only where the CPU
-    reports AVX-512 (some virtual machines hide it on CPUs that have it)."""
+    """Skip where this CPU's ggml has no repacked layout for the type: on x86 our build repacks Q2_K where the
+    CPU reports AVX2 or AVX-512 (llama.cpp alone: only AVX-512; patch 0006)."""
     rng = np.random.default_rng(0)
     raw, _, qt = _experts(rng, 2, 8, 256, type_name)
     try:

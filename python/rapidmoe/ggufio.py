@@ -5,6 +5,7 @@ Writing stays with gguf-py's GGUFWriter; (de)quantization goes through ggml (rap
 """
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ class Tensor:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def data(self) -> np.ndarray:
@@ -144,7 +145,9 @@ class GGUFFile:
         self.data_start = start
         for name, shape, qt, offset in infos:
             block, tsize = block_size(qt.name), block_bytes(qt.name)
-            n = int(np.prod(shape, dtype=np.int64))
+            n = math.prod(shape)  # Python ints: a corrupt shape must not wrap around to a small size
+            if n >= 2**63 or any(d >= 2**63 for d in shape):  # gguf.cpp refuses these too (int64 overflow)
+                raise GGUFFormatError(f"tensor {name} has an impossible shape {list(shape)}")
             self.tensors.append(Tensor(name, shape, qt, start + offset, n // block * tsize, self))
 
     def memmap(self) -> np.memmap:

@@ -52,8 +52,8 @@ class Policy:
     def __post_init__(self) -> None:
         for name in ("theta", "alpha", "beta", "depth_cutoff"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise PolicyError(f"{name} must be a number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
+                raise PolicyError(f"{name} must be a number, got {v!r:.40}")
         if not 0.0 <= self.theta <= 1.0:
             raise PolicyError(f"theta must be in [0, 1], got {self.theta}")
         if not 0.0 <= self.alpha <= 10.0:
@@ -135,6 +135,13 @@ class Policy:
         return f"theta={self.theta:g} {scale} beta={self.beta:g}{cut} r in [{self.r_min}, {r_max}]"
 
 
+def _finite(v: float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an integer beyond the float range
+        return False
+
+
 def policy_from_dict(d: Any, *, source: str = "policy") -> Policy:
     """Validate a decoded JSON object (unknown keys and bad values are errors naming the key)."""
     if not isinstance(d, dict):
@@ -167,6 +174,6 @@ def load_policy(path: str | os.PathLike[str]) -> Policy:
         raise PolicyError(f"cannot read policy file {p}: {e}") from None
     try:
         d = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # also a number past int's digit limit, arrays nested too deep
         raise PolicyError(f"{p}: not valid JSON ({e})") from None
     return policy_from_dict(d, source=str(p))

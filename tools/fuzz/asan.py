@@ -1,5 +1,6 @@
-"""The sanitizer build's environment for fuzz children: its libllama and extension first, libasan and libubsan
-preloaded into Python (which is not built with them), tools/asan_build.sh makes the build."""
+"""The sanitizer build's environment (tools/asan_build.sh makes the build): libasan and libubsan preloaded into
+Python (which is not built with them), build/asan/site first on the path, and the editable install's import hook
+told to step aside (scikit-build-core's SKBUILD_EDITABLE_SKIP names the build trees whose hook must not answer)."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,8 @@ import subprocess
 from pathlib import Path
 
 from .harness import base_env
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def runtime(lib: str) -> str:
@@ -19,10 +22,11 @@ def runtime(lib: str) -> str:
 
 
 def asan_env(build: Path) -> dict[str, str]:
-    """Children load rapidmoe from the sanitizer build's site directory (asan_build.sh installs it there)."""
     site = (build / "site").resolve()
-    if not (site / "rapidmoe").is_dir():
-        raise FileNotFoundError(f"{site} has no rapidmoe: run tools/asan_build.sh first")
+    if not list((site / "rapidmoe").glob("_core*.so")):
+        raise FileNotFoundError(f"{site} has no sanitized rapidmoe: run tools/asan_build.sh first")
     env = base_env([runtime("libasan.so"), runtime("libubsan.so")])
     env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
+    trees = [str(p) for p in sorted((ROOT / "build").glob("cp*"))]  # the editable install's build-dir
+    env["SKBUILD_EDITABLE_SKIP"] = os.pathsep.join(trees)
     return env

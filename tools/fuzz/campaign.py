@@ -66,7 +66,16 @@ def run_campaign(bases: Bases, plan: Sequence[tuple[str, int]], *, seed: int, ou
     queue = [(t, i) for t, n in plan for i in range(start, start + n)]
     t0 = time.monotonic()
 
+    failed: list[BaseException] = []
+
     def worker(w: int) -> None:
+        try:
+            work(w)
+        except BaseException as e:  # noqa: BLE001 - the harness's own bug: raised again in the caller's thread
+            failed.append(e)
+            queue.clear()
+
+    def work(w: int) -> None:
         wd = out / f"worker{w}"
         wd.mkdir(exist_ok=True)
         runner: Runner = ForkRunner(wd / "fs", env) if fork else SubprocessRunner(wd, env)
@@ -100,6 +109,8 @@ def run_campaign(bases: Bases, plan: Sequence[tuple[str, int]], *, seed: int, ou
         th.start()
     for th in threads:
         th.join()
+    if failed:
+        raise failed[0]
     summary.seconds = time.monotonic() - t0
     (out / "summary.json").write_text(json.dumps(summary.to_json(), indent=1))
     return summary

@@ -38,10 +38,17 @@ def _get(obj: JSON, path: tuple[Any, ...]) -> JSON:
 
 
 def _nested(depth: int) -> JSON:
-    v: JSON = 1
-    for _ in range(depth):
-        v = [v]
-    return v
+    """A placeholder that mutate_json's output replaces by `depth` nested arrays (json.dumps would recurse)."""
+    return f"__nested_{depth}__"
+
+
+def _expand_nested(text: str) -> str:
+    while "\"__nested_" in text:
+        start = text.index("\"__nested_")
+        end = text.index("__\"", start + 10) + 3
+        depth = int(text[start + 10: end - 3])
+        text = text[:start] + "[" * depth + "1" + "]" * depth + text[end:]
+    return text
 
 
 def mutate_json(rng: random.Random, seed: JSON) -> bytes:
@@ -78,7 +85,7 @@ def mutate_json(rng: random.Random, seed: JSON) -> bytes:
     else:
         v = _get(obj, path)
         _get(obj, path[:-1])[path[-1]] = [v] if rng.random() < 0.5 else {"v": v}
-    return json.dumps(obj).encode()
+    return _expand_nested(json.dumps(obj)).encode()
 
 
 def mutate_text(rng: random.Random, text: bytes) -> bytes:

@@ -80,7 +80,7 @@ class GGUFFile:
             try:
                 self._parse(f, size)
             except (struct.error, UnicodeDecodeError, ValueError, OverflowError, MemoryError, KeyError,
-                    ZeroDivisionError) as e:
+                    ZeroDivisionError, TypeError) as e:
                 raise GGUFFormatError(f"bad GGUF header: {e}") from e
 
     def _parse(self, f: BinaryIO, size: int) -> None:
@@ -139,7 +139,13 @@ class GGUFFile:
             qt = GGMLQuantizationType(read("<I"))
             offset = read("<Q")
             infos.append((name, shape, qt, offset))
-        align = int(self.fields["general.alignment"].value) if "general.alignment" in self.fields else 32
+        align = 32
+        if "general.alignment" in self.fields:  # as gguf.cpp: a UINT32 power of two
+            fa = self.fields["general.alignment"]
+            if fa.vtype != GGUFValueType.UINT32 or fa.value < 1 or fa.value & (fa.value - 1):
+                raise GGUFFormatError(f"general.alignment must be a UINT32 power of two, not {fa.vtype.name} "
+                                      f"{str(fa.value)[:40]}")
+            align = int(fa.value)
         start = f.tell()
         start += (-start) % align
         self.data_start = start

@@ -152,6 +152,7 @@ def _answer(raw: bytes, port: int) -> tuple[int, dict[str, Any], float]:
 MALFORMED = [
     ("garbage", b"hello there\r\n\r\n", 400),
     ("no version (HTTP/0.9)", b"GET /\r\n", 400),
+    ("explicit HTTP/0.9 (found by fuzzing: answered without a status line)", b"GET /health HTTP/0.9\r\n\r\n", 400),
     ("TLS hello", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400),
     ("four words", b"GET / HTTP/1.1 extra\r\n\r\n", 400),
     ("bad version", b"GET /health HTTP/7.0\r\n\r\n", 505),

@@ -193,8 +193,9 @@ class Handler(BaseHTTPRequestHandler):
         return self.server.deadlines.disarm(self.connection)
 
     def parse_request(self) -> bool:
-        if len(str(self.raw_requestline, "iso-8859-1").split()) == 2:  # no version: HTTP/0.9, which http.server
-            # would serve without a status line (after waiting for headers that never come)
+        words = str(self.raw_requestline, "iso-8859-1").split()
+        if len(words) == 2 or (len(words) == 3 and words[2].startswith("HTTP/0.")):  # no version, or an explicit
+            # HTTP/0.9: http.server would serve it without a status line (after waiting for headers that never come)
             self.command, self.request_version = "", "HTTP/1.1"
             self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
             self.send_error(400, "bad request line: no HTTP version (HTTP/0.9 is not supported)")

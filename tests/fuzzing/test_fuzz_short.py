@@ -18,7 +18,7 @@ from fuzz.targets import Bases
 pytestmark = pytest.mark.native
 
 SEED = 24
-PLAN = [("model", 160), ("sidecar", 80), ("imatrix", 200), ("frequency", 200), ("policy", 200), ("trace", 200)]
+PLAN = [("model", 140), ("sidecar", 70), ("imatrix", 200), ("frequency", 200), ("policy", 200), ("trace", 200)]
 N_HTTP = 150
 
 

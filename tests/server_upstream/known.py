@@ -9,15 +9,9 @@ from __future__ import annotations
 
 import re
 
-NO_JINJA = ("`--no-jinja` (the suite's default): llama-server then formats chat with its built-in template for the "
-            "model's family, without `<think>`, and answers `content`; we always render the GGUF's Jinja template, "
-            "and the tiny model's (DeepSeek-R1's) opens `<think>`, so the answer is `reasoning_content` (a thinking "
-            "block in Anthropic's shape) and `content` is empty")
-
 KNOWN: list[tuple[str, str]] = [
-    (r"test_embedding::|test_vision_api::test_vision_embeddings", "embeddings (`--embedding`): not implemented, the "
-     "flag is refused"),
-    (r"test_rerank::", "reranking (`--reranking`): not implemented, the flag is refused"),
+    (r"test_rerank::", "reranking (`--reranking`): not implemented (a classification head's score; the MoE "
+     "language models we serve have none), the flag is refused and `/rerank` answers 501"),
     (r"test_infill::", "infill: no `/infill` route (404 where llama-server checks `input_extra` with a 400)"),
     (r"test_mcp_servers::|test_tools_builtin::|test_security::test_cors_origins_defaults_to_localhost_with_tools",
      "server-side tools and MCP servers (`--tools`, `--mcp-servers-*`): not implemented, the flags are refused"),
@@ -37,16 +31,12 @@ KNOWN: list[tuple[str, str]] = [
      "`verbose` (the `__verbose` debug field): refused by name"),
     (r"test_chat_completion::test_chat_template_continue_final_message", "`continue_final_message`: refused by "
      "name (the chat path renders whole turns)"),
-    (r"test_chat_completion::test_apply_chat_template", "built-in template names for `--chat-template` "
-     "(`command-r`): we take Jinja text only"),
     (r"test_chat_completion::test_invalid_chat_completion_req\[messages7\]", "two consecutive assistant messages: "
      "llama-server refuses them, we render them as the template does"),
-    (r"test_chat_completion::test_return_progress|test_metrics::test_metrics_timings_on_prompt_progress|"
-     r"test_compat_oai_responses::test_responses_stream_with_llama_telemetry",
+    (r"test_chat_completion::test_return_progress|test_metrics::test_metrics_timings_on_prompt_progress",
      "`return_progress` (prompt progress events): refused by name"),
-    (r"test_chat_completion::test_(completion_with_response_format|completion_with_json_schema|"
-     r"completion_with_grammar|logprobs|logit_bias)|test_compat_anthropic::test_anthropic_messages_(basic|"
-     r"streaming)|test_router::test_router_chat_completion_stream", NO_JINJA),
+    (r"test_compat_oai_responses::test_responses_stream_with_llama_telemetry", "llama.cpp's telemetry fields on "
+     "`/v1/responses`: `return_progress` (prompt progress events) and `timings_per_token` are refused by name there"),
     (r"test_compat_anthropic::test_anthropic_(tool_result_with_image|vision_format_accepted)",
      "image blocks: refused by name with a 400 (llama-server without a projector fails them with a 500)"),
     (r"test_compat_anthropic::test_anthropic_empty_messages", "an empty `messages`: refused (400); llama-server "
@@ -55,9 +45,6 @@ KNOWN: list[tuple[str, str]] = [
     (r"test_template::test_reasoning\[CohereForAI.*-tools2\]|test_template::test_date_inside_prompt\[.*-tools2\]|"
      r"test_tool_call::", "tools with Command-R's, Llama 3.x's or Firefunction's template: their tool-call formats "
      "are not parsed here (501)"),
-    (r"test_template::test_reasoning\[", "the server-wide `--reasoning on|off|auto` and `--reasoning-format` flags: "
-     "not implemented (the shim drops them); we take `reasoning_format` and `chat_template_kwargs.enable_thinking` "
-     "per request"),
     (r"test_template::test_date_inside_prompt\[fireworks", "Firefunction v2's template needs llama.cpp's "
      "per-family context (`functions`, the tool list as JSON), which our Jinja rendering does not supply"),
 ]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import ModelFileError
 from .ggufio import GGUFFile
 from .resplit.sidecar import check_pair, open_gguf
 
@@ -57,6 +58,9 @@ def _per_expert_bytes(f: GGUFFile, role: str | None = None) -> dict[int, int]:
     for t in f.tensors:
         m = _EXPERT.match(t.name)
         if m and (role is None or m.group(2) == role):
+            if len(t.shape) < 3 or int(t.shape[2]) < 1:  # experts stacked in the third dimension
+                raise ModelFileError(f"{f.path} is damaged: expert tensor {t.name} has shape {list(t.shape)}, not "
+                                     "[n_in, n_out, n_expert]")
             out[int(m.group(1))] = out.get(int(m.group(1)), 0) + t.n_bytes // int(t.shape[2])
     return out
 

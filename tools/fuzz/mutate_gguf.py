@@ -411,7 +411,8 @@ MODEL_OPS: dict[str, tuple[Op, float]] = {
 }
 SIDECAR_OPS: dict[str, tuple[Op, float]] = {
     **{k: v for k, v in MODEL_OPS.items() if not k.startswith("tok_")},
-    "side_rename": (side_rename, 6), "side_type": (side_type, 6), "side_shape": (side_shape, 6),
+    # the sidecar's own operators weigh most: their mutants reach the C++ attach (rapidmoe-residual.cpp)
+    "side_rename": (side_rename, 12), "side_type": (side_type, 12), "side_shape": (side_shape, 12),
     "side_meta": (side_meta, 4),
 }
 

@@ -14,11 +14,16 @@ model and in one run, stock llama.cpp of the same pin at Q2_K ... Q8_0 (and IQ4_
 Stock's Pareto-optimal points make the frontier line (decode tok/s against log KL); for each of our points the
 table gives the ratio of its decode speed to that line interpolated at the same KL (beyond the line's lowest KL
 the ratio is to stock's lowest-KL point, which is then also worse in quality: marked ">").
+With --ik, ik_llama.cpp (the fastest CPU engine, bench/ik_peer.py) is a second peer in the same run: its
+llama-bench with run-time repacking (-rtr 1) on --ik-types' stock files and on our presets' .wq.gguf alone, its own
+frontier line, and our ratios to it. Stock llama.cpp's own llama-bench on Q4_K_M is measured too: our and stock's
+numbers come from a Python harness, ik's from llama-bench, and that row shows how far the two harnesses differ.
 Repetitions run variants in alternating order; medians are reported (the machine is shared and noisy).
 
 Usage:
   python bench/bench_frontier.py --arch qwen3moe --size bench            # the bench-size synthetic model
   python bench/bench_frontier.py --model ../shared/models/tiny-moe-a/model-f16.gguf --name tiny-moe-a
+  python bench/bench_frontier.py --presets cpu-fast,cpu --ik ~/ik_llama.cpp       # with ik_llama.cpp as a peer
 Writes bench/out/frontier-<name>.{json,md,png} (copy to bench/results/ to publish).
 """
 from __future__ import annotations
@@ -49,6 +54,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_split import file_bytes_per_token, measure_bandwidth, run_variant  # noqa: E402
 from common import ensure_synthetic, kl_stats, pyplot  # noqa: E402
+from ik_peer import IK_COMMIT, llama_bench, locate_or_build, run_llama_bench  # noqa: E402
 from stock_llama import build_stock  # noqa: E402
 
 OUT = ROOT / "bench" / "out"
@@ -232,6 +238,11 @@ def main() -> int:
     ap.add_argument("--tg", type=int, default=32)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--no-one-thread", action="store_true", help="skip the 1-thread decode measurement")
+    ap.add_argument("--ik", type=Path, default=None,
+                    help="ik_llama.cpp build folder or source checkout (bench/ik_peer.py): measure it as a peer")
+    ap.add_argument("--ik-types", default="Q3_K_M,Q4_K_M,Q5_K_M,Q6_K",
+                    help="the stock files ik_llama.cpp runs (each must be in --stock)")
+    ap.add_argument("--ik-wq", default=None, help="presets whose .wq.gguf ik_llama.cpp runs alone (default: all)")
     args = ap.parse_args()
 
     OUT.mkdir(parents=True, exist_ok=True)
@@ -242,8 +253,14 @@ def main() -> int:
         args.model = ensure_synthetic(work / f"synthetic-{args.arch}-{args.size}.gguf", args.arch, args.size)
     args.model = args.model.resolve()
     name = args.name or args.model.stem
-    stock_bin = build_stock(["llama", "llama-quantize"])
+    stock_bin = build_stock(["llama", "llama-quantize"] + (["llama-bench"] if args.ik else []))
     stock_types = [s for s in args.stock.split(",") if s]
+    ik_types = [t for t in args.ik_types.split(",") if t] if args.ik else []
+    if not set(ik_types) <= set(stock_types) or (ik_types and "Q4_K_M" not in stock_types):
+        ap.error("--ik-types must be among --stock types, and --stock must have Q4_K_M (the harness comparison)")
+    ik = locate_or_build(args.ik) if args.ik else None
+    if ik is not None:
+        print(f"ik_llama.cpp: {ik.bench} at commit {ik.commit} (published numbers: {IK_COMMIT})", flush=True)
     files = {ft: stock_file(args.model, ft, work, stock_bin / "llama-quantize") for ft in stock_types}
     presets = [p for p in args.presets.split(",") if p]
     pairs = {p: our_pair(args.model, p, work) for p in presets}
@@ -276,6 +293,16 @@ def main() -> int:
                       "residual": wr} for r in args.r.split(",") if r != "" and int(r) <= k]
         variants += [{"variant": f"ours {p} {label}", "kind": "ours", "preset": p, "policy": path, "model": wq,
                       "residual": wr} for label, path in policies[p]]
+    if ik is not None:  # measured by llama-bench; the KL of the same weights comes from the variant named in kl_from
+        variants += [{"variant": f"ik {ft} -rtr", "kind": "ik", "type": ft, "model": files[ft],
+                      "kl_from": f"stock {ft}"} for ft in ik_types]
+        variants += [{"variant": f"ik {p} .wq.gguf -rtr", "kind": "ik", "preset": p, "model": pairs[p][0],
+                      "kl_from": f"ours {p} r=0"} for p in (args.ik_wq.split(",") if args.ik_wq else presets)]
+        variants.append({"variant": "stock Q4_K_M llama-bench", "kind": "stock-bench", "type": "Q4_K_M",
+                         "model": files["Q4_K_M"], "kl_from": "stock Q4_K_M"})
+    missing = {v["kl_from"] for v in variants if "kl_from" in v} - {v["variant"] for v in variants}
+    if missing:
+        ap.error(f"no variant measures the KL of {sorted(missing)} (add r=0 to --r, or the type to --stock)")
 
     bandwidth = {"2": measure_bandwidth(threads=2), "1": measure_bandwidth(threads=1)}  # the roofline, this run
     runs: dict[str, list[dict[str, Any]]] = {v["variant"]: [] for v in variants}
@@ -283,6 +310,12 @@ def main() -> int:
     for rep in range(args.reps):  # alternating order: rep 0 forward, rep 1 backward, ...
         order = variants if rep % 2 == 0 else variants[::-1]
         for v in order:
+            if v["kind"] in ("ik", "stock-bench"):
+                lb = llama_bench(ik, v["model"], args.pp, args.tg) if v["kind"] == "ik" and ik is not None else \
+                    run_llama_bench(stock_bin / "llama-bench", v["model"], args.pp, args.tg)
+                runs[v["variant"]].append({"pp_tps": [lb["pp_tps"]], "tg_tps": {"2": [lb["tg_tps"]], "1": []}})
+                print(f"rep {rep} {v['variant']}: pp {lb['pp_tps']:.1f} tg2 {lb['tg_tps']:.2f}", flush=True)
+                continue
             cfg = {**base, "ours": v["kind"] == "ours", "model": str(v["model"]),
                    "logits_out": str(work / f"logits-{abs(hash(v['variant']))}.npy")}
             if v["kind"] == "ours":
@@ -309,19 +342,29 @@ def main() -> int:
                      "tg1_tps": float(np.median(tg1)) if tg1 else None,
                      "mb_per_token": (other + experts) / 1e6,
                      "gb_per_s": (other + experts) / 1e9 * tg2,
-                     "critical_fraction": rr[0].get("critical_fraction"), **kl_stats(ref, logits[v["variant"]])})
+                     "critical_fraction": rr[0].get("critical_fraction"),
+                     **kl_stats(ref, logits[v.get("kl_from", v["variant"])])})
     stock_pts = [(x["kl_mean"], x["tg_tps"]) for x in rows if x["kind"] == "stock" and x["variant"] != "stock F16"]
     front = pareto(stock_pts)
+    ik_front = pareto([(x["kl_mean"], x["tg_tps"]) for x in rows if x["kind"] == "ik" and x["preset"] is None])
     q4 = next((x for x in rows if x["variant"] == "stock Q4_K_M"), None)
+    ik_q4 = next((x for x in rows if x["variant"] == "ik Q4_K_M -rtr"), None)
     for x in rows:
         spd, how = frontier_speed(front, x["kl_mean"])
         x["frontier_tps"], x["frontier_how"] = spd, how
         x["ratio_to_frontier"] = x["tg_tps"] / spd
         x["decode_vs_q4_k_m"] = x["tg_tps"] / q4["tg_tps"] if q4 else None
         x["prefill_vs_q4_k_m"] = x["pp_tps"] / q4["pp_tps"] if q4 else None
+        if ik_front:
+            spd, how = frontier_speed(ik_front, x["kl_mean"])
+            x["ik_frontier_tps"], x["ik_frontier_how"], x["ratio_to_ik_frontier"] = spd, how, x["tg_tps"] / spd
+        if ik_q4:
+            x["decode_vs_ik_q4_k_m"] = x["tg_tps"] / ik_q4["tg_tps"]
+            x["prefill_vs_ik_q4_k_m"] = x["pp_tps"] / ik_q4["pp_tps"]
     result = {"model": str(args.model), "name": name, "model_gb": args.model.stat().st_size / 1e9, "top_k": k,
               "kl_tokens": sum(len(c) for c in chunks), "pp": args.pp, "tg": args.tg, "reps": args.reps,
               "setup_s": setup_s, "read_bandwidth_gbs": bandwidth, "stock_frontier": front, "rows": rows,
+              "ik_frontier": ik_front, "ik_commit": ik.commit if ik else None,
               "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
     stem = OUT / f"frontier-{name}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
@@ -332,6 +375,7 @@ def main() -> int:
 
 
 def to_markdown(r: dict[str, Any]) -> str:
+    ik = bool(r.get("ik_frontier"))
     lines = [f"Model `{Path(r['model']).name}` ({r['model_gb']:.2f} GB), top-{r['top_k']}; CPU, decode at 2 and 1 "
              f"threads ({r['tg']} tokens), prefill pp{r['pp']} at 2 threads (the last token's logits only, as "
              f"llama-bench); medians of {r['reps']} alternating repetitions; KL over {r['kl_tokens']} held-out "
@@ -343,7 +387,9 @@ def to_markdown(r: dict[str, Any]) -> str:
              "variant near the measured bandwidth is bandwidth-bound, one well below it compute-bound.", "",
              "| variant | files MB | MB read/token | prefill tok/s | decode tok/s (2 thr) | decode tok/s (1 thr) | "
              "GB/s (2 thr) | critical slots | KL vs F16 | top-1 same | stock frontier at this KL | speed / frontier | "
-             "decode / Q4_K_M | prefill / Q4_K_M |", "|" + "---|" * 14]
+             "decode / Q4_K_M | prefill / Q4_K_M |"
+             + (" speed / ik frontier | decode / ik Q4_K_M | prefill / ik Q4_K_M |" if ik else ""),
+             "|" + "---|" * (17 if ik else 14)]
     for x in r["rows"]:
         crit = f"{100 * x['critical_fraction']:.0f}%" if x["critical_fraction"] is not None else "-"
         tg1 = f"{x['tg1_tps']:.2f}" if x["tg1_tps"] is not None else "-"
@@ -353,10 +399,20 @@ def to_markdown(r: dict[str, Any]) -> str:
         lines.append(f"| {x['variant']} | {x['file_mb']:.0f} | {x['mb_per_token']:.1f} | {x['pp_tps']:.1f} | "
                      f"{x['tg_tps']:.2f} | {tg1} | {x['gb_per_s']:.1f} | {crit} | {x['kl_mean']:.5f} | "
                      f"{x['top1_same']:.3f} | "
-                     f"{x['frontier_tps']:.2f} | {mark}{x['ratio_to_frontier']:.2f}x | {q4d} | {q4p} |")
+                     f"{x['frontier_tps']:.2f} | {mark}{x['ratio_to_frontier']:.2f}x | {q4d} | {q4p} |"
+                     + (f" {'>' if x['ik_frontier_how'] == 'below' else '<' if x['ik_frontier_how'] == 'above' else ''}"
+                        f"{x['ratio_to_ik_frontier']:.2f}x | {x.get('decode_vs_ik_q4_k_m', 0):.2f}x | "
+                        f"{x.get('prefill_vs_ik_q4_k_m', 0):.2f}x |" if ik else ""))
     lines += ["", "Frontier ratio marks: `>` our KL is below every stock type's, so the ratio is to stock's "
               "lowest-KL type (which is also worse in quality); `<` our KL is above every stock type's (ratio to "
               "stock's fastest type)."]
+    if ik:
+        lines += ["", f"ik_llama.cpp at commit {r['ik_commit']}: rows `ik ...` are its llama-bench with `-rtr 1` "
+                  "(run-time repacking), one repetition per alternating pass; their KL is that of the same file in the "
+                  "row named by it (stock llama.cpp, or ours at r = 0 for a .wq.gguf). Ours and stock's speeds come "
+                  "from a Python harness (bench_frontier.py's MEASURE), ik's from llama-bench: `stock Q4_K_M "
+                  "llama-bench` is stock llama.cpp's llama-bench on the same file, so its ratio to `stock Q4_K_M` is "
+                  "the harnesses' difference. The ik frontier is ik's stock types only."]
     return "\n".join(lines) + "\n"
 
 
@@ -373,6 +429,14 @@ def plot(r: dict[str, Any], path: Path) -> None:
         ax.scatter(x["tg_tps"], x["kl_mean"], marker="s", color="C1")
         ax.annotate(x["variant"].removeprefix("stock "), (x["tg_tps"], x["kl_mean"]), fontsize=8,
                     xytext=(4, 4), textcoords="offset points")
+    ik = sorted((x for x in r["rows"] if x["kind"] == "ik"), key=lambda x: x["kl_mean"])
+    if r.get("ik_frontier"):
+        ax.plot([s for _, s in r["ik_frontier"]], [k for k, _ in r["ik_frontier"]], "--", color="C3",
+                label="ik_llama.cpp -rtr frontier")
+    for x in ik:
+        ax.scatter(x["tg_tps"], x["kl_mean"], marker="^", color="C3")
+        ax.annotate(x["variant"].removesuffix(" -rtr"), (x["tg_tps"], x["kl_mean"]), fontsize=7, xytext=(4, 4),
+                    textcoords="offset points")
     presets = sorted({x["preset"] for x in r["rows"] if x["kind"] == "ours"})
     for i, p in enumerate(presets):
         ours = [x for x in r["rows"] if x["kind"] == "ours" and x["preset"] == p]

@@ -10,6 +10,10 @@ counters), so the CPU ms per function hold up when other processes load the mach
 
 Usage: python tools/profile_decode.py MODEL.gguf [--residual WR.gguf -r 1] [--stock] [-t 2] [--steps 64] [--top 25]
        [--pp 512: profile prefill batches of 512 tokens instead of decode steps]
+       [--ik PATH/llama-bench: profile ik_llama.cpp's llama-bench with -rtr 1 on MODEL instead (bench/ik_peer.py);
+        the whole process is sampled, so its load and repacking functions are listed too, by name; the per-token
+        figures divide by the tokens it ran (decode: --steps tokens plus its 1-token warm-up; prefill: --steps + 1
+        batches of --pp)]
 """
 from __future__ import annotations
 
@@ -100,10 +104,13 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=0,
                     help="profile prefill instead: --steps batches of PP tokens each (times are then per token)")
     ap.add_argument("--json", type=Path, default=None, help="also write the table as JSON")
+    ap.add_argument("--ik", type=Path, default=None, help="ik_llama.cpp's llama-bench: profile it (-rtr 1) on MODEL")
     args = ap.parse_args()
     if shutil.which("perf") is None:
         print("perf not found (apt-get install linux-perf)", file=sys.stderr)
         return 1
+    if args.ik is not None:
+        return profile_ik(args)
     env = dict(os.environ)
     cwd = None
     if args.stock:
@@ -123,22 +130,56 @@ def main() -> int:
         res = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:])
         rep = subprocess.run(["perf", "report", "-i", data, "--stdio", "-n", "--sort", "sym", "--percent-limit", "0.3"],
                              capture_output=True, text=True).stdout
-    rows = []  # (share %, CPU ms per token, symbol); CPU time counts both threads and is robust to other load
-    for line in rep.splitlines():
+    rows = per_function(rep, args.steps * max(args.pp, 1))
+    print_table(args, f"{'stock' if args.stock else 'ours'} r={args.r if args.residual else '-'}", res["ms_per_token"],
+                rows)
+    return 0
+
+
+def per_function(report: str, tokens: int) -> list[tuple[float, float, str]]:
+    """perf report's lines as (share %, CPU ms per token, symbol); CPU time counts every thread and holds up under
+    other load (the wall time does not)."""
+    rows = []
+    for line in report.splitlines():
         parts = line.split()
         if len(parts) >= 4 and parts[0].endswith("%") and parts[2].startswith("["):
-            ms = int(parts[1]) / FREQ * 1e3 / args.steps / max(args.pp, 1)
-            rows.append((float(parts[0][:-1]), ms, " ".join(parts[3:])))
+            rows.append((float(parts[0][:-1]), int(parts[1]) / FREQ * 1e3 / tokens, " ".join(parts[3:])))
+    return rows
+
+
+def print_table(args: argparse.Namespace, label: str, ms_per_token: float,
+                rows: list[tuple[float, float, str]]) -> None:
     cpu_ms = sum(r[1] for r in rows)
-    print(f"{args.model.name} {'stock' if args.stock else 'ours'} r={args.r if args.residual else '-'} "
-          f"threads={args.threads}: {res['ms_per_token']:.3f} ms/token wall over {args.steps} "
+    print(f"{args.model.name} {label} threads={args.threads}: {ms_per_token:.3f} ms/token wall over {args.steps} "
           f"{'prefill batches of ' + str(args.pp) if args.pp else 'decode steps'}, "
           f"{cpu_ms:.2f} CPU ms/token in the functions listed")
     print("| share of samples | CPU ms/token | function |\n|---|---|---|")
     for pct, ms, sym in rows[:args.top]:
         print(f"| {pct:.1f}% | {ms:.3f} | `{sym}` |")
     if args.json:
-        args.json.write_text(json.dumps({"ms_per_token": res["ms_per_token"], "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"ms_per_token": ms_per_token, "rows": rows}, indent=1))
+
+
+def profile_ik(args: argparse.Namespace) -> int:
+    """perf over one ik_llama.cpp llama-bench run with run-time repacking (decode, or prefill with --pp)."""
+    pp, tg = (args.pp, 0) if args.pp else (0, args.steps)
+    reps = args.steps if args.pp else 1
+    tokens = (reps + 1) * pp if args.pp else tg + 1  # its warm-up: one pp batch, or one decode token
+    with tempfile.TemporaryDirectory() as tmp:
+        data = str(Path(tmp) / "perf.data")
+        cmd = ["perf", "record", "-e", "cpu-clock", "-F", str(FREQ), "-o", data, "--", str(args.ik), "-m",
+               str(args.model.resolve()), "-t", str(args.threads), "-rtr", "1", "-r", str(reps), "-p", str(pp),
+               "-n", str(tg), "-o", "json"]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            print(out.stderr[-3000:], file=sys.stderr)
+            return 1
+        tests = json.loads(out.stdout[out.stdout.index("["):])
+        tps = float(tests[0]["avg_ts"])
+        rep = subprocess.run(["perf", "report", "-i", data, "--stdio", "-n", "--sort", "sym", "--percent-limit", "0.3"],
+                             capture_output=True, text=True).stdout
+    print_table(args, "ik_llama.cpp -rtr 1 (whole process: load and repack included)", 1e3 / tps,
+                per_function(rep, tokens))
     return 0
 
 

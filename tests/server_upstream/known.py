@@ -42,11 +42,6 @@ KNOWN: list[tuple[str, str]] = [
     (r"test_compat_anthropic::test_anthropic_empty_messages", "an empty `messages`: refused (400); llama-server "
      "renders an empty conversation"),
     (r"test_compat_anthropic::test_anthropic_thinking$", "Anthropic `thinking` (budgets): refused by name"),
-    (r"test_template::test_reasoning\[CohereForAI.*-tools2\]|test_template::test_date_inside_prompt\[.*-tools2\]|"
-     r"test_tool_call::", "tools with Command-R's, Llama 3.x's or Firefunction's template: their tool-call formats "
-     "are not parsed here (501)"),
-    (r"test_template::test_date_inside_prompt\[fireworks", "Firefunction v2's template needs llama.cpp's "
-     "per-family context (`functions`, the tool list as JSON), which our Jinja rendering does not supply"),
 ]
 
 

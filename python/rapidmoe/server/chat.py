@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
+import jinja2
+
 from .._runtime import llama_cpp
 from . import legacy_chat
 from .errors import ApiError, invalid_request
@@ -27,7 +29,32 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
 
+class _Undefined(jinja2.Undefined):
+    """An undefined name joins strings as an empty one, as in llama.cpp's Jinja (Firefunction v2's template adds
+    `functions`, which llama-server never sets, to its system prompt)."""
+
+    def __add__(self, other: object) -> Any:
+        return other if isinstance(other, str) else super().__add__(other)
+
+    def __radd__(self, other: object) -> Any:
+        return other if isinstance(other, str) else super().__radd__(other)
+
+
 class _Formatter(llama_cpp.llama_chat_format.Jinja2ChatFormatter):
+    def __init__(self, template: str, eos_token: str, bos_token: str, add_generation_prompt: bool = True) -> None:
+        super().__init__(template, eos_token, bos_token, add_generation_prompt=add_generation_prompt)
+        self._environment.environment.undefined = _Undefined
+
+    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, **kwargs: Any) -> str:
+        """The rendered prompt; unlike the base class's call, no `functions`, `function_call` or `tool_choice` set
+        to None (llama-server leaves them undefined)."""
+        def raise_exception(message: str) -> None:
+            raise ValueError(message)
+        return self._environment.render(messages=messages, eos_token=self.eos_token, bos_token=self.bos_token,
+                                        raise_exception=raise_exception, tools=tools,
+                                        add_generation_prompt=self.add_generation_prompt,
+                                        strftime_now=self.strftime_now, **kwargs)
+
     @staticmethod
     def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
                separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
@@ -66,7 +93,7 @@ class ChatTemplate:
         if "<|channel|>" not in self.source:  # llama.cpp maps "developer" to "system" for all but GPT-OSS
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         try:
-            return fmt(messages=messages, tools=tools or None, **kwargs).prompt  # type: ignore[arg-type]
+            return fmt.prompt(messages, tools or None, **kwargs)
         except Exception as e:  # noqa: BLE001 - a template error is the request's (raise_exception in the template)
             raise invalid_request(f"chat template failed: {e}") from None
 

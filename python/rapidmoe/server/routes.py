@@ -466,7 +466,7 @@ def _chat_prompt(st: AppState, body: dict[str, Any],
             raise invalid_request("tool_choice param requires --jinja flag")
         return st.template.render(check_messages(body), body, None, add_generation_prompt), None
     treq = toolcalls.tools_from(body, st.template.source)
-    tools = body.get("tools") if treq else None
+    tools = toolcalls.template_tools(body["tools"]) if treq else None
     return st.template.render(check_messages(body), body, tools, add_generation_prompt), treq
 
 
@@ -500,6 +500,7 @@ class ChatSetup:
     treq: toolcalls.ToolRequest | None
     open_think: bool  # the prompt ends inside `<think>` (DeepSeek-R1): the answer starts as reasoning
     reasoning: bool  # split `<think>` reasoning off the answer
+    think: tuple[str, str] = (toolcalls.THINK_OPEN, toolcalls.THINK_CLOSE)  # the template's reasoning markers
 
     @property
     def parses(self) -> bool:
@@ -509,7 +510,8 @@ class ChatSetup:
         """A fresh parser for one answer (with nothing to split, it passes the text through, stripped)."""
         return toolcalls.OutputParser(family=self.treq.family if self.treq else None,
                                       parse_tools=self.treq is not None and self.treq.parse,
-                                      reasoning=self.reasoning, starts_in_thinking=self.open_think)
+                                      reasoning=self.reasoning, starts_in_thinking=self.open_think,
+                                      think=self.think)
 
 
 def chat_setup(st: AppState, body: dict[str, Any]) -> ChatSetup:
@@ -528,7 +530,7 @@ def chat_setup(st: AppState, body: dict[str, Any]) -> ChatSetup:
     # no reasoning split without Jinja: llama-server's legacy path parses the whole answer as content
     reasoning = (st.template.jinja and body.get("reasoning_format", st.config.reasoning_format) != "none"
                  and toolcalls.template_thinks(st.template.source))
-    return ChatSetup(prompt, toks, params, treq, open_think, reasoning)
+    return ChatSetup(prompt, toks, params, treq, open_think, reasoning, toolcalls.think_tags(st.template.source))
 
 
 def chat_completions(st: AppState, req: Request) -> Reply | Stream:

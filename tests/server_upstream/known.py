@@ -11,12 +11,17 @@ import re
 
 KNOWN: list[tuple[str, str]] = [
     (r"test_rerank::", "reranking (`--reranking`): not implemented (a classification head's score; the MoE "
-     "language models we serve have none), the flag is refused and `/rerank` answers 501"),
-    (r"test_infill::", "infill: no `/infill` route (404 where llama-server checks `input_extra` with a 400)"),
+     "language models we serve have none), the flag is refused and `/rerank` answers 501 `not_supported_error` "
+     "naming it, llama-server's answer without the flag"),
+    (r"test_infill::", "infill (`/infill`): not implemented, answered 501 `not_supported_error` naming it, "
+     "llama-server's answer for a model without FIM tokens (the tests want the 400 of its `input_extra` checks, "
+     "which it makes only for a model with them, as our tiny model's Qwen vocabulary is)"),
     (r"test_mcp_servers::|test_tools_builtin::|test_security::test_cors_origins_defaults_to_localhost_with_tools",
-     "server-side tools and MCP servers (`--tools`, `--mcp-servers-*`): not implemented, the flags are refused"),
+     "server-side tools and MCP servers (`--tools`, `--mcp-servers-*`): not implemented, the flags are refused at "
+     "start; `/tools` answers 403 `feature_disabled` naming them, llama-server's answer without the flags"),
     (r"test_proxy::|test_security::test_cors_proxy_only", "the web UI's MCP CORS proxy (`--ui-mcp-proxy`): not "
-     "implemented, the flag is refused (without it, its route is a 404 where llama-server answers 403)"),
+     "implemented, the flag is refused at start; `/cors-proxy` answers 403 `feature_disabled` naming it, "
+     "llama-server's answer without the flag"),
     (r"test_sleep::", "sleeping when idle (`--sleep-idle-seconds`): not implemented, the flag is refused"),
     (r"test_compat_gcp::", "Vertex AI prediction mode (`AIP_MODE=PREDICTION`): not implemented"),
     (r"test_security::test_cors_origins_localhost_rejects", "`--cors-origins`: not implemented (we allow any "

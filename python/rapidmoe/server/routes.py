@@ -764,6 +764,19 @@ def rerank(st: AppState, req: Request) -> Reply:
     raise embeddings.rerank_refused()
 
 
+def _feature_disabled(feature: str) -> Callable[[AppState, Request], Reply]:
+    """llama-server's answer on a route whose feature its flags leave off (403 "feature_disabled"): here the feature
+    is not implemented, and its flag is refused."""
+    def refuse(st: AppState, req: Request) -> Reply:
+        raise ApiError(403, "feature_disabled", f"this feature is disabled: {feature} is not supported by this server")
+    return refuse
+
+
+def infill(st: AppState, req: Request) -> Reply:
+    """POST /infill: not implemented, refused with llama-server's status for a model without FIM tokens (501)."""
+    raise ApiError(501, "not_supported_error", "infill (/infill, fill-in-the-middle) is not supported by this server")
+
+
 def apply_template(st: AppState, req: Request) -> Reply:
     """POST /apply-template: the rendered prompt; `add_generation_prompt` false leaves the assistant's header off
     (as llama-server; the chat route refuses it, since it cannot continue a turn)."""
@@ -886,7 +899,9 @@ def stats(st: AppState, req: Request) -> Reply:
 
 GET = {**dict.fromkeys(WEB_FILES, web_file), "/rapidmoe/stats": stats,
        "/health": health, "/v1/health": health, "/models": models, "/v1/models": models, "/props": props,
-       "/slots": slots, "/metrics": get_metrics}
+       "/slots": slots, "/metrics": get_metrics,
+       "/tools": _feature_disabled("server tools and MCP servers (--tools, --mcp-servers-*)"),
+       "/cors-proxy": _feature_disabled("the web UI's MCP CORS proxy (--ui-mcp-proxy)")}
 POST = {"/completion": completion, "/completions": completion, "/v1/completions": oai_completions,
         "/chat/completions": chat_completions, "/v1/chat/completions": chat_completions,
         "/chat/completions/input_tokens": chat_input_tokens, "/v1/chat/completions/input_tokens": chat_input_tokens,
@@ -895,7 +910,8 @@ POST = {"/completion": completion, "/completions": completion, "/v1/completions"
         "/v1/responses": oai_responses, "/responses": oai_responses,
         "/v1/responses/input_tokens": oai_responses_input_tokens, "/responses/input_tokens": oai_responses_input_tokens,
         "/embedding": embeddings_native, "/embeddings": embeddings_native, "/v1/embeddings": embeddings_oai,
-        **dict.fromkeys(("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"), rerank)}
+        **dict.fromkeys(("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"), rerank), "/infill": infill,
+        "/tools": GET["/tools"], "/cors-proxy": GET["/cors-proxy"]}
 # Routes whose errors (also those of the HTTP layer: auth, limits, loading) are answered in Anthropic's shape.
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 

@@ -13,9 +13,6 @@ KNOWN: list[tuple[str, str]] = [
     (r"test_rerank::", "reranking (`--reranking`): not implemented (a classification head's score; the MoE "
      "language models we serve have none), the flag is refused and `/rerank` answers 501 `not_supported_error` "
      "naming it, llama-server's answer without the flag"),
-    (r"test_infill::", "infill (`/infill`): not implemented, answered 501 `not_supported_error` naming it, "
-     "llama-server's answer for a model without FIM tokens (the tests want the 400 of its `input_extra` checks, "
-     "which it makes only for a model with them, as our tiny model's Qwen vocabulary is)"),
     (r"test_mcp_servers::|test_tools_builtin::|test_security::test_cors_origins_defaults_to_localhost_with_tools",
      "server-side tools and MCP servers (`--tools`, `--mcp-servers-*`): not implemented, the flags are refused at "
      "start; `/tools` answers 403 `feature_disabled` naming them, llama-server's answer without the flags"),

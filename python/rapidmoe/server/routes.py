@@ -18,6 +18,7 @@ from typing import Any
 from .. import __version__
 from .._runtime import llama_cpp as lc
 from . import anthropic, embeddings, metrics, responses, responses_api, sse, toolcalls
+from . import infill as fill
 from .chat import ChatTemplate, check_messages
 from .config import ServerConfig
 from .engine import Chunk, Embedded, Engine, Event, Failed, Finished, QueueFull, Ticket
@@ -382,7 +383,10 @@ def _response_fields(body: dict[str, Any]) -> list[str]:
 def completion(st: AppState, req: Request) -> Reply | Stream:
     """POST /completion: llama-server's native endpoint. Several prompts (or `n` > 1) answer a list of results,
     one per choice, each with its `index`; one answers the object itself."""
-    body = req.json()
+    return _native(st, req, req.json())
+
+
+def _native(st: AppState, req: Request, body: dict[str, Any]) -> Reply | Stream:
     assert st.engine is not None
     engine = st.engine
     model = st.check_model(body)
@@ -400,7 +404,7 @@ def completion(st: AppState, req: Request) -> Reply | Stream:
     def prompt_text(job: Job) -> str:
         if isinstance(job.prompt, str):
             return job.prompt
-        return engine.llm.detokenize(job.toks).decode("utf-8", "replace")
+        return engine.llm.detokenize(job.toks, special=True).decode("utf-8", "replace")  # as llama-server shows it
 
     def final(i: int, fin: Finished, text: str, streamed: bool) -> dict[str, Any]:
         settings = _settings(st, jobs[i].params, engine.n_ctx_slot, model, streamed)
@@ -772,9 +776,24 @@ def _feature_disabled(feature: str) -> Callable[[AppState, Request], Reply]:
     return refuse
 
 
-def infill(st: AppState, req: Request) -> Reply:
-    """POST /infill: not implemented, refused with llama-server's status for a model without FIM tokens (501)."""
-    raise ApiError(501, "not_supported_error", "infill (/infill, fill-in-the-middle) is not supported by this server")
+def infill(st: AppState, req: Request) -> Reply | Stream:
+    """POST /infill: fill-in-the-middle as llama-server does it (infill.py lays out the prompt), then generation and
+    answer as /completion; a model without FIM tokens answers 501, as llama-server."""
+    assert st.engine is not None
+    vocab = st.engine.llm._model.vocab
+    fim = fill.FimTokens(*(int(f(vocab)) for f in (lc.llama_vocab_fim_pre, lc.llama_vocab_fim_suf,
+                                                    lc.llama_vocab_fim_mid, lc.llama_vocab_fim_rep,
+                                                    lc.llama_vocab_fim_sep)))
+    if fim.missing():
+        raise ApiError(501, "not_supported_error", f"Infill is not supported by this model: {fim.missing()}")
+    body = req.json()
+    extra = fill.check_fields(body)
+    add_bos = bool(lc.llama_vocab_get_add_bos(vocab))
+    toks = fill.infill_prompt(fim, lambda text, special: _tokenize(st, text, False, special), body, extra,
+                              n_batch=st.config.n_batch, n_predict=st.config.n_predict, n_ctx=st.engine.n_ctx_slot,
+                              bos=int(lc.llama_vocab_bos(vocab)) if add_bos else None)
+    rest = {k: v for k, v in body.items() if k not in ("input_prefix", "input_suffix", "input_extra")}
+    return _native(st, req, {**rest, "prompt": toks})
 
 
 def apply_template(st: AppState, req: Request) -> Reply:

@@ -381,3 +381,27 @@ def test_no_ui_answers_404(tiny_qwen: Path, tmp_path: Path) -> None:
         assert s.request("GET", "/health")[0] == 200
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("allowed,origin,answer", [
+    ("localhost", "http://localhost:8080", "http://localhost:8080"), ("localhost", "http://127.0.0.1", "http://127.0.0.1"),
+    ("localhost", "http://localhost.evil.com", None), ("localhost", "http://evil.com", None),
+    ("https://a.example,https://b.example", "http://evil.com", "https://a.example,https://b.example")])
+def test_cors_origins(tiny_qwen: Path, tmp_path: Path, allowed: str, origin: str, answer: str | None) -> None:
+    """--cors-origins as llama-server answers it (its test_security cases): "localhost" reflects a localhost Origin
+    only, a list is sent as given; preflights and answers alike."""
+    s = ServerProc(tiny_qwen, "-t", "1", "-c", "512", "--cors-origins", allowed, log_path=tmp_path / "cors.log")
+    try:
+        for method, path in (("OPTIONS", "/completions"), ("GET", "/health")):
+            s.request(method, path, headers={"Origin": origin, "Access-Control-Request-Method": "POST"})
+            assert s.last_headers.get("access-control-allow-origin") == answer, (method, s.last_headers)
+    finally:
+        s.stop()
+
+
+def test_two_final_assistant_messages_are_400(srv: ServerProc) -> None:
+    """llama-server's rule (its test_invalid_chat_completion_req): two assistant messages at the end are a 400."""
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "assistant", "content": "c"}]
+    status, r = srv.request("POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
+    assert status == 400 and "2 or more assistant messages" in r["error"]["message"], r

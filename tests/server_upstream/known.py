@@ -21,8 +21,6 @@ KNOWN: list[tuple[str, str]] = [
      "llama-server's answer without the flag"),
     (r"test_sleep::", "sleeping when idle (`--sleep-idle-seconds`): not implemented, the flag is refused"),
     (r"test_compat_gcp::", "Vertex AI prediction mode (`AIP_MODE=PREDICTION`): not implemented"),
-    (r"test_security::test_cors_origins_localhost_rejects", "`--cors-origins`: not implemented (we allow any "
-     "origin; the shim drops the flag)"),
     (r"test_basic::test_server_multiple_addresses", "several `--host` addresses: refused at start"),
     (r"test_stream::", "resumable streams (`X-Conversation-Id`, `/v1/stream`): not implemented"),
     (r"test_kv_keep_only_active::", "idle slots saved to host memory (`--cache-ram`, `--no-cache-idle-slots`): "
@@ -33,8 +31,6 @@ KNOWN: list[tuple[str, str]] = [
      "`verbose` (the `__verbose` debug field): refused by name"),
     (r"test_chat_completion::test_chat_template_continue_final_message", "`continue_final_message`: refused by "
      "name (the chat path renders whole turns)"),
-    (r"test_chat_completion::test_invalid_chat_completion_req\[messages7\]", "two consecutive assistant messages: "
-     "llama-server refuses them, we render them as the template does"),
     (r"test_chat_completion::test_return_progress|test_metrics::test_metrics_timings_on_prompt_progress",
      "`return_progress` (prompt progress events): refused by name"),
     (r"test_compat_oai_responses::test_responses_stream_with_llama_telemetry", "llama.cpp's telemetry fields on "

@@ -15,12 +15,12 @@ VALUE = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": "
          "--batch-size": "--batch-size", "--threads": "--threads", "--chat-template": "--chat-template",
          "--chat-template-file": "--chat-template-file", "--n-gpu-layers": "-ngl", "--tags": "--tags",
          "--pooling": "--pooling", "--embd-normalize": "--embd-normalize", "--reasoning-format": "--reasoning-format",
-         "--reasoning": "--reasoning", "--chat-template-kwargs": "--chat-template-kwargs"}
+         "--reasoning": "--reasoning", "--chat-template-kwargs": "--chat-template-kwargs",
+         "--cors-origins": "--cors-origins"}
 FLAG = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots", "--no-ui": "--no-ui",
         "--embedding": "--embedding", "--embeddings": "--embedding", "--jinja": "--jinja", "--no-jinja": "--no-jinja"}
 # --ubatch-size: ours is --batch-size (the suite sets both alike)
-IGNORED_VALUE = {"--hf-repo", "--hf-file", "--ubatch-size", "-ctk", "-ctv", "-fa", "--model-url", "--cache-ram",
-                 "--cors-origins"}
+IGNORED_VALUE = {"--hf-repo", "--hf-file", "--ubatch-size", "-ctk", "-ctv", "-fa", "--model-url", "--cache-ram"}
 IGNORED_FLAG = {"--offline", "--no-mmproj", "--cont-batching", "--kv-unified", "--swa-full", "--no-cache-idle-slots",
                 "--verbose"}
 

@@ -28,7 +28,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -61,20 +61,27 @@ class Run:
     args: list[str]
     seconds: float
     cases: list[Case]
+    merged: list[str] = field(default_factory=list)  # the pytest arguments of later runs merged in (--merge)
 
-    def save(self) -> Path:
+    def save(self, suffix: str = "") -> Path:
         OUTCOMES.mkdir(exist_ok=True)
-        path = OUTCOMES / f"{self.server}.json"
+        path = OUTCOMES / f"{self.server}{suffix}.json"
         path.write_text(json.dumps(asdict(self), indent=1) + "\n")
         return path
 
     @staticmethod
-    def load(server: str) -> Run | None:
-        path = OUTCOMES / f"{server}.json"
+    def load(server: str, suffix: str = "") -> Run | None:
+        path = OUTCOMES / f"{server}{suffix}.json"
         if not path.exists():
             return None
         d = json.loads(path.read_text())
-        return Run(d["server"], d["args"], d["seconds"], [Case(**c) for c in d["cases"]])
+        return Run(d["server"], d["args"], d["seconds"], [Case(**c) for c in d["cases"]], d.get("merged", []))
+
+    def merge(self, later: Run) -> Run:
+        """This run with `later`'s outcomes in place of its own for the tests `later` ran (a rerun of a few files)."""
+        new = {(c.file, c.test): c for c in later.cases}
+        cases = [new.pop((c.file, c.test), c) for c in self.cases] + list(new.values())
+        return Run(self.server, self.args, self.seconds, cases, [*self.merged, " ".join(later.args)])
 
 
 def _model(work: Path) -> Path:
@@ -112,8 +119,10 @@ def _reason(case: ET.Element) -> tuple[str, str]:
     return "passed", ""
 
 
-def run_suite(server: str, args: list[str], model: Path, work: Path, stock_bin: Path | None) -> Run:
-    """Run the copied suite with `llama-server` replaced by `server`'s shim; every test's outcome from JUnit XML."""
+def run_suite(server: str, args: list[str], model: Path, work: Path, stock_bin: Path | None, slow: bool = False
+              ) -> Run:
+    """Run the copied suite with `llama-server` replaced by `server`'s shim; every test's outcome from JUnit XML.
+    `slow`: only the tests marked slow (the suite runs them with SLOW_TESTS=1)."""
     tests = work / "tools" / "server" / "tests"  # same depth as upstream: ../../../models/templates resolves
     if tests.exists():
         shutil.rmtree(tests)
@@ -124,11 +133,13 @@ def run_suite(server: str, args: list[str], model: Path, work: Path, stock_bin: 
     env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(SHIMS[server]), "RAPIDMOE_UPSTREAM_MODEL": str(model),
            "LLAMA_CACHE": str(work / "cache"),
            "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])}
+    if slow:
+        env["SLOW_TESTS"] = "1"
     if stock_bin is not None:
         env["RAPIDMOE_STOCK_SERVER"] = str(stock_bin)
     junit = work / f"junit-{server}.xml"
     cmd = [sys.executable, "-m", "pytest", "-p", "upstream_plugin", "-p", "no:cacheprovider", "-q", "-m",
-           "not slow", "-o", "junit_logging=all", f"--junitxml={junit}", *args]
+           "slow" if slow else "not slow", "-o", "junit_logging=all", f"--junitxml={junit}", *args]
     print(f"[{server}] {' '.join(cmd)}", flush=True)
     t0 = time.monotonic()
     subprocess.run(cmd, cwd=tests, env=env)
@@ -149,12 +160,16 @@ def _totals(run: Run) -> str:
     return f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
 
 
-def render(runs: dict[str, Run]) -> str:
+def render(runs: dict[str, Run], slow: bool = False) -> str:
     """results.md: totals per server, the cross-count, the tests that pass on stock and fail on ours, every test."""
     args = next(iter(runs.values())).args
-    cmd = f"python tests/server_upstream/run.py {' '.join(args)}"
+    cmd = f"python tests/server_upstream/run.py {'--slow ' if slow else ''}{' '.join(args)}"
+    which = "only the tests marked slow, with SLOW_TESTS=1" if slow else "tests marked slow deselected"
+    merged = [f"{name}: `{' '.join(run.args)}`, then `{m}` run again and merged in (--merge)"
+              for name, run in runs.items() for m in run.merged]
     lines = ["# llama.cpp server test-suite: stock llama-server and `rapidmoe-cli serve`", "",
-             f"Command: `{cmd}` (tests marked slow deselected). Both servers run the same suite on the same model "
+             *([f"Outcomes merged from several runs: {'; '.join(merged)}.", ""] if merged else []),
+             f"Command: `{cmd}` ({which}). Both servers run the same suite on the same model "
              "(the tiny synthetic qwen3moe, seed 0: the suite's own models are downloads) with the same flags; "
              "stock is llama-server of the pinned llama.cpp, unpatched (build/stock/).", "",
              "| server | passed | failed | skipped | of | minutes |", "|---|---|---|---|---|---|"]
@@ -212,6 +227,12 @@ def main() -> int:
                          "run beside it when that run had the same pytest arguments")
     ap.add_argument("--stock-bin", default=None,
                     help="a stock llama-server binary to use instead of building the pin's into build/stock/")
+    ap.add_argument("--slow", action="store_true",
+                    help="run only the tests marked slow (SLOW_TESTS=1); outcomes in outcomes/<server>-slow.json and "
+                         "results-slow.md")
+    ap.add_argument("--merge", action="store_true",
+                    help="merge this run's outcomes into the server's last run (tests run again replace theirs), "
+                         "for a rerun of a few files after a full run")
     ap.add_argument("--render-only", action="store_true",
                     help="run nothing: write results.md again from the last runs in outcomes/ (after editing known.py)")
     opts, args = ap.parse_known_args()
@@ -219,6 +240,7 @@ def main() -> int:
     servers = [] if opts.render_only else list(SERVERS) if opts.server == "both" else [opts.server]
     stock_bin = _stock_server(opts.stock_bin) if "stock" in servers else None
     runs: dict[str, Run] = {}
+    suffix = "-slow" if opts.slow else ""
     with tempfile.TemporaryDirectory(prefix="upstream-server-tests-") as tmp:
         work = Path(tmp)
         if not servers:
@@ -226,19 +248,25 @@ def main() -> int:
         (work / "models").symlink_to(SUITE.parent.parent.parent / "models")
         model = _model(work) if servers else work
         for server in servers:
-            run = run_suite(server, args, model, work, stock_bin)
-            print(f"[{server}] {_totals(run)} in {run.seconds / 60:.1f} min; outcomes in {run.save()}", flush=True)
+            run = run_suite(server, args, model, work, stock_bin, opts.slow)
+            print(f"[{server}] {_totals(run)} in {run.seconds / 60:.1f} min", flush=True)
+            before = Run.load(server, suffix) if opts.merge else None
+            if before is not None:
+                run = before.merge(run)
+                args = run.args
+            print(f"[{server}] outcomes in {run.save(suffix)}", flush=True)
             runs[server] = run
     for other in SERVERS:  # the other server's last run of the same selection, shown beside this one
-        last = Run.load(other) if other not in runs else None
+        last = Run.load(other, suffix) if other not in runs else None
         if last is not None and last.args == args:
             runs[other] = last
     ordered = {s: runs[s] for s in SERVERS if s in runs}
     if not ordered:
         print(f"no runs of `{' '.join(args)}` in {OUTCOMES}", file=sys.stderr)
         return 1
-    (HERE / "results.md").write_text(render(ordered))
-    print(f"see {HERE / 'results.md'}")
+    out = HERE / f"results{suffix}.md"
+    out.write_text(render(ordered, opts.slow))
+    print(f"see {out}")
     return 0
 
 

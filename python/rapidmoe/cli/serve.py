@@ -39,6 +39,7 @@ def serve(
     threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: all cores but one, which serves HTTP).", min=1)] = None,
     engine: options.EngineOptions = options.DEFAULT_ENGINE,  # -ngl ... --overlap (serve --help lists them)
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="API keys, comma-separated; requests need 'Authorization: Bearer KEY'.", envvar="LLAMA_API_KEY")] = None,
+    cors_origins: Annotated[str, typer.Option("--cors-origins", help="Allowed CORS origins, comma-separated ('*': any; 'localhost': only a localhost Origin is answered), as llama-server.", envvar="LLAMA_ARG_CORS_ORIGINS")] = "*",
     timeout: Annotated[float, typer.Option("--timeout", "-to", help="Socket write timeout while answering (a client that stops reading), seconds.", min=0.1)] = 600.0,
     queue_timeout: Annotated[float, typer.Option("--queue-timeout", help="Longest wait for a request's first choice to get a free slot before 503, seconds (once one has started, its other choices wait without limit).", min=0.0)] = 600.0,
     max_body: Annotated[int, typer.Option("--max-body", help="Largest request body, bytes (larger: 413).", min=1)] = 1 << 20,
@@ -105,7 +106,7 @@ def serve(
         tensor_split=tuple(options.tensor_split(engine.tensor_split) or ()),
         expert_cache=place.get("expert_cache"),
         residual=engine.residual, n_critical=engine.n_critical, policy=engine.policy, overlap=engine.overlap.value,
-        trace=trace, api_keys=keys, timeout=timeout,
+        trace=trace, api_keys=keys, cors_origins=cors_origins, timeout=timeout,
         queue_timeout=queue_timeout, max_body=max_body, max_connections=max_connections,
         header_timeout=header_timeout, body_timeout=body_timeout, keepalive_timeout=keepalive_timeout, chat_template=chat_template, seed=seed, temperature=temp,
         jinja=jinja, chat_template_kwargs=template_kwargs, reasoning_format=reasoning_format,

@@ -45,6 +45,14 @@ def status_headers(code: int) -> list[tuple[str, str]]:
     return [("Retry-After", RETRY_AFTER)] if code == 503 else []
 
 
+def _is_localhost(origin: str) -> bool:
+    """An Origin whose host is localhost, 127.0.0.1 or ::1 (llama-server's origin_is_localhost)."""
+    try:
+        return urlsplit(origin).hostname in ("localhost", "127.0.0.1", "::1")
+    except ValueError:
+        return False
+
+
 def _raw_reply(err: ApiError) -> bytes:
     """A whole JSON error answer, to write straight to a socket that is closed after it (where no handler
     answers: the accepting thread, the header watchdog)."""
@@ -377,8 +385,17 @@ class Handler(BaseHTTPRequestHandler):
     # ---- writing ----
 
     def _cors(self) -> None:
+        """llama-server's CORS answer for --cors-origins: "*" echoes the Origin, "localhost" echoes a localhost one
+        only, anything else is sent as given."""
         origin = self.headers.get("Origin")
-        self.send_header("Access-Control-Allow-Origin", origin or "*")
+        allowed = self.server.state.config.cors_origins
+        if allowed == "*":
+            self.send_header("Access-Control-Allow-Origin", origin or "*")
+        elif allowed == "localhost":
+            if origin and _is_localhost(origin):
+                self.send_header("Access-Control-Allow-Origin", origin)
+        else:
+            self.send_header("Access-Control-Allow-Origin", allowed)
         if origin:
             self.send_header("Access-Control-Allow-Credentials", "true")
 

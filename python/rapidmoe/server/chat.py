@@ -109,6 +109,8 @@ def check_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise invalid_request("Expected 'messages' to be an array")
     if not msgs:
         raise invalid_request("'messages' must not be empty")
+    if len(msgs) >= 2 and all(isinstance(m, dict) and m.get("role") == "assistant" for m in msgs[-2:]):
+        raise invalid_request("Cannot have 2 or more assistant messages at the end of the list.")  # llama-server's
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):

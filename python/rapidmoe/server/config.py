@@ -36,6 +36,8 @@ class ServerConfig:
     overlap: str = "auto"  # rapidmoe.Llama's overlap mode for split layers
     trace: Path | None = None  # routing trace file (rapidmoe.trace), written as batches are decoded
     api_keys: tuple[str, ...] = ()
+    cors_origins: str = "*"  # --cors-origins: "*" (any, the request's Origin echoed), "localhost" (a localhost Origin
+    # echoed, others get none), else sent as given (llama-server's three cases)
     timeout: float = 600.0  # socket write timeout while answering, seconds (llama-server's --timeout)
     max_connections: int = 128  # open connections (one thread each); more get 503 at once
     header_timeout: float = 10.0  # a request's line and headers must arrive within this, seconds (else 408)

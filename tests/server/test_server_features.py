@@ -6,7 +6,10 @@ token log-probabilities (against a softmax of the numpy reference forward pass's
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -405,3 +408,18 @@ def test_two_final_assistant_messages_are_400(srv: ServerProc) -> None:
             {"role": "assistant", "content": "c"}]
     status, r = srv.request("POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
     assert status == 400 and "2 or more assistant messages" in r["error"]["message"], r
+
+
+def test_resumable_streams_are_refused_by_name(srv: ServerProc) -> None:
+    """llama-server's resumable streams (X-Conversation-Id, GET /v1/stream) are not implemented: 501, named."""
+    status, r = srv.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                                             "max_tokens": 1}, headers={"X-Conversation-Id": "c1"})
+    assert status == 501 and "X-Conversation-Id" in r["error"]["message"], r
+    status, r = srv.request("GET", "/v1/stream?id=c1&from=0")
+    assert status == 501 and "resumable streams" in r["error"]["message"], r
+
+
+def test_vertex_ai_prediction_mode_is_refused_at_start(tiny_qwen: Path, tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "rapidmoe.cli", "serve", str(tiny_qwen)], capture_output=True,
+                       text=True, env={**os.environ, "AIP_MODE": "PREDICTION"}, timeout=120)
+    assert r.returncode != 0 and "AIP_MODE=PREDICTION" in r.stderr, r.stderr

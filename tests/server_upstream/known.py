@@ -19,27 +19,33 @@ KNOWN: list[tuple[str, str]] = [
     (r"test_proxy::|test_security::test_cors_proxy_only", "the web UI's MCP CORS proxy (`--ui-mcp-proxy`): not "
      "implemented, the flag is refused at start; `/cors-proxy` answers 403 `feature_disabled` naming it, "
      "llama-server's answer without the flag"),
-    (r"test_sleep::", "sleeping when idle (`--sleep-idle-seconds`): not implemented, the flag is refused"),
-    (r"test_compat_gcp::", "Vertex AI prediction mode (`AIP_MODE=PREDICTION`): not implemented"),
-    (r"test_basic::test_server_multiple_addresses", "several `--host` addresses: refused at start"),
-    (r"test_stream::", "resumable streams (`X-Conversation-Id`, `/v1/stream`): not implemented"),
-    (r"test_kv_keep_only_active::", "idle slots saved to host memory (`--cache-ram`, `--no-cache-idle-slots`): "
-     "not implemented; the test reads llama-server's log tag for it"),
+    (r"test_sleep::", "sleeping when idle (`--sleep-idle-seconds`): not implemented, the flag is refused at start"),
+    (r"test_compat_gcp::", "Vertex AI prediction mode (`AIP_MODE=PREDICTION`): not implemented, refused at start "
+     "naming it"),
+    (r"test_basic::test_server_multiple_addresses", "several `--host` addresses: not implemented, refused at start"),
+    (r"test_stream::", "resumable streams (`X-Conversation-Id`, `/v1/stream`): not implemented, a request with the "
+     "header and `GET /v1/stream` answer 501 `not_supported_error` naming them"),
+    (r"test_kv_keep_only_active::", "idle slots saved to host memory (`--cache-ram`): not implemented, "
+     "`rapidmoe-cli serve` refuses the flag at start; the shim drops it so that the file's other test (the feature "
+     "off) runs, and this one fails on llama-server's log tag for it"),
     (r"test_completion::test_n_probs_post_backend_sampling", "backend sampling (`--backend_sampling`): not "
-     "implemented, the flag is refused"),
+     "implemented, the flag is refused at start"),
     (r"test_chat_completion::test_(chat_template$|chat_template_assistant_prefill|verbose_debug)",
-     "`verbose` (the `__verbose` debug field): refused by name"),
-    (r"test_chat_completion::test_chat_template_continue_final_message", "`continue_final_message`: refused by "
-     "name (the chat path renders whole turns)"),
+     "`verbose` (the `__verbose` debug field): not implemented, refused by name (501)"),
+    (r"test_chat_completion::test_chat_template_continue_final_message", "`continue_final_message`: not "
+     "implemented (the chat path renders whole turns), refused by name (501)"),
     (r"test_chat_completion::test_return_progress|test_metrics::test_metrics_timings_on_prompt_progress",
-     "`return_progress` (prompt progress events): refused by name"),
+     "`return_progress` (prompt progress events): not implemented, refused by name (501)"),
     (r"test_compat_oai_responses::test_responses_stream_with_llama_telemetry", "llama.cpp's telemetry fields on "
-     "`/v1/responses`: `return_progress` (prompt progress events) and `timings_per_token` are refused by name there"),
+     "`/v1/responses`: `return_progress` (prompt progress events) and `timings_per_token` are not implemented "
+     "there, refused by name (400)"),
     (r"test_compat_anthropic::test_anthropic_(tool_result_with_image|vision_format_accepted)",
-     "image blocks: refused by name with a 400 (llama-server without a projector fails them with a 500)"),
-    (r"test_compat_anthropic::test_anthropic_empty_messages", "an empty `messages`: refused (400); llama-server "
-     "renders an empty conversation"),
-    (r"test_compat_anthropic::test_anthropic_thinking$", "Anthropic `thinking` (budgets): refused by name"),
+     "image blocks: multimodal input is not implemented, refused by name with a 400 (llama-server without a "
+     "projector fails them with a 500, which the tests expect)"),
+    (r"test_compat_anthropic::test_anthropic_empty_messages", "an empty `messages`: refused with a 400, as "
+     "Anthropic's API refuses it; llama-server renders an empty conversation"),
+    (r"test_compat_anthropic::test_anthropic_thinking$", "Anthropic `thinking` with a `budget_tokens` (reasoning "
+     "budgets): not implemented, refused by name (400)"),
 ]
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -76,6 +77,8 @@ def serve(
     from ..rpc import parse_servers  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..server import ServerConfig, run_server  # noqa: PLC0415  (lazy: keeps --help fast)
 
+    if os.environ.get("AIP_MODE") == "PREDICTION":  # llama-server serves Vertex AI's /predict in this mode
+        raise RapidMoEError("AIP_MODE=PREDICTION (Vertex AI prediction mode) is not supported by rapidmoe-cli serve")
     if chat_template_file is not None:
         try:
             chat_template = chat_template_file.read_text(encoding="utf-8")

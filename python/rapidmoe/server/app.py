@@ -307,6 +307,9 @@ class Handler(BaseHTTPRequestHandler):
             raise unavailable("Loading model")
         if st.config.api_keys and path not in PUBLIC:
             self._check_key(st.config.api_keys)
+        if self.headers.get("X-Conversation-Id") is not None:  # llama-server's resumable streams
+            raise ApiError(501, "not_supported_error", "resumable streams (the X-Conversation-Id header, /v1/stream) "
+                           "are not supported by this server")
         table = routes.GET if method == "GET" else routes.POST
         handler = table.get(path)
         if handler is None:

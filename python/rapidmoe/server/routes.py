@@ -776,6 +776,12 @@ def _feature_disabled(feature: str) -> Callable[[AppState, Request], Reply]:
     return refuse
 
 
+def resumable_stream(st: AppState, req: Request) -> Reply:
+    """GET /v1/stream: llama-server's resumable streams are not implemented (501, named)."""
+    raise ApiError(501, "not_supported_error", "resumable streams (the X-Conversation-Id header, /v1/stream) are "
+                   "not supported by this server")
+
+
 def infill(st: AppState, req: Request) -> Reply | Stream:
     """POST /infill: fill-in-the-middle as llama-server does it (infill.py lays out the prompt), then generation and
     answer as /completion; a model without FIM tokens answers 501, as llama-server."""
@@ -920,7 +926,8 @@ GET = {**dict.fromkeys(WEB_FILES, web_file), "/rapidmoe/stats": stats,
        "/health": health, "/v1/health": health, "/models": models, "/v1/models": models, "/props": props,
        "/slots": slots, "/metrics": get_metrics,
        "/tools": _feature_disabled("server tools and MCP servers (--tools, --mcp-servers-*)"),
-       "/cors-proxy": _feature_disabled("the web UI's MCP CORS proxy (--ui-mcp-proxy)")}
+       "/cors-proxy": _feature_disabled("the web UI's MCP CORS proxy (--ui-mcp-proxy)"),
+       "/v1/stream": resumable_stream}
 POST = {"/completion": completion, "/completions": completion, "/v1/completions": oai_completions,
         "/chat/completions": chat_completions, "/v1/chat/completions": chat_completions,
         "/chat/completions/input_tokens": chat_input_tokens, "/v1/chat/completions/input_tokens": chat_input_tokens,

@@ -62,6 +62,7 @@ class Run:
     seconds: float
     cases: list[Case]
     merged: list[str] = field(default_factory=list)  # the pytest arguments of later runs merged in (--merge)
+    only: str = ""  # which tests of the selection ran, when not all (--stock-passed)
 
     def save(self, suffix: str = "") -> Path:
         OUTCOMES.mkdir(exist_ok=True)
@@ -75,13 +76,14 @@ class Run:
         if not path.exists():
             return None
         d = json.loads(path.read_text())
-        return Run(d["server"], d["args"], d["seconds"], [Case(**c) for c in d["cases"]], d.get("merged", []))
+        return Run(d["server"], d["args"], d["seconds"], [Case(**c) for c in d["cases"]], d.get("merged", []),
+                   d.get("only", ""))
 
     def merge(self, later: Run) -> Run:
         """This run with `later`'s outcomes in place of its own for the tests `later` ran (a rerun of a few files)."""
         new = {(c.file, c.test): c for c in later.cases}
         cases = [new.pop((c.file, c.test), c) for c in self.cases] + list(new.values())
-        return Run(self.server, self.args, self.seconds, cases, [*self.merged, " ".join(later.args)])
+        return Run(self.server, self.args, self.seconds, cases, [*self.merged, " ".join(later.args)], self.only)
 
 
 def _model(work: Path) -> Path:
@@ -119,10 +121,11 @@ def _reason(case: ET.Element) -> tuple[str, str]:
     return "passed", ""
 
 
-def run_suite(server: str, args: list[str], model: Path, work: Path, stock_bin: Path | None, slow: bool = False
-              ) -> Run:
+def run_suite(server: str, args: list[str], model: Path, work: Path, stock_bin: Path | None, slow: bool = False,
+              tests_only: list[str] | None = None) -> Run:
     """Run the copied suite with `llama-server` replaced by `server`'s shim; every test's outcome from JUnit XML.
-    `slow`: only the tests marked slow (the suite runs them with SLOW_TESTS=1)."""
+    `slow`: only the tests marked slow (the suite runs them with SLOW_TESTS=1); `tests_only`: these node ids instead
+    of `args` (which the run still records as its selection)."""
     tests = work / "tools" / "server" / "tests"  # same depth as upstream: ../../../models/templates resolves
     if tests.exists():
         shutil.rmtree(tests)
@@ -139,7 +142,8 @@ def run_suite(server: str, args: list[str], model: Path, work: Path, stock_bin: 
         env["RAPIDMOE_STOCK_SERVER"] = str(stock_bin)
     junit = work / f"junit-{server}.xml"
     cmd = [sys.executable, "-m", "pytest", "-p", "upstream_plugin", "-p", "no:cacheprovider", "-q", "-m",
-           "slow" if slow else "not slow", "-o", "junit_logging=all", f"--junitxml={junit}", *args]
+           "slow" if slow else "not slow", "-o", "junit_logging=all", f"--junitxml={junit}",
+           *(tests_only if tests_only is not None else args)]
     print(f"[{server}] {' '.join(cmd)}", flush=True)
     t0 = time.monotonic()
     subprocess.run(cmd, cwd=tests, env=env)
@@ -148,7 +152,8 @@ def run_suite(server: str, args: list[str], model: Path, work: Path, stock_bin: 
     for case in ET.parse(junit).getroot().iter("testcase"):
         outcome, why = _reason(case)
         cases.append(Case(case.get("classname", "").replace("unit.", ""), case.get("name", ""), outcome, why))
-    return Run(server, args, round(seconds, 1), cases)
+    only = f"only the {len(tests_only)} tests that passed on stock" if tests_only is not None else ""
+    return Run(server, args, round(seconds, 1), cases, only=only)
 
 
 def _cell(text: str) -> str:
@@ -167,8 +172,9 @@ def render(runs: dict[str, Run], slow: bool = False) -> str:
     which = "only the tests marked slow, with SLOW_TESTS=1" if slow else "tests marked slow deselected"
     merged = [f"{name}: `{' '.join(run.args)}`, then `{m}` run again and merged in (--merge)"
               for name, run in runs.items() for m in run.merged]
+    merged += [f"{name} ran {run.only} (--stock-passed)" for name, run in runs.items() if run.only]
     lines = ["# llama.cpp server test-suite: stock llama-server and `rapidmoe-cli serve`", "",
-             *([f"Outcomes merged from several runs: {'; '.join(merged)}.", ""] if merged else []),
+             *([f"Selections: {'; '.join(merged)}.", ""] if merged else []),
              f"Command: `{cmd}` ({which}). Both servers run the same suite on the same model "
              "(the tiny synthetic qwen3moe, seed 0: the suite's own models are downloads) with the same flags; "
              "stock is llama-server of the pinned llama.cpp, unpatched (build/stock/).", "",
@@ -233,6 +239,9 @@ def main() -> int:
     ap.add_argument("--merge", action="store_true",
                     help="merge this run's outcomes into the server's last run (tests run again replace theirs), "
                          "for a rerun of a few files after a full run")
+    ap.add_argument("--stock-passed", action="store_true",
+                    help="with --server ours: run only the tests that passed in stock's last run of the selection "
+                         "(the others cannot pass on stock and fail on ours), as when the slow tests are long on ours")
     ap.add_argument("--render-only", action="store_true",
                     help="run nothing: write results.md again from the last runs in outcomes/ (after editing known.py)")
     opts, args = ap.parse_known_args()
@@ -248,7 +257,14 @@ def main() -> int:
         (work / "models").symlink_to(SUITE.parent.parent.parent / "models")
         model = _model(work) if servers else work
         for server in servers:
-            run = run_suite(server, args, model, work, stock_bin, opts.slow)
+            only = None
+            if opts.stock_passed and server == "ours":
+                ref = Run.load("stock", suffix)
+                if ref is None or ref.args != args:
+                    print(f"--stock-passed: no stock run of `{' '.join(args)}`", file=sys.stderr)
+                    return 1
+                only = [f"unit/{c.file}.py::{c.test}" for c in ref.cases if c.outcome == "passed"]
+            run = run_suite(server, args, model, work, stock_bin, opts.slow, only)
             print(f"[{server}] {_totals(run)} in {run.seconds / 60:.1f} min", flush=True)
             before = Run.load(server, suffix) if opts.merge else None
             if before is not None:

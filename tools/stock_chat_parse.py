@@ -45,6 +45,10 @@ CASES: dict[str, list[str]] = {
          f'{{"tool_call_id": "1", "tool_name": "get_time", "parameters": {{"zone": 1}}}}]<|END_ACTION|>',
          f'<|START_ACTION|>[{{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {PARIS}}}]',
          "It is sunny."],
+    "meetkai-functionary-medium-v3.1": [
+        "It is sunny.", f'<function=get_weather>{PARIS}</function>', f'Sure <function=get_weather>{PARIS}</function>',
+        f'<function=get_weather>{PARIS}</function>\n<function=get_time>{{"zone": 3}}</function>',
+        f'<function=get_weather>{PARIS}</function> after', f'<function=get_weather>{PARIS}'],
     "Qwen-Qwen3-0.6B": ["It is sunny.", "<think>\nHm.\n</think>\n\nIt is sunny.",
                         f'<think>\nHm.\n</think>\n\nLet me check.\n<tool_call>\n{{"name": "get_weather", '
                         f'"arguments": {PARIS}}}\n</tool_call>'],

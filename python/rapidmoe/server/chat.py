@@ -43,7 +43,12 @@ class _Undefined(jinja2.Undefined):
 class _Formatter(llama_cpp.llama_chat_format.Jinja2ChatFormatter):
     def __init__(self, template: str, eos_token: str, bos_token: str, add_generation_prompt: bool = True) -> None:
         super().__init__(template, eos_token, bos_token, add_generation_prompt=add_generation_prompt)
-        self._environment.environment.undefined = _Undefined
+        env = self._environment.environment
+        env.undefined = _Undefined
+        # llama.cpp's Jinja has no HTML escaping: `|safe` gives plain text, so that a string added to it is not
+        # escaped (Functionary v3.1's tool list is `"..."|safe + tool|tojson`); filters are bound when compiling
+        env.filters["safe"] = str
+        self._environment = env.from_string(template)
 
     def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, **kwargs: Any) -> str:
         """The rendered prompt; unlike the base class's call, no `functions`, `function_call` or `tool_choice` set

@@ -7,7 +7,8 @@
 - `llama3` (Llama 3.1-3.3): the answer is `{"name": NAME, "parameters": ARGS}`, after any content;
 - `firefunction` (Firefunction v2): `functools[{"name": NAME, "arguments": ARGS}, ...]`, after any content;
 - `command-r7b`: `<|START_ACTION|>[{"tool_call_id": ID, "tool_name": NAME, "parameters": ARGS}, ...]<|END_ACTION|>`,
-  content inside `<|START_RESPONSE|>...<|END_RESPONSE|>`, reasoning inside `<|START_THINKING|>...<|END_THINKING|>`.
+  content inside `<|START_RESPONSE|>...<|END_RESPONSE|>`, reasoning inside `<|START_THINKING|>...<|END_THINKING|>`;
+- `functionary-v3.1`: `<function=NAME>ARGS</function>...`, after any content.
 
 The family is recognized from the chat template's text (the template renders `tools` itself); the formats are the
 ones llama.cpp's common/chat parser reads for these templates (tests/server/data/stock_toolcalls.json holds its
@@ -39,9 +40,11 @@ CR_THINK_OPEN, CR_THINK_CLOSE = "<|START_THINKING|>", "<|END_THINKING|>"
 CR_ACTION_OPEN, CR_ACTION_CLOSE = "<|START_ACTION|>", "<|END_ACTION|>"
 CR_RESPONSE_OPEN, CR_RESPONSE_CLOSE = "<|START_RESPONSE|>", "<|END_RESPONSE|>"
 FIRE_OPEN = "functools["
+FN_OPEN, FN_CLOSE = "<function=", "</function>"
+FUNCTIONARY_HINT = "start with <function= and end with </function>"  # Functionary v3.1's tool instructions
 LLAMA3_HINT = '"parameters": dictionary of argument name and its value'  # Llama 3.1-3.3's tool instructions
 OPENERS = {"hermes": HERMES_OPEN, "deepseek-r1": DS_CALLS_BEGIN, "deepseek-v3.1": DS_CALLS_BEGIN,
-           "firefunction": FIRE_OPEN, "command-r7b": CR_ACTION_OPEN}
+           "firefunction": FIRE_OPEN, "command-r7b": CR_ACTION_OPEN, "functionary-v3.1": FN_OPEN}
 
 _DS_R1_CALL = re.compile(re.escape(DS_CALL_BEGIN) + r"\s*(?:function)?\s*" + re.escape(DS_SEP)
                          + r"(?P<name>[^\n]+?)\s*\n```(?:json)?\s*(?P<args>.*?)\s*```\s*" + re.escape(DS_CALL_END),
@@ -62,6 +65,8 @@ def template_family(template: str) -> str | None:
         return "command-r7b"
     if " functools[" in template:
         return "firefunction"
+    if FUNCTIONARY_HINT in template:
+        return "functionary-v3.1"
     if LLAMA3_HINT in template:
         return "llama3"
     return None
@@ -110,8 +115,8 @@ def tools_from(body: dict[str, Any], template: str) -> ToolRequest | None:
     family = template_family(template)
     if family is None and choice_v != "none":  # with "none" the template renders the tools, nothing is parsed
         raise ApiError(501, "not_supported_error", "\"tools\" is not supported with this model's chat template "
-                       "(tool calls are parsed for Qwen3/Hermes, DeepSeek-R1/V3, Llama 3.x, Firefunction v2 and "
-                       "Command-R7B templates; tool_choice \"none\" works with any template)")
+                       "(tool calls are parsed for Qwen3/Hermes, DeepSeek-R1/V3, Llama 3.x, Firefunction v2, "
+                       "Command-R7B and Functionary v3.1 templates; tool_choice \"none\" works with any template)")
     tools: list[Tool] = []
     for i, t in enumerate(tools_v):
         fn = t.get("function") if isinstance(t, dict) else None
@@ -188,6 +193,8 @@ def _calls_rule(family: str, one: str, parallel: bool) -> str:
         return f"{one} ( \"\\n\" {one} )*" if parallel else one
     if family == "llama3":  # one call: llama.cpp's parser reads no more for Llama 3.x
         return one
+    if family == "functionary-v3.1":
+        return f"{one} {one}*" if parallel else one
     more = f" ( \", \" {one} )*" if parallel else ""
     if family == "firefunction":
         return f"{_literal(FIRE_OPEN)} {one}{more} \"]\""
@@ -222,6 +229,8 @@ def _tool_alternative(conv: Any, family: str, i: int, t: Tool) -> str:
         call = conv.visit_checked(schema, f"call-{i}")
         return f"{_literal(HERMES_OPEN + nl)} {call} {_literal(nl + HERMES_CLOSE)}" if family == "hermes" else call
     args = conv.visit_checked(t.parameters, f"args-{i}")
+    if family == "functionary-v3.1":
+        return f"{_literal(FN_OPEN + t.name + '>')} {args} {_literal(FN_CLOSE)}"
     if family == "deepseek-r1":
         head = DS_CALL_BEGIN + "function" + DS_SEP + t.name + nl + "```json" + nl
         return f"{_literal(head)} {args} {_literal(nl + '```' + DS_CALL_END)}"
@@ -415,12 +424,35 @@ class OutputParser:
                 pos = j + len(HERMES_CLOSE)
         if self.family in ("llama3", "firefunction", "command-r7b"):
             return self._parse_json_calls(block, final)
+        if self.family == "functionary-v3.1":
+            return self._parse_functionary(block, final)
         pattern = _DS_R1_CALL if self.family == "deepseek-r1" else _DS_V31_CALL
         for m in pattern.finditer(block):
             args = _args_text(m.group("args"))
             if args is None:
                 break
             calls.append(ToolCall(m.group("name").strip(), args))
+        return calls, ""
+
+    @staticmethod
+    def _parse_functionary(block: str, final: bool) -> tuple[list[ToolCall], str]:
+        """Functionary v3.1's `<function=NAME>ARGS</function>` calls (the last may be unclosed at the end), answered
+        at the end of the answer, as llama.cpp fails an answer with text after them; such an answer is content."""
+        if not final:
+            return [], ""
+        calls: list[ToolCall] = []
+        pos = 0
+        while block[pos:].strip():
+            i = block.find(FN_OPEN, pos)
+            j = block.find(">", i) if i >= 0 and not block[pos:i].strip() else -1
+            got = _json_at(block, j + 1) if j >= 0 else None
+            if got is None or not isinstance(got[0], dict):
+                return [], block
+            tail = block[got[1]:].lstrip()
+            if not tail.startswith(FN_CLOSE) and tail:
+                return [], block
+            pos = len(block) - len(tail) + (len(FN_CLOSE) if tail else 0)
+            calls.append(ToolCall(block[i + len(FN_OPEN):j].strip(), json.dumps(got[0], ensure_ascii=False)))
         return calls, ""
 
     def _parse_json_calls(self, block: str, final: bool) -> tuple[list[ToolCall], str]:

@@ -1,8 +1,8 @@
 """Our tool-call parsing and prompts against stock llama.cpp's, on the chat templates of Llama 3.3, Firefunction v2,
-Command-R7B, Functionary v3.1 and Qwen3: the answers of common/chat's parser (tests/server/data/stock_toolcalls.json, written by
-tools/stock_chat_parse.py from the stock build of the pin) for a set of model answers, each fed to our parser whole and
-in pieces. Where stock's parser fails an answer that does not fit the format, ours answers it as content. Ours strips
-the whitespace around reasoning and content, which stock keeps.
+Command-R7B, Functionary v3.1 and Qwen3: the answers of common/chat's parser (tests/server/data/stock_toolcalls.json,
+written by tools/stock_chat_parse.py from the stock build of the pin) for a set of model answers, each fed to our
+parser whole and in pieces. Where stock's parser fails an answer that does not fit the format, ours answers it as
+content. Ours strips the whitespace around reasoning and content, which stock keeps.
 """
 from __future__ import annotations
 

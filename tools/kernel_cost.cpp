@@ -1,10 +1,12 @@
-// Per-weight cost of ggml's CPU matmul kernels in a decode step (one activation row), built and run against one
-// build's ggml libraries by tools/kernel_cost.py (ours or stock llama.cpp's, to compare the two).
+// Per-weight cost of ggml's CPU matmul kernels in a decode step (one activation row) and in a prompt batch (64
+// rows), built and run against one build's ggml libraries by tools/kernel_cost.py (ours or stock llama.cpp's, to
+// compare the two).
 //
 //   kernel_cost time THREADS TYPE...   for each shape below and TYPE (plain and, where the CPU has one, repacked
 //                                      layout): wall time per node with the weights coming from memory (many
 //                                      copies of the tensor, more bytes than the last-level cache; the routed
-//                                      experts change every step), as ps per weight and GB/s
+//                                      experts change every step), as ps per weight and GB/s; for the batches, ps
+//                                      per multiply-add (weight x row)
 //   kernel_cost check THREADS OUT TYPE...  small deterministic matmuls; writes every output's raw floats to OUT
 //                                      (the same inputs in every build: compare the files byte for byte) and
 //                                      prints the matmuls it ran ("experts q2_K repacked": a layout the CPU has),
@@ -15,6 +17,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -28,6 +31,7 @@ struct Shape {
     const char * name;
     int64_t n_in, n_out, n_as; // n_as = 0: a dense matmul
     int k;                     // routed experts per step
+    int n_tok = 1;             // activation rows (tokens) per step
 };
 
 ggml_backend_buffer_type_t repack_buft() {
@@ -71,9 +75,9 @@ struct Bench {
         }
         ggml_backend_buffer_type_t buft = repacked ? repack_buft() : ggml_backend_cpu_buffer_type();
         ggml_backend_buffer_t bw = buft != nullptr ? ggml_backend_alloc_ctx_tensors_from_buft(cw, buft) : nullptr;
-        ggml_tensor * x = ggml_new_tensor_3d(cw, GGML_TYPE_F32, sh.n_in, 1, 1);
-        ggml_tensor * x2 = ggml_new_tensor_2d(cw, GGML_TYPE_F32, sh.n_in, 1);
-        ggml_tensor * ids = ggml_new_tensor_2d(cw, GGML_TYPE_I32, std::max(sh.k, 1), 1);
+        ggml_tensor * x = ggml_new_tensor_3d(cw, GGML_TYPE_F32, sh.n_in, 1, sh.n_tok);
+        ggml_tensor * x2 = ggml_new_tensor_2d(cw, GGML_TYPE_F32, sh.n_in, sh.n_tok);
+        ggml_tensor * ids = ggml_new_tensor_2d(cw, GGML_TYPE_I32, std::max(sh.k, 1), sh.n_tok);
         ggml_backend_buffer_t bx = ggml_backend_alloc_ctx_tensors(cw, backend);
         ggml_tensor * probe = sh.n_as ? ggml_mul_mat_id(cw, ws[0], x, ids) : ggml_mul_mat(cw, ws[0], x2);
         if (bw == nullptr || (repacked && (ws[0]->extra == nullptr ||
@@ -98,22 +102,26 @@ struct Bench {
         for (auto * w : ws) { // the repacked buffer takes whole tensors only
             ggml_backend_tensor_set(w, q.data(), 0, q.size());
         }
-        std::vector<float> xv(sh.n_in);
+        std::vector<float> xv(sh.n_in * sh.n_tok);
         for (auto & v : xv) {
             v = nd(rng);
         }
         ggml_backend_tensor_set(sh.n_as ? x : x2, xv.data(), 0, xv.size() * sizeof(float));
-        std::vector<int32_t> idv(std::max(sh.k, 1));
-        auto route = [&]() { // distinct experts, new every step (as routing gives)
+        const size_t k = std::max(sh.k, 1);
+        std::vector<int32_t> idv(k * sh.n_tok);
+        auto route = [&]() { // distinct experts per token, new every step (as routing gives)
             if (sh.n_as == 0) {
                 return;
             }
-            for (size_t i = 0; i < idv.size(); i++) {
-                int32_t e;
-                do {
-                    e = (int32_t) (rng() % sh.n_as);
-                } while (std::find(idv.begin(), idv.begin() + i, e) != idv.begin() + i);
-                idv[i] = e;
+            for (int t = 0; t < sh.n_tok; t++) {
+                const auto tok = idv.begin() + t * k;
+                for (size_t i = 0; i < k; i++) {
+                    int32_t e;
+                    do {
+                        e = (int32_t) (rng() % sh.n_as);
+                    } while (std::find(tok, tok + i, e) != tok + i);
+                    tok[i] = e;
+                }
             }
             ggml_backend_tensor_set(ids, idv.data(), 0, idv.size() * sizeof(int32_t));
         };
@@ -169,13 +177,19 @@ int main(int argc, char ** argv) {
     ggml_cpu_init();
     Bench bench{ ggml_backend_cpu_init() };
     ggml_backend_cpu_set_n_threads(bench.backend, n_threads);
-    // the 8.1 GB bench model's matmuls (qwen3moe: 64 experts, top-8)
-    const Shape timed[] = { { "gate/up", 1024, 768, 64, 8 }, { "down", 768, 1024, 64, 8 },
-                            { "attn_q", 1024, 2048, 0, 0 }, { "head", 1024, 151936, 0, 0 } };
-    const Shape checked[] = { { "experts", 512, 64, 8, 4 }, { "dense", 768, 48, 0, 0 } };
+    // the 8.1 GB bench model's matmuls (qwen3moe: 64 experts, top-8), a decode step and a batch of 64 tokens
+    const Shape timed[] = { { "gate/up", 1024, 768, 64, 8 },       { "down", 768, 1024, 64, 8 },
+                            { "attn_q", 1024, 2048, 0, 0 },        { "head", 1024, 151936, 0, 0 },
+                            { "gate/up x64", 1024, 768, 64, 8, 64 }, { "down x64", 768, 1024, 64, 8, 64 },
+                            { "attn_q x64", 1024, 2048, 0, 0, 64 } };
+    // decode, and batches whose experts get 4+ rows (the gemm, patch 0005) and whose dense rows are not a
+    // multiple of 4 (the gemm, then the gemv for the rest)
+    const Shape checked[] = { { "experts", 512, 64, 8, 4 },         { "dense", 768, 48, 0, 0 },
+                              { "experts x16", 512, 64, 8, 4, 16 }, { "dense x18", 768, 48, 0, 0, 18 } };
     std::vector<float> values;
     if (!check) {
-        std::printf("| matmul | type | layout | us per node | ps per weight | GB/s |\n|---|---|---|---|---|---|\n");
+        std::printf("| matmul | type | layout | us per node | ps per weight (x64: per weight x row) | GB/s |\n"
+                    "|---|---|---|---|---|---|\n");
     }
     for (const Shape & sh : check ? std::vector<Shape>(std::begin(checked), std::end(checked))
                                   : std::vector<Shape>(std::begin(timed), std::end(timed))) {
@@ -186,17 +200,19 @@ int main(int argc, char ** argv) {
             }
             for (bool repacked : { false, true }) {
                 const double bytes = (double) ggml_row_size(type, sh.n_in) * sh.n_out * std::max<int64_t>(sh.n_as, 1);
-                const int copies = check ? 1 : (int) std::clamp<double>(1.5e9 / bytes, 1, 256);
+                const int copies = check ? 1 : (int) std::clamp<double>(1.5e9 / bytes / std::sqrt(sh.n_tok), 1, 256);
                 double s = 0;
-                if (!bench.run(sh, type, repacked, copies, check ? 0 : 20, &s, check ? &values : nullptr)) {
+                if (!bench.run(sh, type, repacked, copies, check ? 0 : std::max(20 / sh.n_tok, 2), &s,
+                               check ? &values : nullptr)) {
                     continue;
                 }
                 if (check) {
                     std::printf("%s %s %s %zu\n", sh.name, argv[a], repacked ? "repacked" : "plain", values.size());
                 } else {
-                    const double weights = (double) sh.n_in * sh.n_out * std::max(sh.k, 1);
+                    const double weights = (double) sh.n_in * sh.n_out * std::max(sh.k, 1) * sh.n_tok;
                     std::printf("| %s | %s | %s | %.1f | %.1f | %.1f |\n", sh.name, argv[a], repacked ? "repacked" : "plain",
-                                s * 1e6, s * 1e12 / weights, weights * ggml_row_size(type, sh.n_in) / sh.n_in / s / 1e9);
+                                s * 1e6, s * 1e12 / weights,
+                                weights / sh.n_tok * ggml_row_size(type, sh.n_in) / sh.n_in / s / 1e9);
                     std::fflush(stdout);
                 }
             }

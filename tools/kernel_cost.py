@@ -7,12 +7,19 @@ Compiles tools/kernel_cost.cpp once against each build's ggml libraries and runs
   python tools/kernel_cost.py --check [--types q2_K,q4_K]     the same small matmuls in both builds; exit 0 when
                                                               every output is bit-identical (a layout only our
                                                               build has: equal to its plain one to float rounding)
-Patch 0006 gives the repacked Q2_K gemv our kernel: the table shows what it saves, the check that it changes no bit.
+                                                              and our batched experts' gemm gives the gemv's bits
+Patches 0006 and 0007 give the repacked Q2_K and Q4_K gemv our kernels, 0008 the repacked Q2_K gemm: the table
+shows what they save, the check that they change no bit. The check runs our build twice: with
+RAPIDMOE_REPACK_MMID_GEMM=0 and RAPIDMOE_GEMM_Q2_K=0 (every routed row through the gemv, as stock llama.cpp does,
+and upstream's gemm), compared with stock, and as it is (patch 0005: an expert's rows through the gemm by 4; our
+Q2_K gemm), compared with that first run: the routed Q2_K rows (our gemm against the gemv) bit for bit, the rest
+(a gemm against the gemv or against upstream's gemm, which add in other orders) to float rounding.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -68,15 +75,20 @@ def main() -> int:
         return 0
     if set(exes) != {"ours", "stock"}:
         ap.error("--check compares two builds: --builds ours,stock")
+    upstream = {"RAPIDMOE_REPACK_MMID_GEMM": "0", "RAPIDMOE_GEMM_Q2_K": "0"}
     with tempfile.TemporaryDirectory() as d:
-        runs = {b: run_check(exe, args.threads, types, Path(d) / f"{b}.f32") for b, exe in exes.items()}
-    return compare(runs["ours"], runs["stock"], names=["ours", "stock"])
+        stock = run_check(exes["stock"], args.threads, types, Path(d) / "stock.f32")
+        ours_gemv = run_check(exes["ours"], args.threads, types, Path(d) / "ours-gemv.f32", env=upstream)
+        ours = run_check(exes["ours"], args.threads, types, Path(d) / "ours.f32")
+    status = compare(ours_gemv, stock, names=["ours", "stock"])
+    return max(status, compare_gemm(ours, ours_gemv))
 
 
-def run_check(exe: Path, threads: int, types: list[str], out: Path) -> dict[str, np.ndarray]:
+def run_check(exe: Path, threads: int, types: list[str], out: Path,
+              env: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """One build's check run: {matmul ("experts q2_K repacked"): its output values}, in the order it ran them."""
     lines = subprocess.run([str(exe), "check", str(threads), str(out), *types], check=True, stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, text=True).stdout.split("\n")
+                           stderr=subprocess.DEVNULL, text=True, env={**os.environ, **(env or {})}).stdout.split("\n")
     values = np.fromfile(out, dtype=np.float32)
     result, start = {}, 0
     for line in filter(None, lines):
@@ -84,6 +96,30 @@ def run_check(exe: Path, threads: int, types: list[str], out: Path) -> dict[str,
         result[name] = values[start:int(end)]
         start = int(end)
     return result
+
+
+def max_error(a: np.ndarray, b: np.ndarray) -> float:
+    """The largest difference of a and b, relative to b's largest value."""
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+
+def compare_gemm(ours: dict[str, np.ndarray], gemv: dict[str, np.ndarray]) -> int:
+    """0 when our build as it is (an expert's batched rows through the gemm) equals its run with every routed row
+    through the gemv and upstream's gemm: routed Q2_K rows (our gemm, patch 0008, against the gemv) bit for bit, the
+    rest to float rounding."""
+    ok = set(ours) == set(gemv) and any(" x" in m for m in ours)
+    for m in (m for m in ours if m in gemv):
+        exact = m.startswith("experts") and " q2_K " in f" {m} "
+        if ours[m].tobytes() == gemv[m].tobytes():
+            continue
+        err = max_error(ours[m], gemv[m])
+        ok = ok and not exact and err <= 1e-5
+        print(f"{m}: as built against upstream's kernels and the gemv: max error {err:.1e} of the largest output "
+              f"({'NOT bit-identical' if exact else 'within' if err <= 1e-5 else 'BEYOND'}"
+              f"{'' if exact else ' float rounding (1e-5)'})")
+    batched = [m for m in ours if m.startswith("experts x") and " q2_K repacked" in m]
+    print(f"gemm (batched rows) against gemv: {'q2_K bit-identical' if ok else 'FAILED'}: " + "; ".join(batched))
+    return 0 if ok else 1
 
 
 def compare(first: dict[str, np.ndarray], second: dict[str, np.ndarray], names: list[str]) -> int:
@@ -104,7 +140,7 @@ def compare(first: dict[str, np.ndarray], second: dict[str, np.ndarray], names: 
             print(f"{m}: only in {names[0]}, and no plain layout to compare it with")
             ok = False
             continue
-        err = float(np.max(np.abs(first[m] - plain)) / max(float(np.max(np.abs(plain))), 1e-30))
+        err = max_error(first[m], plain)
         close = err <= 1e-5
         ok = ok and close
         print(f"{m}: only in {names[0]} (no such layout there on this CPU); against {names[0]}'s plain layout: "

@@ -1,0 +1,180 @@
+// Q2_K x Q8_K gemm over llama.cpp's repacked block_q2_Kx8 layout (8 columns interleaved in 8-byte chunks) and the
+// 4-row interleaved activations (block_q8_Kx4), for prompt batches: the routed rows of an expert (patch 0005 groups
+// them by 4) and dense matmuls.
+//
+// Why our own: upstream's AVX2 kernel spends about as much per activation row as its gemv does, because it unpacks
+// and shuffles each weight block again for every 4 rows. Profiled on the bench model (pp512, 2 threads, Zen 5 with
+// AVX2) it took 24.8 CPU ms per token, where ik_llama.cpp's repacked Q2_K gemm takes 7.7. This kernel
+//  - unpacks a weight block once (8 columns x 256 2-bit values to bytes, the 16 sub-blocks' scales to 16-bit lanes,
+//    the mins) into a buffer that stays in L1, then multiplies it with every 4-row group of the batch: the unpack
+//    is paid once per block, not once per 4 rows;
+//  - multiplies each 4-column vector as it is laid out with the activation's 8 bytes broadcast (a load, no shuffle),
+//    as our gemv does (rapidmoe-gemv-q2k.cpp), so the inner loop is loads, multiplies and adds.
+// Every integer sum is exact (no 16-bit partial exceeds 2 x 2 x 3 x 128), and the float operations per (row,
+// column) are the gemv's, in its order (per block: acc += sum x (column scale x row scale), mins likewise, then
+// acc - mins): the output is bit-identical to the repacked gemv run on each row, ours and upstream's
+// (tools/kernel_cost.py --check, tests/engine/test_cpu_kernels.py). Upstream's AVX2 gemm adds the same terms in
+// another order: equal to float rounding.
+#include "rapidmoe-gemm-q2k.h"
+
+#include "repack.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+bool rapidmoe_gemm_q2_K_enabled() {
+    static const bool enabled = [] {
+        const char * env = std::getenv("RAPIDMOE_GEMM_Q2_K");
+        return env == nullptr || std::strcmp(env, "0") != 0;
+    }();
+    return enabled;
+}
+
+#if defined(__AVX2__)
+namespace {
+
+// One weight block (8 columns x 256 values) unpacked for the 4-row products
+struct UnpackedQ2K {
+    __m256i w[16][4];     // sub-block j: columns 0-3 values 0-7, columns 0-3 values 8-15, the same for columns 4-7
+    __m256i scale[16][2]; // sub-block j: each column's scale in 4 16-bit lanes, columns 0-3 and 4-7
+    __m256i mins[2][4];   // half h, sub-block pair i: 16-bit lanes (column c, sub-block 8h + 2i + p) for c, p
+    __m256 d;             // the columns' super-block scales
+    __m256 dmin;          // and min scales
+};
+
+void unpack(const block_q2_Kx8 & blk, UnpackedQ2K & u) {
+    const __m256i m3b = _mm256_set1_epi8(3);
+    const __m256i m4b = _mm256_set1_epi8(0xF);
+    const __m128i m4b_sse = _mm_set1_epi8(0xF);
+    const char Z = (char) 0x80; // pshufb: a zero byte
+    // A sub-block's scale of column c is the low nibble of byte 2c + p of its 16 scale bytes (p: the sub-block's
+    // parity). These masks make 16-bit lanes, each column's scale 4 times: columns 0-3 (lo) or 4-7 (hi).
+#define RAPIDMOE_SCALES(c0, c1, c2, c3, p)                                                                            \
+    _mm256_setr_epi8(2 * c0 + p, Z, 2 * c0 + p, Z, 2 * c0 + p, Z, 2 * c0 + p, Z, 2 * c1 + p, Z, 2 * c1 + p, Z,        \
+                     2 * c1 + p, Z, 2 * c1 + p, Z, 2 * c2 + p, Z, 2 * c2 + p, Z, 2 * c2 + p, Z, 2 * c2 + p, Z,        \
+                     2 * c3 + p, Z, 2 * c3 + p, Z, 2 * c3 + p, Z, 2 * c3 + p, Z)
+    const __m256i scales_lo[2] = { RAPIDMOE_SCALES(0, 1, 2, 3, 0), RAPIDMOE_SCALES(0, 1, 2, 3, 1) };
+    const __m256i scales_hi[2] = { RAPIDMOE_SCALES(4, 5, 6, 7, 0), RAPIDMOE_SCALES(4, 5, 6, 7, 1) };
+#undef RAPIDMOE_SCALES
+    u.d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) blk.d));
+    u.dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) blk.dmin));
+    for (int h = 0; h < 2; h++) {
+        // 256 bytes: 4 x (columns 0-3, columns 4-7), each byte 4 sub-blocks' 2-bit values; sub-block k of the
+        // half: values 0-7 in raw[2 (k & 1)], 8-15 in raw[2 (k & 1) + 1], at bits 2 (k / 2)
+        const uint8_t * q = blk.qs + h * 256;
+        const uint8_t * sc = blk.scales + h * 64;
+        for (int k = 0; k < 8; k++) {
+            const int src = (k & 1) * 2;
+            const int shift = 2 * (k / 2);
+            const __m128i shift_count = _mm_cvtsi32_si128(shift);
+            __m256i * w = u.w[8 * h + k];
+            w[0] = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *) (q + 64 * src)), shift_count), m3b);
+            w[1] = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *) (q + 64 * (src + 1))), shift_count), m3b);
+            w[2] = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *) (q + 64 * src + 32)), shift_count), m3b);
+            w[3] = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *) (q + 64 * (src + 1) + 32)), shift_count), m3b);
+            const __m256i sc16 =
+                _mm256_and_si256(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) (sc + 16 * (k / 2)))), m4b);
+            u.scale[8 * h + k][0] = _mm256_shuffle_epi8(sc16, scales_lo[k & 1]);
+            u.scale[8 * h + k][1] = _mm256_shuffle_epi8(sc16, scales_hi[k & 1]);
+        }
+        for (int i = 0; i < 4; i++) {
+            const __m128i ms = _mm_loadu_si128((const __m128i *) (sc + 16 * i));
+            u.mins[h][i] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(ms, 4), m4b_sse));
+        }
+    }
+}
+
+// The integer sums of one block for 4 activation rows: sums[r] (columns 0-7) and mins[r] (the mins against the
+// activation's 16-value sums), exact
+inline void block_sums(const UnpackedQ2K & u, const block_q8_Kx4 & a, __m256i sums[4], __m256i mins[4]) {
+    __m256i acc_lo[4];
+    __m256i acc_hi[4];
+    for (int r = 0; r < 4; r++) {
+        acc_lo[r] = _mm256_setzero_si256();
+        acc_hi[r] = _mm256_setzero_si256();
+    }
+    for (int j = 0; j < 16; j++) {
+        // sub-block j of row r: values 0-7 at qs + 64 j + 8 r, values 8-15 32 bytes on
+        const int8_t * aq = a.qs + 64 * j;
+        const __m256i w0 = u.w[j][0];
+        const __m256i w1 = u.w[j][1];
+        const __m256i w2 = u.w[j][2];
+        const __m256i w3 = u.w[j][3];
+        for (int r = 0; r < 4; r++) {
+            const __m256i a0 = _mm256_set1_epi64x(*(const int64_t *) (aq + 8 * r));
+            const __m256i a1 = _mm256_set1_epi64x(*(const int64_t *) (aq + 32 + 8 * r));
+            const __m256i p_lo = _mm256_add_epi16(_mm256_maddubs_epi16(w0, a0), _mm256_maddubs_epi16(w1, a1));
+            const __m256i p_hi = _mm256_add_epi16(_mm256_maddubs_epi16(w2, a0), _mm256_maddubs_epi16(w3, a1));
+            acc_lo[r] = _mm256_add_epi32(acc_lo[r], _mm256_madd_epi16(p_lo, u.scale[j][0]));
+            acc_hi[r] = _mm256_add_epi32(acc_hi[r], _mm256_madd_epi16(p_hi, u.scale[j][1]));
+        }
+    }
+    // hadd(lo, hi) holds columns 0 1 4 5 | 2 3 6 7: back to 0..7
+    const __m256i natural = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    for (int r = 0; r < 4; r++) {
+        sums[r] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(acc_lo[r], acc_hi[r]), natural);
+        // row r's 16-value sums of sub-blocks 8h..8h+7: 4 at bsums + 32 h + 4 r, 4 at bsums + 32 h + 16 + 4 r
+        __m256i m = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m128i lo = _mm_loadl_epi64((const __m128i *) (a.bsums + 32 * h + 4 * r));
+            const __m128i hi = _mm_loadl_epi64((const __m128i *) (a.bsums + 32 * h + 16 + 4 * r));
+            const __m256i q8s = _mm256_broadcastsi128_si256(_mm_unpacklo_epi64(lo, hi));
+            const __m256i m01 = _mm256_madd_epi16(_mm256_shuffle_epi32(q8s, 0), u.mins[h][0]);
+            const __m256i m23 = _mm256_madd_epi16(_mm256_shuffle_epi32(q8s, 85), u.mins[h][1]);
+            const __m256i m45 = _mm256_madd_epi16(_mm256_shuffle_epi32(q8s, 170), u.mins[h][2]);
+            const __m256i m67 = _mm256_madd_epi16(_mm256_shuffle_epi32(q8s, 255), u.mins[h][3]);
+            m = _mm256_add_epi32(m, _mm256_add_epi32(_mm256_add_epi32(m01, m23), _mm256_add_epi32(m45, m67)));
+        }
+        mins[r] = m;
+    }
+}
+
+}  // namespace
+#endif
+
+void rapidmoe_gemm_q2_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc) {
+#if defined(__AVX2__)
+    const int nb = n / QK_K;
+    const int n_groups = nr / 4;
+    const auto * b_start = (const block_q2_Kx8 *) vx;
+    const auto * a_start = (const block_q8_Kx4 *) vy;
+    // the float accumulators of every row of the batch for the 8 columns at hand: sums, mins
+    static thread_local std::vector<__m256> acc;
+    acc.resize(2 * (size_t) nr);
+    alignas(32) UnpackedQ2K u;
+    for (int x = 0; x < nc / 8; x++) {
+        const block_q2_Kx8 * b_ptr = b_start + (int64_t) x * nb;
+        for (int b = 0; b < nb; b++) {
+            unpack(b_ptr[b], u);
+            for (int y = 0; y < n_groups; y++) {
+                const block_q8_Kx4 & a = a_start[(int64_t) y * nb + b];
+                __m256i sums[4];
+                __m256i mins[4];
+                block_sums(u, a, sums, mins);
+                for (int r = 0; r < 4; r++) {
+                    const __m256 row_scale = _mm256_set1_ps(a.d[r]);
+                    __m256 & acc_row = acc[2 * (4 * y + r)];
+                    __m256 & acc_min = acc[2 * (4 * y + r) + 1];
+                    if (b == 0) {
+                        acc_row = _mm256_setzero_ps();
+                        acc_min = _mm256_setzero_ps();
+                    }
+                    acc_row = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(u.d, row_scale), acc_row);
+                    acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(u.dmin, row_scale), acc_min);
+                }
+            }
+        }
+        for (int row = 0; row < 4 * n_groups; row++) {
+            _mm256_storeu_ps(s + (int64_t) row * bs + x * 8, _mm256_sub_ps(acc[2 * row], acc[2 * row + 1]));
+        }
+    }
+#else
+    (void) n; (void) s; (void) bs; (void) vx; (void) vy; (void) nr; (void) nc;
+#endif
+}

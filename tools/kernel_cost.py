@@ -8,12 +8,12 @@ Compiles tools/kernel_cost.cpp once against each build's ggml libraries and runs
                                                               every output is bit-identical (a layout only our
                                                               build has: equal to its plain one to float rounding)
                                                               and our batched experts' gemm gives the gemv's bits
-Patches 0006 and 0007 give the repacked Q2_K and Q4_K gemv our kernels, 0008 the repacked Q2_K gemm: the table
-shows what they save, the check that they change no bit. The check runs our build twice: with
-RAPIDMOE_REPACK_MMID_GEMM=0 and RAPIDMOE_GEMM_Q2_K=0 (every routed row through the gemv, as stock llama.cpp does,
-and upstream's gemm), compared with stock, and as it is (patch 0005: an expert's rows through the gemm by 4; our
-Q2_K gemm), compared with that first run: the routed Q2_K rows (our gemm against the gemv) bit for bit, the rest
-(a gemm against the gemv or against upstream's gemm, which add in other orders) to float rounding.
+Patches 0006 and 0007 give the repacked Q2_K and Q4_K gemvs our kernels, 0008 their gemms: the table shows what
+they save, the check that they change no bit. The check runs our build twice: with RAPIDMOE_REPACK_MMID_GEMM=0 and
+RAPIDMOE_GEMM=0 (every routed row through the gemv, as stock llama.cpp does, and upstream's gemms), compared with
+stock, and as it is (patch 0005: an expert's rows through the gemm by 4; our gemms), compared with that first run:
+the routed rows (our gemm against the gemv) bit for bit, the dense rows (our gemm against upstream's, which adds in
+another order) to float rounding.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from stock_llama import STOCK, build_stock
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "tools" / "kernel_cost.cpp"
+OUR_GEMMS = ("q2_K", "q4_K")  # the repacked types whose gemm is ours (patch 0008)
 sys.path.insert(0, str(ROOT / "tools"))
 
 
@@ -75,7 +76,7 @@ def main() -> int:
         return 0
     if set(exes) != {"ours", "stock"}:
         ap.error("--check compares two builds: --builds ours,stock")
-    upstream = {"RAPIDMOE_REPACK_MMID_GEMM": "0", "RAPIDMOE_GEMM_Q2_K": "0"}
+    upstream = {"RAPIDMOE_REPACK_MMID_GEMM": "0", "RAPIDMOE_GEMM": "0"}
     with tempfile.TemporaryDirectory() as d:
         stock = run_check(exes["stock"], args.threads, types, Path(d) / "stock.f32")
         ours_gemv = run_check(exes["ours"], args.threads, types, Path(d) / "ours-gemv.f32", env=upstream)
@@ -105,11 +106,11 @@ def max_error(a: np.ndarray, b: np.ndarray) -> float:
 
 def compare_gemm(ours: dict[str, np.ndarray], gemv: dict[str, np.ndarray]) -> int:
     """0 when our build as it is (an expert's batched rows through the gemm) equals its run with every routed row
-    through the gemv and upstream's gemm: routed Q2_K rows (our gemm, patch 0008, against the gemv) bit for bit, the
-    rest to float rounding."""
+    through the gemv and upstream's gemms: the routed rows of the types with our gemm (patch 0008, against the gemv)
+    bit for bit, the rest to float rounding."""
     ok = set(ours) == set(gemv) and any(" x" in m for m in ours)
     for m in (m for m in ours if m in gemv):
-        exact = m.startswith("experts") and " q2_K " in f" {m} "
+        exact = m.startswith("experts") and m.split()[-2] in OUR_GEMMS
         if ours[m].tobytes() == gemv[m].tobytes():
             continue
         err = max_error(ours[m], gemv[m])
@@ -117,8 +118,8 @@ def compare_gemm(ours: dict[str, np.ndarray], gemv: dict[str, np.ndarray]) -> in
         print(f"{m}: as built against upstream's kernels and the gemv: max error {err:.1e} of the largest output "
               f"({'NOT bit-identical' if exact else 'within' if err <= 1e-5 else 'BEYOND'}"
               f"{'' if exact else ' float rounding (1e-5)'})")
-    batched = [m for m in ours if m.startswith("experts x") and " q2_K repacked" in m]
-    print(f"gemm (batched rows) against gemv: {'q2_K bit-identical' if ok else 'FAILED'}: " + "; ".join(batched))
+    batched = [m for m in ours if m.startswith("experts x") and m.endswith("repacked") and m.split()[-2] in OUR_GEMMS]
+    print(f"gemm (batched rows) against gemv: {'bit-identical' if ok else 'FAILED'}: " + "; ".join(batched))
     return 0 if ok else 1
 
 

@@ -18,17 +18,17 @@ def test_repacked_q2k_gemv_is_stocks_bit_for_bit(stock_bin: Path) -> None:
     build's ggml (Q2_K and Q4_K, plain and repacked, routed experts and a dense matmul, 2 threads), every output
     float compared byte for byte. On an AVX-512 CPU the repacked Q2_K gemv is our kernel in our build and upstream's
     in the stock one; on an AVX2 CPU without AVX-512 only our build repacks Q2_K (patch 0006), and its repacked
-    outputs must equal its plain layout's to float rounding. Batches (16 tokens routed to 4 of 8 experts, 18 dense rows)
-    run the gemm: our Q2_K gemm (patch 0008) must give the gemv's bits for the experts' rows, and the dense rows'
-    outputs must equal the plain layout's to float rounding."""
+    outputs must equal its plain layout's to float rounding. Batches (16 tokens routed to 4 of 8 experts, 18 dense
+    rows) run the gemm: our Q2_K and Q4_K gemms (patch 0008) must give the gemv's bits for the experts' rows, and
+    the dense rows' outputs must equal the plain layout's to float rounding."""
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_cost.py"), "--check", "--types", "q2_K,q4_K"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "bit-identical in ours and stock" in out.stdout
     info = _core.system_info()
     if "AVX2 = 1" in info:  # our gemm runs on AVX2 and AVX-512 CPUs; elsewhere upstream's repacked kernels run
-        assert "gemm (batched rows) against gemv: q2_K bit-identical: experts x16 q2_K repacked" in out.stdout, \
-            out.stdout
+        assert ("gemm (batched rows) against gemv: bit-identical: experts x16 q2_K repacked; experts x16 q4_K repacked"
+                in out.stdout), out.stdout
     if "AVX512 = 1" in info:  # stock llama.cpp repacks Q2_K on x86 only with AVX-512: both builds run it
         assert "q2_K repacked;" in out.stdout.split("\n")[0], out.stdout
     elif "AVX2 = 1" in info:  # ours also repacks it with AVX2 alone, and the stock build has no such layout

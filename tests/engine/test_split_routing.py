@@ -52,9 +52,12 @@ def test_r0_is_exactly_stock_on_the_wq_file(split_pair, stock_bin: Path, tmp_pat
     order than stock's one gemv per row; test_repacked_mul_mat_id_gemm_rows_match_the_gemv checks that path). The
     experts are repacked on an AVX-512 CPU, so this also holds our Q2_K gemv (patch 0006) to upstream's. On an AVX2
     CPU without AVX-512 stock keeps Q2_K plain and our build repacks it (patch 0006): RAPIDMOE_Q2_K_REPACK=0 keeps
-    it plain here too (tools/kernel_cost.py --check compares that repacked gemv with the plain kernel)."""
+    it plain here too (tools/kernel_cost.py --check compares that repacked gemv with the plain kernel). Our Q2_K and
+    Q4_K gemms (patch 0008) give the gemv's bits, where upstream's add in another order: RAPIDMOE_GEMM=0 keeps
+    upstream's for the prompt's dense rows."""
     monkeypatch.setenv("RAPIDMOE_REPACK_MMID_GEMM", "0")
     monkeypatch.setenv("RAPIDMOE_Q2_K_REPACK", "0")
+    monkeypatch.setenv("RAPIDMOE_GEMM", "0")
     _, wq, wr = split_pair
     toks = _tokens(wq)
     ours = _logits(wq, toks, residual_path=wr, n_critical=0)
@@ -297,9 +300,10 @@ def test_masked_mul_mat_id_on_repacked_weights_matches_numpy(type_name: str, mon
 def test_repacked_mul_mat_id_gemm_rows_match_the_gemv(type_name: str, masked: bool,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Patch 0005: on repacked weights an expert's routed rows go four at a time through the gemm kernel, the rest
-    (count % 4) through the gemv. A prompt-sized batch (experts with 0 to many rows, groups and remainders): equal
-    to the gemv-only path (RAPIDMOE_REPACK_MMID_GEMM=0) to float rounding, to numpy to quantization error, and the
-    masked op's skipped slots are zero rows."""
+    (count % 4) through the gemv. A prompt-sized batch (experts with 0 to many rows, groups and remainders): with
+    our gemm (patch 0008, AVX2) equal to the gemv-only path (RAPIDMOE_REPACK_MMID_GEMM=0) bit for bit, with
+    upstream's (RAPIDMOE_GEMM=0, which adds in another order) to float rounding, to numpy to quantization error,
+    and the masked op's skipped slots are zero rows."""
     _require_repacked(type_name)
     rng = np.random.default_rng(5)
     n_as, n_out, n_in, T, k = 8, 64, 512, 61, 4
@@ -311,13 +315,19 @@ def test_repacked_mul_mat_id_gemm_rows_match_the_gemv(type_name: str, masked: bo
         ids[rng.random((T, k)) < 0.4] = -1
     monkeypatch.setenv("RAPIDMOE_REPACK_MMID_GEMM", "1")
     gemm = _core.mul_mat_id(raw, int(qt), n_in, b, ids, masked=masked, repacked=True)
+    monkeypatch.setenv("RAPIDMOE_GEMM", "0")
+    upstream_gemm = _core.mul_mat_id(raw, int(qt), n_in, b, ids, masked=masked, repacked=True)
     monkeypatch.setenv("RAPIDMOE_REPACK_MMID_GEMM", "0")
     gemv = _core.mul_mat_id(raw, int(qt), n_in, b, ids, masked=masked, repacked=True)
     keep = ids >= 0
     counts = np.bincount(ids[keep], minlength=n_as)
     assert counts.max() >= 8 and (counts % 4 != 0).any()  # the batch takes both paths
-    assert not np.array_equal(gemm[keep], gemv[keep])  # the gemm ran (it sums in another order)
-    assert _rel(gemm[keep], gemv[keep]) < 1e-5
+    assert not np.array_equal(upstream_gemm[keep], gemv[keep])  # the gemm ran (upstream's sums in another order)
+    assert _rel(upstream_gemm[keep], gemv[keep]) < 1e-5
+    if "AVX2 = 1" in _core.system_info():  # our gemm: the gemv's bits
+        np.testing.assert_array_equal(gemm[keep], gemv[keep])
+    else:
+        assert _rel(gemm[keep], gemv[keep]) < 1e-5
     ref = np.einsum("tkoi,ti->tko", deq[np.where(keep, ids, 0)], b[:, 0].astype(np.float64))
     assert _rel(gemm[keep], ref[keep]) < 2e-2
     np.testing.assert_array_equal(gemm[~keep], 0.0)

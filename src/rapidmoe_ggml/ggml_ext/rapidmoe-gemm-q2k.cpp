@@ -15,7 +15,7 @@
 // acc - mins): the output is bit-identical to the repacked gemv run on each row, ours and upstream's
 // (tools/kernel_cost.py --check, tests/engine/test_cpu_kernels.py). Upstream's AVX2 gemm adds the same terms in
 // another order: equal to float rounding.
-#include "rapidmoe-gemm-q2k.h"
+#include "rapidmoe-gemm.h"
 
 #include "repack.h"
 
@@ -24,17 +24,7 @@
 #endif
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
-
-bool rapidmoe_gemm_q2_K_enabled() {
-    static const bool enabled = [] {
-        const char * env = std::getenv("RAPIDMOE_GEMM_Q2_K");
-        return env == nullptr || std::strcmp(env, "0") != 0;
-    }();
-    return enabled;
-}
 
 #if defined(__AVX2__)
 namespace {

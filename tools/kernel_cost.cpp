@@ -7,7 +7,8 @@
 //                                      copies of the tensor, more bytes than the last-level cache; the routed
 //                                      experts change every step), as ps per weight and GB/s; for the batches, ps
 //                                      per multiply-add (weight x row)
-//   kernel_cost check THREADS OUT TYPE...  small deterministic matmuls; writes every output's raw floats to OUT
+//   kernel_cost check THREADS OUT TYPE...  the activations' Q8_K quantization of edge-case rows (its bytes), then
+//                                      small deterministic matmuls; writes every output's raw floats to OUT
 //                                      (the same inputs in every build: compare the files byte for byte) and
 //                                      prints the matmuls it ran ("experts q2_K repacked": a layout the CPU has),
 //                                      each with the count of values written so far (its end in OUT)
@@ -164,6 +165,39 @@ struct Bench {
     }
 };
 
+// Rows of 256 values quantized by the CPU backend's Q8_K from_float (the activations of every K-quant matmul),
+// their block bytes appended to out as floats' worth of bytes: random values, the largest magnitude reached with
+// both signs (the first one sets the scale), a block of zeros, values that scale to exact halves (ties), a wide
+// range of magnitudes
+void quantize_q8_K_cases(std::vector<float> & out) {
+    std::mt19937 rng(3);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    const int n = 256;
+    std::vector<float> rows;
+    auto add = [&](auto value) {
+        for (int j = 0; j < n; j++) {
+            rows.push_back(value(j));
+        }
+    };
+    for (int r = 0; r < 4; r++) {
+        add([&](int) { return nd(rng); });
+    }
+    add([&](int j) { return j == 17 ? -3.0f : j == 200 ? 3.0f : nd(rng); });
+    add([&](int j) { return j == 5 ? 3.0f : j == 9 ? -3.0f : nd(rng); });
+    add([&](int) { return 0.0f; });
+    add([&](int j) { return j == 0 ? -127.0f : (float) (j % 64) - 31.5f; }); // scale 1: every other value a tie
+    add([&](int j) { return std::ldexp(nd(rng), (j % 40) - 20); });
+    const ggml_from_float_t quantize = ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float;
+    const size_t row_bytes = ggml_row_size(GGML_TYPE_Q8_K, n);
+    std::vector<uint8_t> q(rows.size() / n * row_bytes, 0);
+    for (size_t r = 0; r < rows.size() / n; r++) {
+        quantize(rows.data() + r * n, q.data() + r * row_bytes, n);
+    }
+    std::vector<float> as_floats((q.size() + sizeof(float) - 1) / sizeof(float), 0.0f);
+    std::memcpy(as_floats.data(), q.data(), q.size());
+    out.insert(out.end(), as_floats.begin(), as_floats.end());
+}
+
 }  // namespace
 
 int main(int argc, char ** argv) {
@@ -187,6 +221,10 @@ int main(int argc, char ** argv) {
     const Shape checked[] = { { "experts", 512, 64, 8, 4 },         { "dense", 768, 48, 0, 0 },
                               { "experts x16", 512, 64, 8, 4, 16 }, { "dense x18", 768, 48, 0, 0, 18 } };
     std::vector<float> values;
+    if (check) { // the activations' quantization (Q8_K, patch 0009): its bytes, for vectors that test its edges
+        quantize_q8_K_cases(values);
+        std::printf("quantize q8_K %zu\n", values.size());
+    }
     if (!check) {
         std::printf("| matmul | type | layout | us per node | ps per weight (x64: per weight x row) | GB/s |\n"
                     "|---|---|---|---|---|---|\n");

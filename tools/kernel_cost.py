@@ -8,8 +8,9 @@ Compiles tools/kernel_cost.cpp once against each build's ggml libraries and runs
                                                               every output is bit-identical (a layout only our
                                                               build has: equal to its plain one to float rounding)
                                                               and our batched experts' gemm gives the gemv's bits
-Patches 0006 and 0007 give the repacked Q2_K and Q4_K gemvs our kernels, 0008 their gemms: the table shows what
-they save, the check that they change no bit. The check runs our build twice: with RAPIDMOE_REPACK_MMID_GEMM=0 and
+Patches 0006 and 0007 give the repacked Q2_K and Q4_K gemvs our kernels, 0008 their gemms, 0009 the activations'
+Q8_K quantization: the table shows what they save, the check that they change no bit (it compares the quantized
+bytes of edge-case rows too). The check runs our build twice: with RAPIDMOE_REPACK_MMID_GEMM=0 and
 RAPIDMOE_GEMM=0 (every routed row through the gemv, as stock llama.cpp does, and upstream's gemms), compared with
 stock, and as it is (patch 0005: an expert's rows through the gemm by 4; our gemms), compared with that first run:
 the routed rows (our gemm against the gemv) bit for bit, the dense rows (our gemm against upstream's, which adds in

@@ -5,6 +5,7 @@ src/llama-graph.cpp, YaRN RoPE in ggml-cpu/ops.cpp): `forward(path, tokens)` ret
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,15 @@ class Model:
 
 
 def load(path: str | Path) -> Model:
+    """The model's hyperparameters and (memory-mapped, read-only) tensors; read once per file and kept: gguf-py's
+    reader takes seconds on a tokenizer of tens of thousands of tokens, and tests ask for the same file many times
+    (the key has the file's size and mtime, so a file written again is read again)."""
+    st = Path(path).stat()
+    return _load(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, size: int, mtime_ns: int) -> Model:
     reader = gguf.GGUFReader(path)
     kv = {k: f.contents() for k, f in reader.fields.items() if not k.startswith(("tokenizer.ggml.", "GGUF."))}
     tensors = {}

@@ -5,6 +5,7 @@ Pure numpy + gguf: no llama.cpp build needed.
 # ruff: noqa: RUF001, RUF003 - DeepSeek's special tokens really are written with U+FF5C (fullwidth vertical bar)
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -13,12 +14,15 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import gguf
 import numpy as np
 import pytest
 from reference.numpy_forward import route
 from testkit import PIN, ROOT
+
+from rapidmoe.ggufio import GGUFFile
 
 
 def _load_synthetic() -> ModuleType:
@@ -55,6 +59,14 @@ def vocab_dir() -> Path:
 def tiny_files(vocab_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("synthetic")
     return {arch: syn.write_model(syn.spec_for(arch, "tiny"), out / f"{arch}.gguf", vocab_dir) for arch in ARCHS}
+
+
+@functools.cache
+def _gguf_py(path: Path) -> tuple[gguf.GGUFReader, dict[str, Any]]:
+    """gguf-py's reader of a file and its fields' contents, read once: the tests below read the same two files, and
+    gguf-py takes seconds on their tokenizers."""
+    r = gguf.GGUFReader(path)
+    return r, {k: f.contents() for k, f in r.fields.items()}
 
 
 def _sha256(path: Path) -> str:
@@ -165,8 +177,7 @@ def test_missing_vocab_dir_is_a_clear_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_metadata_and_tensors_match_llama_cpp_layout(arch: str, tiny_files: dict[str, Path], vocab_dir: Path) -> None:
     spec = syn.spec_for(arch, "tiny")
-    r = gguf.GGUFReader(tiny_files[arch])
-    kv = {k: f.contents() for k, f in r.fields.items()}
+    r, kv = _gguf_py(tiny_files[arch])
 
     def hp(key: str) -> object:
         return kv[f"{arch}.{key}"]
@@ -181,7 +192,7 @@ def test_metadata_and_tensors_match_llama_cpp_layout(arch: str, tiny_files: dict
     src_tok = {kv.key: ([kv.vtype] + ([kv.sub_type] if kv.sub_type is not None else []), kv.value)
                for kv in syn.read_tokenizer(vocab_dir / f"ggml-vocab-{spec.vocab}.gguf")}
     assert len(src_tok) >= 5
-    assert src_tok == {k: (f.types, f.contents()) for k, f in r.fields.items()
+    assert src_tok == {k: (f.types, kv[k]) for k, f in r.fields.items()
                        if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
     n_vocab = len(src_tok["tokenizer.ggml.tokens"][1])
     assert hp("vocab_size") == n_vocab
@@ -237,7 +248,7 @@ EXPECTED_TEMPLATE = {"qwen2": "Qwen-Qwen3-0.6B.jinja", "deepseek-coder": "llama-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_models_carry_a_chat_template_that_fits_their_tokenizer(arch: str, tiny_files: dict[str, Path],
                                                                  vocab_dir: Path) -> None:
-    kv = {k: f.contents() for k, f in gguf.GGUFReader(tiny_files[arch]).fields.items()}
+    _, kv = _gguf_py(tiny_files[arch])
     vocab = syn.spec_for(arch, "tiny").vocab
     expected = (vocab_dir / "templates" / EXPECTED_TEMPLATE[vocab]).read_text(encoding="utf-8")
     assert kv["tokenizer.chat_template"] == expected
@@ -250,15 +261,16 @@ def test_chat_template_choice(vocab_dir: Path, tmp_path: Path) -> None:
     small = {"n_layer": 1, "n_embd": 64, "n_head": 2, "n_expert": 4, "n_expert_used": 2, "n_ff_exp": 32}
     spec = syn.spec_for("qwen3moe", "tiny", **small)
 
+    # read with our header reader (tests/conversion/test_ggufio.py: the same fields as gguf-py's), which takes a
+    # second where gguf-py's takes ten on these tokenizers (Qwen2's: 151k tokens)
     def template_of(**changes: object) -> object:
         path = syn.write_model(spec.replace(**changes), tmp_path / "m.gguf", vocab_dir)
-        field = gguf.GGUFReader(path).fields.get("tokenizer.chat_template")
-        return None if field is None else field.contents()
+        return GGUFFile(path).get("tokenizer.chat_template")
 
     qwen3 = (vocab_dir / "templates" / EXPECTED_TEMPLATE["qwen2"]).read_text(encoding="utf-8")
     r1 = (vocab_dir / "templates" / EXPECTED_TEMPLATE["deepseek-llm"]).read_text(encoding="utf-8")
     assert template_of(vocab="qwen2") == qwen3  # "auto" follows the tokenizer, not the architecture
-    qwen2_tokens = gguf.GGUFReader(vocab_dir / "ggml-vocab-qwen2.gguf").fields["tokenizer.ggml.tokens"].contents()
+    qwen2_tokens = GGUFFile(vocab_dir / "ggml-vocab-qwen2.gguf").get("tokenizer.ggml.tokens")
     assert "<|im_start|>" in qwen3 and "<|im_start|>" in qwen2_tokens
     assert template_of(vocab="deepseek-llm") == r1
     assert template_of(vocab="gpt-2") is None  # no template fits it: the server falls back to ChatML

@@ -1,7 +1,7 @@
-"""CI's short, seeded fuzz run (docs/fuzzing.md): a few hundred inputs of every target, about two minutes on two
-cores, failing on any crash, sanitizer report, hang, traceback, failure without the one error line, or half-written
-output. The seed and counts are fixed, so CI tries the same inputs every time (a finding reproduces from its
-record); the long runs of docs/fuzzing.md try other seeds. The inputs must reach the deep paths too, or the run
+"""CI's short, seeded fuzz run (docs/fuzzing.md): tens to a few hundred inputs of every target, about a minute and a
+half on two cores, failing on any crash, sanitizer report, hang, traceback, failure without the one error line, or
+half-written output. The seed and counts are fixed, so CI tries the same inputs every time (a finding reproduces
+from its record); the long runs of docs/fuzzing.md try other seeds. The inputs must reach the deep paths too, or the run
 would pass by finding nothing: the test checks that they did (llama.cpp's loader, the sidecar's C++ attach,
 generation, every operator)."""
 from __future__ import annotations
@@ -18,7 +18,12 @@ from fuzz.targets import Bases
 pytestmark = pytest.mark.native
 
 SEED = 24
-PLAN = [("model", 140), ("sidecar", 70), ("imatrix", 200), ("frequency", 200), ("policy", 200), ("trace", 200)]
+# Each count covers every mutator kind its target draws with this seed, with margin (measured on this seed: the
+# model target's 25 operators and its 6 case kinds by input 41, the sidecar's 22 operators by input 70, the policy
+# target's 12 JSON/text operators by input 18, imatrix/frequency/trace theirs by inputs 141/171/156). A model input
+# runs the model (about a second each on two busy cores), a reader input about a tenth of that.
+# An operator change that leaves one out of the model run fails the ops assertion below by name: raise the count.
+PLAN = [("model", 80), ("sidecar", 70), ("imatrix", 200), ("frequency", 200), ("policy", 50), ("trace", 200)]
 N_HTTP = 150
 
 

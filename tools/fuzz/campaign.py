@@ -60,6 +60,7 @@ def run_campaign(bases: Bases, plan: Sequence[tuple[str, int]], *, seed: int, ou
                  fork: bool = True, env: dict[str, str], timeout: float = BASE_TIMEOUT, start: int = 0,
                  convert_share: float = 0.02, progress: Callable[[str], None] | None = None) -> Summary:
     """Run `n` cases of each (target, n) in plan, indices start.. start+n-1, on `jobs` workers."""
+    out = out.resolve()  # the fork servers chdir into each case's directory: its path must not be relative
     out.mkdir(parents=True, exist_ok=True)
     summary = Summary()
     lock = threading.Lock()

@@ -17,6 +17,7 @@
 // another order: equal to float rounding.
 #include "rapidmoe-gemm.h"
 
+#include "rapidmoe-simd.h"
 #include "repack.h"
 
 #if defined(__AVX2__)
@@ -24,6 +25,7 @@
 #endif
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -97,8 +99,8 @@ inline void block_sums(const UnpackedQ2K & u, const block_q8_Kx4 & a, __m256i su
         const __m256i w2 = u.w[j][2];
         const __m256i w3 = u.w[j][3];
         for (int r = 0; r < 4; r++) {
-            const __m256i a0 = _mm256_set1_epi64x(*(const int64_t *) (aq + 8 * r));
-            const __m256i a1 = _mm256_set1_epi64x(*(const int64_t *) (aq + 32 + 8 * r));
+            const __m256i a0 = broadcast_8_bytes(aq + 8 * r);
+            const __m256i a1 = broadcast_8_bytes(aq + 32 + 8 * r);
             const __m256i p_lo = _mm256_add_epi16(_mm256_maddubs_epi16(w0, a0), _mm256_maddubs_epi16(w1, a1));
             const __m256i p_hi = _mm256_add_epi16(_mm256_maddubs_epi16(w2, a0), _mm256_maddubs_epi16(w3, a1));
             acc_lo[r] = _mm256_add_epi32(acc_lo[r], _mm256_madd_epi16(p_lo, u.scale[j][0]));

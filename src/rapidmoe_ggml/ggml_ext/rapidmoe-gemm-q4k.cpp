@@ -11,6 +11,7 @@
 // (tools/kernel_cost.py --check). Upstream's AVX2 gemm adds in another order: equal to float rounding.
 #include "rapidmoe-gemm.h"
 
+#include "rapidmoe-simd.h"
 #include "repack.h"
 
 #if defined(__AVX2__)
@@ -101,7 +102,7 @@ inline void block_sums(const UnpackedQ4K & u, const block_q8_Kx4 & a, __m256i su
             __m256i p_lo = _mm256_setzero_si256();
             __m256i p_hi = _mm256_setzero_si256();
             for (int i = 0; i < 4; i++) {
-                const __m256i ai = _mm256_set1_epi64x(*(const int64_t *) (aq + 32 * i + 8 * r));
+                const __m256i ai = broadcast_8_bytes(aq + 32 * i + 8 * r);
                 p_lo = _mm256_add_epi16(p_lo, _mm256_maddubs_epi16(u.w[sub][i][0], ai));
                 p_hi = _mm256_add_epi16(p_hi, _mm256_maddubs_epi16(u.w[sub][i][1], ai));
             }

@@ -15,6 +15,7 @@
 // with the stock build's, tests/engine/test_split_routing.py the logits at r = 0).
 #include "rapidmoe-gemv-q2k.h"
 
+#include "rapidmoe-simd.h"
 #include "repack.h"
 
 #if defined(__AVX2__)
@@ -22,6 +23,7 @@
 #endif
 
 #include <cstdint>
+#include <cstring>
 #include <cstdlib>
 
 namespace {
@@ -89,8 +91,8 @@ void rapidmoe_gemv_q2_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, c
 #define RAPIDMOE_SUB_BLOCK(k, shift)                                                                                   \
     {                                                                                                                  \
         const int src = ((k) & 1) * 2;                                                                                 \
-        const __m256i a0 = _mm256_set1_epi64x(*(const int64_t *) (aq + 16 * (k)));                                    \
-        const __m256i a1 = _mm256_set1_epi64x(*(const int64_t *) (aq + 16 * (k) + 8));                                \
+        const __m256i a0 = broadcast_8_bytes(aq + 16 * (k));                                    \
+        const __m256i a1 = broadcast_8_bytes(aq + 16 * (k) + 8);                                \
         const __m256i w_lo0 = _mm256_and_si256(_mm256_srli_epi16(raw_lo[src], shift), m3b);                            \
         const __m256i w_lo1 = _mm256_and_si256(_mm256_srli_epi16(raw_lo[src + 1], shift), m3b);                        \
         const __m256i w_hi0 = _mm256_and_si256(_mm256_srli_epi16(raw_hi[src], shift), m3b);                            \

@@ -13,6 +13,7 @@
 // it with the stock build's; tests/engine/test_cpu_kernels.py runs that).
 #include "rapidmoe-gemv-q4k.h"
 
+#include "rapidmoe-simd.h"
 #include "repack.h"
 
 #if defined(__AVX2__)
@@ -98,8 +99,8 @@ void rapidmoe_gemv_q4_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, c
                     for (int i = 0; i < 4; i++) {
                         const __m256i raw_lo = _mm256_loadu_si256((const __m256i *) (q + 64 * i));
                         const __m256i raw_hi = _mm256_loadu_si256((const __m256i *) (q + 64 * i + 32));
-                        const __m256i a0 = _mm256_set1_epi64x(*(const int64_t *) (aq + 8 * i));
-                        const __m256i a1 = _mm256_set1_epi64x(*(const int64_t *) (aq + 32 + 8 * i));
+                        const __m256i a0 = broadcast_8_bytes(aq + 8 * i);
+                        const __m256i a1 = broadcast_8_bytes(aq + 32 + 8 * i);
                         p_lo0 = _mm256_add_epi16(p_lo0, _mm256_maddubs_epi16(_mm256_and_si256(raw_lo, m4b), a0));
                         p_hi0 = _mm256_add_epi16(p_hi0, _mm256_maddubs_epi16(_mm256_and_si256(raw_hi, m4b), a0));
                         p_lo1 = _mm256_add_epi16(

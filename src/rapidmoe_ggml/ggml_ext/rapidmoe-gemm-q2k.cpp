@@ -17,6 +17,7 @@
 // another order: equal to float rounding.
 #include "rapidmoe-gemm.h"
 
+#include "rapidmoe-gemm-loop.h"
 #include "rapidmoe-simd.h"
 #include "repack.h"
 
@@ -26,7 +27,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #if defined(__AVX2__)
 namespace {
@@ -132,40 +132,7 @@ inline void block_sums(const UnpackedQ2K & u, const block_q8_Kx4 & a, __m256i su
 
 void rapidmoe_gemm_q2_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc) {
 #if defined(__AVX2__)
-    const int nb = n / QK_K;
-    const int n_groups = nr / 4;
-    const auto * b_start = (const block_q2_Kx8 *) vx;
-    const auto * a_start = (const block_q8_Kx4 *) vy;
-    // the float accumulators of every row of the batch for the 8 columns at hand: sums, mins
-    static thread_local std::vector<__m256> acc;
-    acc.resize(2 * (size_t) nr);
-    alignas(32) UnpackedQ2K u;
-    for (int x = 0; x < nc / 8; x++) {
-        const block_q2_Kx8 * b_ptr = b_start + (int64_t) x * nb;
-        for (int b = 0; b < nb; b++) {
-            unpack(b_ptr[b], u);
-            for (int y = 0; y < n_groups; y++) {
-                const block_q8_Kx4 & a = a_start[(int64_t) y * nb + b];
-                __m256i sums[4];
-                __m256i mins[4];
-                block_sums(u, a, sums, mins);
-                for (int r = 0; r < 4; r++) {
-                    const __m256 row_scale = _mm256_set1_ps(a.d[r]);
-                    __m256 & acc_row = acc[2 * (4 * y + r)];
-                    __m256 & acc_min = acc[2 * (4 * y + r) + 1];
-                    if (b == 0) {
-                        acc_row = _mm256_setzero_ps();
-                        acc_min = _mm256_setzero_ps();
-                    }
-                    acc_row = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(u.d, row_scale), acc_row);
-                    acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(u.dmin, row_scale), acc_min);
-                }
-            }
-        }
-        for (int row = 0; row < 4 * n_groups; row++) {
-            _mm256_storeu_ps(s + (int64_t) row * bs + x * 8, _mm256_sub_ps(acc[2 * row], acc[2 * row + 1]));
-        }
-    }
+    rapidmoe_gemm_columns<block_q2_Kx8, UnpackedQ2K, unpack, block_sums>(n, s, bs, vx, vy, nr, nc);
 #else
     (void) n; (void) s; (void) bs; (void) vx; (void) vy; (void) nr; (void) nc;
 #endif

@@ -27,24 +27,6 @@ namespace {
 
 constexpr int PREFETCH_BYTES = 2048; // about two blocks (1152 bytes each) ahead, as for Q2_K
 
-#if defined(__AVX2__)
-// The 12 bytes of one sub-block's 6-bit scales and mins of the 8 columns, unpacked as upstream does: bytes 0-7 the
-// columns' scales, 8-15 their mins
-inline __m128i unpack_scales_mins(const uint8_t * packed) {
-    constexpr uint32_t kmask1 = 0x3f3f3f3f;
-    constexpr uint32_t kmask2 = 0x0f0f0f0f;
-    constexpr uint32_t kmask3 = 0x03030303;
-    uint32_t u[4];
-    std::memcpy(u, packed, 12);
-    u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
-    const uint32_t mins_lo = u[1] & kmask1;
-    u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
-    u[2] = mins_lo;
-    u[0] &= kmask1;
-    return _mm_set_epi32((int) u[3], (int) u[2], (int) u[1], (int) u[0]);
-}
-#endif
-
 }  // namespace
 
 void rapidmoe_gemv_q4_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc) {

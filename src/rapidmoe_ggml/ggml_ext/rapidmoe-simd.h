@@ -1,4 +1,4 @@
-// Small SIMD helpers shared by RapidMoE's CPU kernels (ggml_ext/*.cpp).
+// Small SIMD helpers shared by RapidMoE's CPU kernels (ggml_ext/*.cpp): activation loads, K-quant scale unpacking.
 #pragma once
 
 #include <cstdint>
@@ -13,5 +13,21 @@ inline __m256i broadcast_8_bytes(const int8_t * p) {
     int64_t v;
     std::memcpy(&v, p, sizeof(v));
     return _mm256_set1_epi64x(v);
+}
+
+// The 12 bytes of one sub-block's 6-bit scales and mins of the 8 columns: bytes 0-7 the columns' scales, 8-15
+// their mins (as upstream unpacks them)
+inline __m128i unpack_scales_mins(const uint8_t * packed) {
+    constexpr uint32_t kmask1 = 0x3f3f3f3f;
+    constexpr uint32_t kmask2 = 0x0f0f0f0f;
+    constexpr uint32_t kmask3 = 0x03030303;
+    uint32_t u[4];
+    std::memcpy(u, packed, 12);
+    u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+    const uint32_t mins_lo = u[1] & kmask1;
+    u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+    u[2] = mins_lo;
+    u[0] &= kmask1;
+    return _mm_set_epi32((int) u[3], (int) u[2], (int) u[1], (int) u[0]);
 }
 #endif

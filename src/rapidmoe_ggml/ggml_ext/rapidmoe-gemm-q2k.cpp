@@ -44,16 +44,10 @@ void unpack(const block_q2_Kx8 & blk, UnpackedQ2K & u) {
     const __m256i m3b = _mm256_set1_epi8(3);
     const __m256i m4b = _mm256_set1_epi8(0xF);
     const __m128i m4b_sse = _mm_set1_epi8(0xF);
-    const char Z = (char) 0x80; // pshufb: a zero byte
     // A sub-block's scale of column c is the low nibble of byte 2c + p of its 16 scale bytes (p: the sub-block's
     // parity). These masks make 16-bit lanes, each column's scale 4 times: columns 0-3 (lo) or 4-7 (hi).
-#define RAPIDMOE_SCALES(c0, c1, c2, c3, p)                                                                            \
-    _mm256_setr_epi8(2 * c0 + p, Z, 2 * c0 + p, Z, 2 * c0 + p, Z, 2 * c0 + p, Z, 2 * c1 + p, Z, 2 * c1 + p, Z,        \
-                     2 * c1 + p, Z, 2 * c1 + p, Z, 2 * c2 + p, Z, 2 * c2 + p, Z, 2 * c2 + p, Z, 2 * c2 + p, Z,        \
-                     2 * c3 + p, Z, 2 * c3 + p, Z, 2 * c3 + p, Z, 2 * c3 + p, Z)
-    const __m256i scales_lo[2] = { RAPIDMOE_SCALES(0, 1, 2, 3, 0), RAPIDMOE_SCALES(0, 1, 2, 3, 1) };
-    const __m256i scales_hi[2] = { RAPIDMOE_SCALES(4, 5, 6, 7, 0), RAPIDMOE_SCALES(4, 5, 6, 7, 1) };
-#undef RAPIDMOE_SCALES
+    const __m256i scales_lo[2] = { scale_lanes_mask(0, 2, 0), scale_lanes_mask(0, 2, 1) };
+    const __m256i scales_hi[2] = { scale_lanes_mask(4, 2, 0), scale_lanes_mask(4, 2, 1) };
     u.d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) blk.d));
     u.dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) blk.dmin));
     for (int h = 0; h < 2; h++) {

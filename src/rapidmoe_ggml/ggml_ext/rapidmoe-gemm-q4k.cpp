@@ -36,14 +36,9 @@ struct UnpackedQ4K {
 
 void unpack(const block_q4_Kx8 & blk, UnpackedQ4K & u) {
     const __m256i m4b = _mm256_set1_epi8(0xF);
-    const char Z = (char) 0x80; // pshufb: a zero byte
     // 16-bit lanes from the 8 scale bytes (byte c: column c), each column's scale 4 times: columns 0-3 or 4-7
-#define RAPIDMOE_SCALES(c0, c1, c2, c3)                                                                                \
-    _mm256_setr_epi8(c0, Z, c0, Z, c0, Z, c0, Z, c1, Z, c1, Z, c1, Z, c1, Z, c2, Z, c2, Z, c2, Z, c2, Z, c3, Z, c3, Z,  \
-                     c3, Z, c3, Z)
-    const __m256i scales_lo = RAPIDMOE_SCALES(0, 1, 2, 3);
-    const __m256i scales_hi = RAPIDMOE_SCALES(4, 5, 6, 7);
-#undef RAPIDMOE_SCALES
+    const __m256i scales_lo = scale_lanes_mask(0, 1, 0);
+    const __m256i scales_hi = scale_lanes_mask(4, 1, 0);
     u.d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) blk.d));
     u.dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) blk.dmin));
     for (int p = 0; p < 4; p++) {

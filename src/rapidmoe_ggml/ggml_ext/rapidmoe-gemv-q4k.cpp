@@ -34,14 +34,9 @@ void rapidmoe_gemv_q4_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, c
 #if defined(__AVX2__)
     const int nb = n / QK_K;
     const __m256i m4b = _mm256_set1_epi8(0xF);
-    const char Z = (char) 0x80; // pshufb: a zero byte
     // 16-bit lanes from the 8 scale bytes (byte c: column c), each column's scale 4 times: columns 0-3 or 4-7
-#define RAPIDMOE_SCALES(c0, c1, c2, c3)                                                                                \
-    _mm256_setr_epi8(c0, Z, c0, Z, c0, Z, c0, Z, c1, Z, c1, Z, c1, Z, c1, Z, c2, Z, c2, Z, c2, Z, c2, Z, c3, Z, c3, Z,  \
-                     c3, Z, c3, Z)
-    const __m256i scales_lo = RAPIDMOE_SCALES(0, 1, 2, 3);
-    const __m256i scales_hi = RAPIDMOE_SCALES(4, 5, 6, 7);
-#undef RAPIDMOE_SCALES
+    const __m256i scales_lo = scale_lanes_mask(0, 1, 0);
+    const __m256i scales_hi = scale_lanes_mask(4, 1, 0);
     // hadd(lo, hi) holds columns 0 1 4 5 | 2 3 6 7: back to 0..7
     const __m256i natural = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
 

@@ -15,6 +15,18 @@ inline __m256i broadcast_8_bytes(const int8_t * p) {
     return _mm256_set1_epi64x(v);
 }
 
+// A pshufb mask that makes 16-bit lanes of scale bytes: columns c0..c0+3, each column c's byte (at stride * c + offset
+// of the 16 bytes shuffled) 4 times, high bytes zero. Q2_K: stride 2, offset the sub-block's parity; Q4_K: stride 1.
+inline __m256i scale_lanes_mask(int c0, int stride, int offset) {
+    const char Z = (char) 0x80; // pshufb: a zero byte
+    const char b0 = (char) (stride * c0 + offset);
+    const char b1 = (char) (stride * (c0 + 1) + offset);
+    const char b2 = (char) (stride * (c0 + 2) + offset);
+    const char b3 = (char) (stride * (c0 + 3) + offset);
+    return _mm256_setr_epi8(b0, Z, b0, Z, b0, Z, b0, Z, b1, Z, b1, Z, b1, Z, b1, Z, b2, Z, b2, Z, b2, Z, b2, Z, b3, Z,
+                            b3, Z, b3, Z, b3, Z);
+}
+
 // The 12 bytes of one sub-block's 6-bit scales and mins of the 8 columns: bytes 0-7 the columns' scales, 8-15
 // their mins (as upstream unpacks them)
 inline __m128i unpack_scales_mins(const uint8_t * packed) {

@@ -24,6 +24,7 @@ from .overrides import BufferOverrides, build_overrides
 from .residual import MoELayerCounters, ResidualInfo, load_residual_info
 from .rpc import RPCDevice, model_devices, register_rpc_servers
 from .stream import check_min_batch, set_stream_min_batch
+from .tokenize_stack import run_with_stack_for
 from .trace import NextLayerPredictor, TraceRecorder
 from .umia.policy import Policy, PolicyError, load_policy
 from .umia.stats import RHistogram
@@ -418,6 +419,12 @@ class Llama(llama_cpp.Llama):
     def expert_cache_set(self) -> dict[int, list[int]]:
         """Deprecated: `llm.expert_cache.experts`."""
         return self._deprecated_cache("expert_cache_set", "experts").experts
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        """llama_cpp.Llama.tokenize on a stack that fits the text: llama.cpp's std::regex pre-tokenizer recurses
+        once per character of a line, so a long one would overflow the thread's stack and kill the process
+        (rapidmoe.tokenize_stack); a text too long even for that raises TextTooLongError."""
+        return run_with_stack_for(text, lambda: super(Llama, self).tokenize(text, add_bos, special))
 
     def flush_trace(self) -> int:
         """With trace=...: write the batches computed since the last flush (call after llama_decode when not using

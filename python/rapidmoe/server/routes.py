@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import __version__
 from .._runtime import llama_cpp as lc
+from ..tokenize_stack import TextTooLongError
 from . import anthropic, embeddings, metrics, responses, responses_api, sse, toolcalls
 from . import infill as fill
 from .chat import ChatTemplate, check_messages
@@ -135,7 +136,10 @@ class AppState:
 
 def _tokenize(st: AppState, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
     assert st.engine is not None
-    return st.engine.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
+    try:
+        return st.engine.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
+    except TextTooLongError as e:  # a line llama.cpp's regex pre-tokenizer cannot split (rapidmoe.tokenize_stack)
+        raise invalid_request(str(e)) from e
 
 
 def _check_ids(st: AppState, toks: list[Any], name: str) -> list[int]:

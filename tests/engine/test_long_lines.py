@@ -37,7 +37,8 @@ def _tokenize_in_child(mod: str, vocab: Path, texts: list[str], stack: int, env:
                          capture_output=True, text=True, env=env, preexec_fn=_stack_limit(stack), timeout=300,
                          cwd=ROOT / "vendor")
     assert out.returncode == 0, (mod, out.returncode, out.stderr[-2000:])
-    return json.loads(out.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+    tokens: list[list[int]] = json.loads(out.stdout.splitlines()[-1])
+    return tokens
 
 
 @pytest.mark.native

@@ -7,7 +7,8 @@
 # first (the editable install's finder told to step aside).
 #
 #   tools/asan_build.sh           # build: ~15-20 min of both cores the first time (runs under nice -n 15)
-#   tools/asan_build.sh --test    # then the sanitized subset of the tests (fuzz regressions, abort message, engine safety)
+#   tools/asan_build.sh --test    # then the sanitized subset of the tests (fuzz regressions, abort message, engine safety,
+#                                 # long lines)
 #   python tools/fuzz_run.py --asan build/asan --targets model,sidecar --n 500
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +29,7 @@ if [[ "${1:-}" == "--test" ]]; then
 e = asan_env(Path("build/asan"))
 print(" ".join(f"{k}={e[k]}" for k in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS", "PYTHONPATH", "SKBUILD_EDITABLE_SKIP")))') \
         nice -n 15 python3 -m pytest -q -s -p no:cacheprovider "${@:-tests/fuzzing/test_fuzz_regressions.py}" \
-        tests/engine/test_abort_message.py tests/engine/test_engine_safety.py 2>&1 | tee "$LOG" || rc=$?
+        tests/engine/test_abort_message.py tests/engine/test_engine_safety.py tests/engine/test_long_lines.py 2>&1 | tee "$LOG" || rc=$?
     rc=${PIPESTATUS[0]:-$rc}
     if grep -q "ERROR: AddressSanitizer\|runtime error:\|UndefinedBehaviorSanitizer" "$LOG"; then
         echo "asan_build: sanitizer reports in $LOG:" >&2

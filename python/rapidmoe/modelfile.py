@@ -4,7 +4,9 @@ Reads only the GGUF header and tensor table (memory-mapped); never loads weights
 """
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,7 +88,19 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
 # llama.cpp's limits (src/llama-hparams.h) and the rope scaling types it knows (llama_rope_scaling_type_from_string)
 LLAMA_MAX_LAYERS = 512
 LLAMA_MAX_EXPERTS = 1024
+LLAMA_FTYPE_LIMIT = 2048  # enum llama_ftype's values fit in 11 bits (its largest, LLAMA_FTYPE_GUESSED, is 1024)
 ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+# Architectures whose graph asserts that the heads rotate whole: n_embd_head_v == n_embd_head_k == n_rot (llama.cpp
+# src/models/*.cpp, GGML_ASSERT when the first graph is built, after the load); the fuzzing test recomputes the
+# list from the pinned sources (tests/fuzzing/test_upstream_asserts.py)
+ROPE_WHOLE_HEAD_ARCHS = frozenset({
+    "apertus", "arcee", "arctic", "baichuan", "chameleon", "codeshell", "cogvlm", "cohere2moe", "dbrx", "deci",
+    "deepseek", "dots1", "dream", "ernie4_5", "ernie4_5-moe", "exaone", "exaone-moe", "exaone4", "falcon", "granite",
+    "granite_swa", "graniteswitch", "grok", "grovemoe", "hunyuan-moe", "hunyuan_vl", "hy_v3", "internlm2", "jais2",
+    "llada", "llada-moe", "llama", "llama4", "maincoder", "mellum", "mistral3", "olmo", "olmo2", "olmoe", "orion",
+    "paddleocr", "pangu-embedded", "plamo", "pockettts", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen3moe",
+    "qwen3vl", "qwen3vlmoe", "rnd1", "seed_oss", "smallthinker", "smollm3", "starcoder2", "talkie", "xverse",
+})
 
 
 def hparams_problem(reader: GGUFFile, arch: str) -> str | None:
@@ -117,10 +131,42 @@ def hparams_problem(reader: GGUFFile, arch: str) -> str | None:
         return f"{arch}.expert_group_count {groups} does not fit expert_count {n_expert}"
     if n_expert > 0 and groups > 1 and (n_expert % groups or not 0 < group_used < groups):
         return f"{arch}.expert_group_count {groups} (used {group_used}) does not divide expert_count {n_expert}"
+    for key in (f"{arch}.attention.layer_norm_rms_epsilon", f"{arch}.attention.layer_norm_epsilon"):
+        eps = reader.get(key)
+        if isinstance(eps, float) and not (math.isfinite(eps) and eps >= 0):  # ggml's norms assert eps >= 0
+            return f"{key} is {eps} (a norm's epsilon must be a finite number >= 0)"
+    ftype = reader.get("general.file_type")
+    if isinstance(ftype, int) and not isinstance(ftype, bool) and not 0 <= ftype < LLAMA_FTYPE_LIMIT:
+        # llama.cpp stores it in its enum llama_ftype: a value past the enum's range is undefined behaviour
+        return f"general.file_type is {ftype} (llama.cpp's file types are 0 to {LLAMA_FTYPE_LIMIT - 1})"
     scaling = reader.get(f"{arch}.rope.scaling.type")
     if isinstance(scaling, str) and scaling not in ROPE_SCALING_TYPES:
         return f"{arch}.rope.scaling.type is {scaling!r} (llama.cpp knows {', '.join(ROPE_SCALING_TYPES)})"
-    return None
+    return _head_problem(reader, arch, num)
+
+
+def _head_problem(reader: GGUFFile, arch: str, num: Callable[[str], int | None]) -> str | None:
+    """For ROPE_WHOLE_HEAD_ARCHS: the rope dimension count, key and value head sizes as llama_model::load_hparams
+    derives them (each defaults to n_embd / n_head) must agree. Files with per-layer (SWA) head sizes are left to
+    llama.cpp: layer 0's values then depend on the architecture's SWA pattern."""
+    if arch not in ROPE_WHOLE_HEAD_ARCHS or any(
+            reader.get(f"{arch}.{k}") is not None
+            for k in ("rope.dimension_count_swa", "attention.key_length_swa", "attention.value_length_swa")):
+        return None
+    heads = reader.get(f"{arch}.attention.head_count")
+    n_head = heads[0] if isinstance(heads, list) and heads else heads
+    n_embd = num("embedding_length")
+    if not isinstance(n_head, int) or isinstance(n_head, bool) or n_head <= 0 or n_embd is None:
+        return None
+    default = n_embd // n_head
+    key, value, rot = num("attention.key_length"), num("attention.value_length"), num("rope.dimension_count")
+    key = default if key is None else key
+    value = default if value is None else value
+    rot = key if rot is None else rot
+    if key == value == rot:
+        return None
+    return (f"{arch}: rope.dimension_count {rot}, attention.key_length {key} and attention.value_length {value} "
+            f"differ (absent ones are n_embd / n_head = {default}); llama.cpp's {arch} graph needs them equal")
 
 
 def duplicate_token(reader: GGUFFile) -> tuple[int, int] | None:

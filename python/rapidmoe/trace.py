@@ -44,7 +44,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .errors import RapidMoEError
+from .errors import ModelFileError, RapidMoEError
 from .ggufio import GGUFFile, tensor_f32
 
 log = logging.getLogger(__name__)
@@ -312,7 +312,14 @@ class NextLayerPredictor:
         names = {t.name: t for t in f.tensors}
         self.k = k
         self.sigmoid = gating == 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID; unset means softmax
-        self.router = [tensor_f32(names[f"blk.{il}.ffn_gate_inp.weight"]) for il in moe_layers]  # [n_expert, d]
+        # read before llama.cpp has checked the file (the recorder is the context's eval callback): what it would
+        # refuse must be a clear error here too, not a KeyError (fuzzing: model seed 100 #301)
+        routers = [names.get(f"blk.{il}.ffn_gate_inp.weight") for il in moe_layers]
+        for il, t in zip(moe_layers, routers, strict=True):
+            if t is None or len(t.shape) != 2:
+                raise ModelFileError(f"{model_path}: MoE layer {il} has routed experts but no 2-D router tensor "
+                                     f"blk.{il}.ffn_gate_inp.weight")
+        self.router = [tensor_f32(t) for t in routers if t is not None]  # [n_expert, d]
         bias = [names.get(f"blk.{il}.exp_probs_b.bias") for il in moe_layers]
         self.bias = [tensor_f32(b) if b is not None else None for b in bias]
 

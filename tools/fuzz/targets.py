@@ -128,8 +128,8 @@ def _resign(path: Path) -> bool:
 
 def materialize(bases: Bases, recipe: dict[str, Any], workdir: Path) -> None:
     """Write a case's input files into workdir (mutant.gguf, mutant.json, ...) from its recipe."""
-    for out in ("out", "trace.bin", "trace.bin.tmp"):
-        p = workdir / out
+    # the outputs of the case before, with the temporary names a killed or sanitizer-halted run leaves (.tmpPID)
+    for p in [workdir / "out", *workdir.glob("trace.bin*")]:
         if p.is_dir():
             shutil.rmtree(p)
         else:

@@ -424,7 +424,23 @@ class Llama(llama_cpp.Llama):
         """llama_cpp.Llama.tokenize on a stack that fits the text: llama.cpp's std::regex pre-tokenizer recurses
         once per character of a line, so a long one would overflow the thread's stack and kill the process
         (rapidmoe.tokenize_stack); a text too long even for that raises TextTooLongError."""
-        return run_with_stack_for(text, lambda: super(Llama, self).tokenize(text, add_bos, special))
+        return run_with_stack_for(text, lambda: self._tokenize_now(text, add_bos, special))
+
+    def _tokenize_now(self, text: bytes, add_bos: bool, special: bool) -> list[int]:
+        """llama_tokenize into a buffer sized by the text (a token per byte at most, and BOS and EOS), where
+        llama_cpp sizes it by the model's training context: a damaged context_length made that a negative or a
+        many-GiB array per call (fuzzing: model seed 100 #2943)."""
+        vocab = self._model.vocab
+        n = len(text) + 2
+        for _ in range(2):
+            buf = (llama_cpp.llama_token * n)()
+            got = int(llama_cpp.llama_cpp.llama_tokenize(vocab, text, len(text), buf, n, add_bos, special))
+            if got >= 0:
+                return list(buf[:got])
+            if got == -(1 << 31):  # llama.cpp's answer when the count overflows int32
+                raise RapidMoEError(f"tokenizing {len(text)} bytes gives more than 2^31 tokens")
+            n = -got  # the count it needs
+        raise RuntimeError(f"llama_tokenize asked for {n} tokens twice for {len(text)} bytes")
 
     def flush_trace(self) -> int:
         """With trace=...: write the batches computed since the last flush (call after llama_decode when not using

@@ -135,6 +135,9 @@ def hparams_problem(reader: GGUFFile, arch: str) -> str | None:
         eps = reader.get(key)
         if isinstance(eps, float) and not (math.isfinite(eps) and eps >= 0):  # ggml's norms assert eps >= 0
             return f"{key} is {eps} (a norm's epsilon must be a finite number >= 0)"
+    n_ctx_train = num("context_length")
+    if n_ctx_train is not None and not 0 <= n_ctx_train < 1 << 31:  # llama_model_n_ctx_train answers an int32
+        return f"{arch}.context_length is {n_ctx_train} (at most 2^31-1)"
     ftype = reader.get("general.file_type")
     if isinstance(ftype, int) and not isinstance(ftype, bool) and not 0 <= ftype < LLAMA_FTYPE_LIMIT:
         # llama.cpp stores it in its enum llama_ftype: a value past the enum's range is undefined behaviour

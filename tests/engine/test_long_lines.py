@@ -108,3 +108,20 @@ def test_cli_run_takes_a_long_line(tiny_qwen: Path) -> None:
                          preexec_fn=_stack_limit(8 << 20))
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert out.stdout.startswith(prompt)
+
+
+@pytest.mark.native
+def test_tokenize_equals_llama_cpp_python(vocab_dir: Path) -> None:
+    """Our tokenize sizes its buffer by the text, llama_cpp's by the training context: the same tokens."""
+    from rapidmoe import Llama  # noqa: PLC0415 - the extension
+    from rapidmoe._runtime import llama_cpp  # noqa: PLC0415
+
+    llm = Llama(vocab_dir / VOCAB, vocab_only=True, verbose=False)
+    texts = [b"", b"a", b"Hello, world!", "na\u00efve \u4e2d\u6587 \U0001f600".encode(), b"<|EOT|>x<|EOT|>",
+             b"\xff\xfe broken utf-8", b"  lead and trail  \n\n"]
+    for text in texts:
+        for add_bos in (False, True):
+            for special in (False, True):
+                want = llama_cpp.Llama.tokenize(llm, text, add_bos, special)
+                assert llm.tokenize(text, add_bos, special) == want, (text, add_bos, special)
+    llm.close()

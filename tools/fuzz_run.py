@@ -68,7 +68,13 @@ def main() -> int:
                            progress=log)
     print(json.dumps({"seconds": round(summary.seconds), "counts": {t: dict(c) for t, c in summary.counts.items()},
                       "findings": summary.n_findings}, indent=1))
-    return 1 if summary.n_findings + n_findings else 0
+    shallow = [t for t, c in summary.counts.items() if sum(c.values()) >= 20 and len(summary.errors.get(t, {})) <= 1
+               and not c["ok"]]
+    for t in shallow:  # a long run that tried nothing past one check would say "0 findings" (seen: sidecar)
+        only = next(iter(summary.errors.get(t, {})), "")
+        print(f"fuzz_run: every {t} case ended in the same error ({only!r}): its inputs did not reach the code "
+              "under test; a failed run", file=sys.stderr)
+    return 1 if summary.n_findings + n_findings or shallow else 0
 
 
 if __name__ == "__main__":

@@ -57,6 +57,8 @@ def prepare_bases(dir: Path, model: Path | None = None) -> Bases:  # noqa: A002
     from rapidmoe.resplit.convert import convert  # noqa: PLC0415
     from rapidmoe.resplit.presets import get_preset  # noqa: PLC0415
 
+    dir = dir.resolve()  # noqa: A001 - the cases run in their own directories: a relative base path (the default
+    # --bases) was looked up there, and every sidecar case of a long run ended as "model file not found"
     dir.mkdir(parents=True, exist_ok=True)
     src = model if model is not None else ensure_default_model(progress=False)
     split = dir / "split"

@@ -274,6 +274,10 @@ def check_pair(wq_path: PathOrFile, wr_path: PathOrFile, *, verify: bool = True,
     if codec is not None and codec not in CODECS:
         raise ModelFileError(f"sidecar {side.path} holds codec {codec!r}, which this RapidMoE does not read (it reads "
                              f"{', '.join(CODECS)} and the classic residual/copy sidecar); not used with {base.path}")
+    lacking = [k for k in ("pair_id", "base_sha256") if k not in meta]  # written by every version
+    if lacking:  # a KeyError before (fuzzing: sidecar seed 100 #162, a re-signed sidecar without its pair id)
+        raise ModelFileError(f"sidecar {side.path} is damaged: its header lacks {', '.join(lacking)}; not used with "
+                             f"{base.path}")
     base_id = base.get("rapidmoe.resplit.pair_id")
     if base_id != meta["pair_id"]:
         raise ModelFileError(f"sidecar {side.path} does not belong to {base.path}: pair id {meta['pair_id']} in the "

@@ -1,7 +1,8 @@
 """Tokenize on a stack big enough for llama.cpp's std::regex pre-tokenizer, or refuse with a clear error.
 
 Before BPE, llama.cpp splits text with its pre-tokenizer's regexes (unicode.cpp, unicode_regex_split). The types
-without a hand-written splitter (deepseek-coder, deepseek-v3, qwen2, refact, ...) run libstdc++'s std::regex, whose
+without a hand-written splitter (deepseek-coder, deepseek-llm, deepseek-v3, falcon, gpt-neox, gpt-4o, ...; qwen2 and
+llama3's have one) run libstdc++'s std::regex, whose
 executor recurses once per character of the match it is trying: a few hundred bytes of stack per character
 (measured per vocab in docs/fuzzing.md). A prompt of 30,000 letters or brackets in a row overflows an 8 MiB thread
 stack, and the process dies with SIGSEGV and nothing printed: the server, `rapidmoe-cli run`, any caller.

@@ -15,14 +15,15 @@ from rapidmoe import _core
 @pytest.mark.stock
 def test_repacked_q2k_gemv_is_stocks_bit_for_bit(stock_bin: Path) -> None:
     """tools/kernel_cost.py --check: the same quantized weights and activations through our build's and the stock
-    build's ggml (Q2_K and Q4_K, plain and repacked, routed experts and a dense matmul, 2 threads), every output
-    float compared byte for byte. On an AVX-512 CPU the repacked Q2_K gemv is our kernel in our build and upstream's
-    in the stock one; on an AVX2 CPU without AVX-512 only our build repacks Q2_K (patch 0006), and its repacked
-    outputs must equal its plain layout's to float rounding. Batches (16 tokens routed to 4 of 8 experts, 18 dense
-    rows) run the gemm: our Q2_K and Q4_K gemms (patch 0008) must give the gemv's bits for the experts' rows, and
-    the dense rows' outputs must equal the plain layout's to float rounding."""
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_cost.py"), "--check", "--types", "q2_K,q4_K"],
-                         capture_output=True, text=True, timeout=600)
+    build's ggml (Q2_K, Q3_K and Q4_K, plain and repacked, routed experts and a dense matmul, 2 threads), every
+    output float compared byte for byte (plain Q3_K runs our dot product in our build, patch 0010). On an AVX-512
+    CPU the repacked Q2_K gemv is our kernel in our build and upstream's in the stock one; on an AVX2 CPU without
+    AVX-512 only our build repacks Q2_K (patch 0006), and its repacked outputs must equal its plain layout's to
+    float rounding. Batches (16 tokens routed to 4 of 8 experts, 18 dense rows) run the gemm: our Q2_K and Q4_K
+    gemms (patch 0008) must give the gemv's bits for the experts' rows, and the dense rows' outputs must equal the
+    plain layout's to float rounding."""
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_cost.py"), "--check",
+                          "--types", "q2_K,q3_K,q4_K"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "bit-identical in ours and stock" in out.stdout
     info = _core.system_info()

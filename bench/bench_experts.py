@@ -214,6 +214,27 @@ def f32_copy(src: Path, out: Path) -> Path:
     return out
 
 
+PRESET_FIELDS = ("wq", "wr", "down_mode", "down_type")
+
+
+def preset_spec(spec: str) -> Preset:
+    """A preset by name, or NAME:field=TYPE[:field=TYPE...] with some of its expert types replaced; a replaced one is
+    named after the whole spec (its pair's folder and its rows in the table)."""
+    name, *pairs = spec.split(":")
+    overrides: dict[str, str] = {}
+    for pair in pairs:
+        field, eq, value = pair.partition("=")
+        if not eq or field not in PRESET_FIELDS or not value:
+            raise SystemExit(f"--presets {spec!r}: {pair!r} is not field=TYPE with field one of "
+                             f"{', '.join(PRESET_FIELDS)}")
+        overrides[field] = value
+    try:
+        preset = get_preset(name, **overrides)
+    except ValueError as e:
+        raise SystemExit(f"--presets {spec!r}: {e}") from None
+    return dataclasses.replace(preset, name=spec.replace(":", "+")) if overrides else preset
+
+
 def q8_other(preset: Preset) -> Preset:
     """The preset with every non-expert tensor forced to Q8_0 (no mixture, no per-tensor overrides): only the
     routed experts differ from the stock files. Any preset by name, whatever its expert fields."""
@@ -283,7 +304,10 @@ def main() -> int:
     ap.add_argument("--n-ctx", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=12, help="chunks of --n-ctx eval tokens (all positions scored)")
     ap.add_argument("--stock", default=STOCK_TYPES, help="stock ggml types for the routed experts, comma-separated")
-    ap.add_argument("--presets", default="cpu-q8", help="our presets (any name rapidmoe.resplit knows), comma-sep.")
+    ap.add_argument("--presets", default="cpu-q8",
+                    help="our presets, comma-separated: any name rapidmoe.resplit knows, with type overrides as "
+                         "NAME:field=TYPE[:field=TYPE] (fields wq, wr, down_mode, down_type; e.g. "
+                         "cpu-q8:wr=Q4_K:down_type=Q8_0, a near-lossless critical path over a Q2_K base)")
     ap.add_argument("--r", default=None, help="fixed r values, comma-separated (default: 0..top-k)")
     ap.add_argument("--imatrix-variants", action="store_true",
                     help="also every stock type with an importance matrix computed from --calib")
@@ -298,7 +322,7 @@ def main() -> int:
     t_start = time.perf_counter()
     src = args.model.resolve()
     name = args.name or src.parent.name
-    presets = [q8_other(get_preset(p)) for p in args.presets.split(",") if p]  # unknown names fail here, early
+    presets = [q8_other(preset_spec(p)) for p in args.presets.split(",") if p]  # unknown names fail here, early
     stock_types = [s.upper() for s in args.stock.split(",") if s]
     if not stock_types:
         raise SystemExit("--stock: name at least one stock type (the curve every preset is compared with)")

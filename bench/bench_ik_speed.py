@@ -9,11 +9,14 @@ mmap'd weights move with the disk. This runs the speed half alone, over files be
 
   python bench/bench_ik_speed.py --ik /path/to/ik_llama.cpp/build --kl-from bench/out/frontier-NAME.json \\
       [--presets cpu-fast --r 0,1,2 --ik-types Q3_K_M,Q4_K_M,Q5_K_M,Q6_K --reps 3]
+Without --ik it times ours alone, against --stock-types run by the stock build's llama-bench; --ab VAR adds each
+of our points with one of our kernel switches off (VAR=0), for a kernel's end-to-end effect in the same passes.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -21,9 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ik_peer import llama_bench, locate_or_build
+from ik_peer import llama_bench, locate_or_build, run_llama_bench
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+from stock_llama import build_stock  # noqa: E402  (tools/ on the path first)
+
 WORK = ROOT / "bench" / "out" / "frontier-work"
 
 # One point of ours in a fresh process, timed as bench_frontier.py's MEASURE times it (pp: the prompt's last logits
@@ -50,17 +56,24 @@ print("RESULT " + json.dumps({"pp": pp, "tg": tg}))
 """
 
 
-def run_ours(wq: Path, wr: Path, r: int, pp: int, tg: int) -> dict[str, float]:
+def run_ours(wq: Path, wr: Path, r: int, pp: int, tg: int, env: dict[str, str] | None = None) -> dict[str, float]:
     cfg = {"wq": str(wq), "wr": str(wr), "r": r, "pp": pp, "tg": tg}
-    out = subprocess.run([sys.executable, "-c", OURS, json.dumps(cfg)], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", OURS, json.dumps(cfg)], capture_output=True, text=True, check=True,
+                         env={**os.environ, **(env or {})})
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ik", type=Path, required=True, help="ik_llama.cpp build folder or source checkout")
-    ap.add_argument("--kl-from", type=Path, required=True, help="a bench_frontier.py JSON: the points' KL")
+    ap.add_argument("--ik", type=Path, default=None,
+                    help="ik_llama.cpp build folder or source checkout (without it: no ik rows)")
+    ap.add_argument("--kl-from", type=Path, default=None, help="a bench_frontier.py JSON: the points' KL")
+    ap.add_argument("--stock-types", default="",
+                    help="stock files also timed by the stock build's llama-bench (e.g. Q4_K_M), comma-separated")
+    ap.add_argument("--ab", action="append", default=[], metavar="VAR",
+                    help="also time each of our points with VAR=0 in the environment (one of our kernel switches, "
+                         "e.g. RAPIDMOE_VEC_DOT_Q3_K); repeatable")
     ap.add_argument("--model-stem", default="synthetic-qwen3moe-bench")
     ap.add_argument("--presets", default="cpu-fast")
     ap.add_argument("--r", default="0,1,2")
@@ -70,53 +83,65 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "ik-speed.json")
     args = ap.parse_args()
-    ik = locate_or_build(args.ik)
-    kl = {row["variant"]: row["kl_mean"] for row in json.loads(args.kl_from.read_text())["rows"]}
+    ik = locate_or_build(args.ik) if args.ik is not None else None
+    stock_bench = build_stock(["llama-bench"]) / "llama-bench" if args.stock_types else None
+    kl = ({row["variant"]: row["kl_mean"] for row in json.loads(args.kl_from.read_text())["rows"]}
+          if args.kl_from is not None else {})
     points: dict[str, tuple[Any, ...]] = {}
-    for t in (t for t in args.ik_types.split(",") if t):
+    for t in (t for t in args.ik_types.split(",") if t and ik is not None):
         points[f"ik {t} -rtr"] = (WORK / f"{args.model_stem}.{t}.gguf", f"stock {t}")
+    for t in (t for t in args.stock_types.split(",") if t):
+        points[f"stock {t} (llama-bench)"] = (WORK / f"{args.model_stem}.{t}.gguf", f"stock {t}")
     for p in (p for p in args.presets.split(",") if p):
         pair = WORK / f"{args.model_stem}.{p}"
         wq, wr = pair / f"{args.model_stem}.wq.gguf", pair / f"{args.model_stem}.wr.gguf"
-        points[f"ik {p} .wq.gguf -rtr"] = (wq, f"ours {p} r=0")
+        if ik is not None:
+            points[f"ik {p} .wq.gguf -rtr"] = (wq, f"ours {p} r=0")
         for r in (int(x) for x in args.r.split(",") if x):
-            points[f"ours {p} r={r}"] = (wq, wr, r)
+            points[f"ours {p} r={r}"] = (wq, wr, r, {})
+            for var in args.ab:
+                points[f"ours {p} r={r}, {var}=0"] = (wq, wr, r, {var: "0"})
     times: dict[str, dict[str, list[float]]] = {name: {"pp": [], "tg": []} for name in points}
     for rep in range(args.reps):
         order = list(points) if rep % 2 == 0 else list(reversed(points))
         for name in order:
             spec = points[name]
             t0 = time.perf_counter()
-            if name.startswith("ik "):
+            if name.startswith("ik ") and ik is not None:
                 res = llama_bench(ik, spec[0], args.pp, args.tg)
                 pp, tg = res["pp_tps"], res["tg_tps"]
+            elif name.startswith("stock ") and stock_bench is not None:
+                res = run_llama_bench(stock_bench, spec[0], args.pp, args.tg)
+                pp, tg = res["pp_tps"], res["tg_tps"]
             else:
-                res = run_ours(spec[0], spec[1], spec[2], args.pp, args.tg)
+                res = run_ours(spec[0], spec[1], spec[2], args.pp, args.tg, env=spec[3])
                 pp, tg = res["pp"], res["tg"]
             times[name]["pp"].append(pp)
             times[name]["tg"].append(tg)
             print(f"rep {rep} {name}: pp {pp:.1f} tg {tg:.2f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     rows: list[dict[str, Any]] = []
     for name, spec in points.items():
-        kl_name = spec[1] if name.startswith("ik ") else name
+        kl_name = spec[1] if name.startswith(("ik ", "stock ")) else name.split(", ")[0]
         rows.append({"variant": name, "kl_mean": kl.get(str(kl_name)), "pp_tps": statistics.median(times[name]["pp"]),
                      "tg_tps": statistics.median(times[name]["tg"]), "pp_all": times[name]["pp"],
                      "tg_all": times[name]["tg"]})
-    q4 = next((x for x in rows if x["variant"] == "ik Q4_K_M -rtr"), None)
+    # the ratios' baseline: ik's Q4_K_M where ik ran, else stock llama.cpp's Q4_K_M, else the first row
+    base_name = next((n for n in ("ik Q4_K_M -rtr", "stock Q4_K_M (llama-bench)") if n in points), rows[0]["variant"])
+    base = next(x for x in rows if x["variant"] == base_name)
     for x in rows:
-        if q4:
-            x["decode_vs_ik_q4_k_m"] = x["tg_tps"] / q4["tg_tps"]
-            x["prefill_vs_ik_q4_k_m"] = x["pp_tps"] / q4["pp_tps"]
-    result = {"ik_commit": ik.commit, "reps": args.reps, "pp": args.pp, "tg": args.tg, "rows": rows,
-              "kl_from": str(args.kl_from), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+        x["decode_vs_base"] = x["tg_tps"] / base["tg_tps"]
+        x["prefill_vs_base"] = x["pp_tps"] / base["pp_tps"]
+    result = {"ik_commit": ik.commit if ik is not None else None, "reps": args.reps, "pp": args.pp, "tg": args.tg,
+              "baseline": base_name, "rows": rows, "kl_from": str(args.kl_from) if args.kl_from else None,
+              "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
     args.out.write_text(json.dumps(result, indent=1))
-    print("| variant | KL vs F16 | decode tok/s (median) | pp512 tok/s (median) | decode / ik Q4_K_M "
-          "| prefill / ik Q4_K_M |")
+    print(f"| variant | KL vs F16 | decode tok/s (median) | pp{args.pp} tok/s (median) | decode / {base_name} "
+          f"| prefill / {base_name} |")
     print("|---|---|---|---|---|---|")
     for x in rows:
         klv = f"{x['kl_mean']:.4f}" if x["kl_mean"] is not None else "-"
         print(f"| {x['variant']} | {klv} | {x['tg_tps']:.2f} | {x['pp_tps']:.1f} | "
-              f"{x.get('decode_vs_ik_q4_k_m', 0):.2f}x | {x.get('prefill_vs_ik_q4_k_m', 0):.2f}x |")
+              f"{x['decode_vs_base']:.2f}x | {x['prefill_vs_base']:.2f}x |")
     return 0
 
 

@@ -116,7 +116,7 @@ def test_ggml_dequantize_matches_gguf_py(micro: Path) -> None:
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((8, 512)).astype(np.float32)
-    for name in ("Q2_K", "Q3_K", "Q4_K", "Q8_0", "IQ2_XS", "IQ2_XXS", "IQ1_M"):
+    for name in ("Q2_K", "Q3_K", "Q4_K", "Q8_0", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ3_XXS"):
         qt = GGMLQuantizationType[name]
         q = _core.quantize(x, int(qt), np.ones(512, np.float32))
         np.testing.assert_allclose(_core.dequantize(q, int(qt), 512), np_dequantize(q, qt), rtol=1e-6, atol=1e-6)

@@ -39,7 +39,7 @@ from rapidmoe.synthetic.writer import read_spec
 runner = CliRunner()
 GiB = 1 << 30
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-         "IQ1_M", "IQ2_XXS", "IQ2_XS")
+         "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ3_XXS")
 
 
 # --- bytes ----------------------------------------------------------------------------------------------------

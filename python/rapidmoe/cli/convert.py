@@ -13,7 +13,7 @@ def convert(
     model: Annotated[Path, typer.Argument(help="Full-precision MoE GGUF (F32/F16/BF16, or Q8_0).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Output folder.")] = Path("."),
     preset: Annotated[str, typer.Option("--preset", help="auto (the machine's: see above), paper, paper-residual, iq2, cpu, cpu-fast, cpu-q8, dense, refine or refine-q8.")] = "auto",
-    wq: Annotated[Optional[str], typer.Option("--wq", help="Override the WQ type (IQ1_M IQ2_XXS IQ2_XS Q2_K Q3_K).")] = None,
+    wq: Annotated[Optional[str], typer.Option("--wq", help="Override the WQ type (IQ1_M IQ2_XXS IQ2_XS Q2_K IQ3_XXS Q3_K).")] = None,
     wr: Annotated[Optional[str], typer.Option("--wr", help="Override the WR type (Q2_K Q3_K Q4_K; REFINE1 only with the refine presets).")] = None,
     down: Annotated[Optional[str], typer.Option("--down", help="Override down's sidecar form: copy or residual (refine with the refine presets).")] = None,
     other: Annotated[Optional[str], typer.Option("--other-type", help="Type for non-expert matrices (Q8_0 F16 F32).")] = None,

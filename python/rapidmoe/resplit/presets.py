@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ..ggml_types import bits_per_weight
 
 # types the converter accepts for each role (the minimum set, plus what costs nothing to allow)
-WQ_TYPES = ("IQ1_M", "IQ2_XXS", "IQ2_XS", "Q2_K", "Q3_K")
+WQ_TYPES = ("IQ1_M", "IQ2_XXS", "IQ2_XS", "Q2_K", "IQ3_XXS", "Q3_K")
 WR_TYPES = ("Q2_K", "Q3_K", "Q4_K")
 DOWN_COPY_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
 OTHER_TYPES = ("Q8_0", "F16", "F32")

@@ -57,6 +57,20 @@ _LLAMA_CPP_ARGS = frozenset(
     if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD or p.kind is inspect.Parameter.KEYWORD_ONLY) - {"self"}
 
 
+FLASH_ATTN_MODES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                    "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+
+
+def flash_attn_type(mode: bool | str) -> int:
+    """llama.cpp's flash attention type for Llama(flash_attn=...): True/False (llama_cpp.Llama's bool), or "auto",
+    "on", "off" (llama.cpp's -fa values)."""
+    if isinstance(mode, bool):
+        return FLASH_ATTN_MODES["on" if mode else "off"]
+    if isinstance(mode, str) and mode in FLASH_ATTN_MODES:
+        return FLASH_ATTN_MODES[mode]
+    raise RapidMoEError(f"flash_attn must be True, False, 'auto', 'on' or 'off', not {mode!r}")
+
+
 class Llama(llama_cpp.Llama):
     """Drop-in for `llama_cpp.Llama` (same arguments and methods) with MoE placement knobs:
 
@@ -96,6 +110,9 @@ class Llama(llama_cpp.Llama):
         the threshold the latency model picks (rapidmoe.stream, docs/execution.md).
     repack: False keeps every CPU weight in the plain GGUF layout (llama.cpp's repacked CPU buffers off, as
         `--no-repack`; an expert cache implies it); the default lets llama.cpp repack for its fastest kernels.
+    flash_attn: False (default, as llama_cpp.Llama), True, or "auto" ("on"/"off" also read): llama.cpp's flash
+        attention mode; "auto" is llama-cli's and llama-server's default (on where every layer's device supports
+        it), which `rapidmoe-cli run` and `serve` pass unless told `--flash-attn off`.
     trace: record every computed token's expert choices and router weights per MoE layer into this file
         (rapidmoe.trace: format, reader); written after each `eval`, or by `flush_trace()` for callers of
         llama_decode, and completed (renamed into place) by `close()`. Uses the eval callback, so not with
@@ -131,6 +148,7 @@ class Llama(llama_cpp.Llama):
         if unknown:  # llama_cpp.Llama would ignore them: a misspelt option must not run with its default
             raise TypeError(f"Llama got unexpected keyword argument(s): {', '.join(unknown)}")
         self._repack = bool(repack)
+        self._flash_attn_type = flash_attn_type(kwargs.pop("flash_attn", False))
         info = read_model_info(model_path)  # a clear error for missing, truncated and non-GGUF files
         self._vocab_only_load = bool(kwargs.get("vocab_only", False))
         self._embedding_load = bool(kwargs.get("embedding", False))
@@ -223,6 +241,10 @@ class Llama(llama_cpp.Llama):
 
     @property
     def context_params(self) -> llama_cpp.llama_context_params:
+        # llama_cpp.Llama.__init__ writes its bool's flash attention type into these params after assigning them and
+        # before it makes the context from them: ours (which can be "auto") is applied on each read
+        self._context_params.flash_attn_type = getattr(self, "_flash_attn_type",
+                                                       llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         return self._context_params
 
     @context_params.setter

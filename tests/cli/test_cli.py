@@ -114,3 +114,29 @@ def test_convert_picks_the_machines_preset(tiny_qwen: Path, tmp_path: Path, monk
     # the paper's IQ1_M needs an importance matrix: refused in one line, naming the preset auto chose
     assert f"preset auto: {GPU_DEFAULT} (GPU: CUDA0)" in res.output
     assert res.exit_code != 0 and "importance matrix" in res.output
+
+
+@pytest.mark.native
+def test_run_and_serve_pass_flash_attention_like_llama_cpp(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """-fa / --flash-attn reaches the engine: `run` defaults to "auto" (llama-cli's and llama-server's default; the
+    Python API keeps llama_cpp.Llama's False), "off" and "on" pass through, anything else is a usage error; `serve`'s
+    config carries the same default."""
+    import rapidmoe.llama as engine  # noqa: PLC0415
+
+    seen: list[object] = []
+    real_init = engine.Llama.__init__
+
+    def spy(self: engine.Llama, *args: object, **kwargs: object) -> None:
+        seen.append(kwargs.get("flash_attn"))
+        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.Llama, "__init__", spy)
+    for extra, want in (([], "auto"), (["-fa", "off"], "off"), (["--flash-attn", "on"], "on")):
+        res = runner.invoke(app, ["run", str(tiny_qwen), "-p", "Hi", "-n", "2", "--temp", "0", *extra])
+        assert res.exit_code == 0, res.output
+        assert seen[-1] == want
+    res = runner.invoke(app, ["run", str(tiny_qwen), "-fa", "maybe"])
+    assert res.exit_code == 2 and "--flash-attn" in res.output
+    from rapidmoe.server.config import ServerConfig  # noqa: PLC0415
+
+    assert ServerConfig(model=tiny_qwen).flash_attn == "auto"

@@ -164,3 +164,30 @@ def test_bad_model_files(tmp_path: Path, tiny_qwen: Path) -> None:
     cut.write_bytes(tiny_qwen.read_bytes()[: tiny_qwen.stat().st_size // 2])
     with pytest.raises(ModelFileError, match="truncated"):
         Llama(cut, verbose=False)
+
+
+def test_flash_attn_modes_reach_the_context(tiny_qwen: Path) -> None:
+    """flash_attn takes llama_cpp.Llama's bool (default False) and llama.cpp's -fa values: the context gets that type
+    (llama_cpp.Llama writes its own bool's type into the params before making the context: ours must win), "auto"
+    runs flash attention on the CPU (the logits of "on", which differ from "off"'s), and the logits agree with the
+    numpy reference either way; anything else is refused before the load."""
+    toks = [1, 5, 9, 200, 17, 3, 88, 41]
+    ref = forward(str(tiny_qwen), toks)
+    logits = {}
+    modes: list[tuple[bool | str, int]] = [
+        (False, llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED), ("auto", llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO),
+        ("on", llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED), (True, llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)]
+    for mode, want in modes:
+        llm = Llama(tiny_qwen, n_ctx=64, n_threads=2, logits_all=True, verbose=False, flash_attn=mode)
+        try:
+            assert llm.context_params.flash_attn_type == want
+            llm.eval(toks)
+            logits[str(mode)] = np.array(llm.scores[: len(toks)])
+        finally:
+            llm.close()
+        np.testing.assert_allclose(logits[str(mode)], ref, atol=2e-3 * float(np.abs(ref).max()))
+    np.testing.assert_array_equal(logits["auto"], logits["on"])
+    np.testing.assert_array_equal(logits["True"], logits["on"])
+    assert not np.array_equal(logits["False"], logits["on"])  # the flash attention kernel really ran
+    with pytest.raises(RapidMoEError, match="flash_attn must be"):
+        Llama(tiny_qwen, flash_attn="sometimes")

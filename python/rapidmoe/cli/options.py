@@ -68,6 +68,18 @@ OverlapOpt = Annotated[OverlapMode, typer.Option(
     "the device's work). docs/execution.md.")]
 
 
+class FlashAttnMode(str, Enum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+FlashAttnOpt = Annotated[FlashAttnMode, typer.Option(
+    "--flash-attn", "-fa",
+    help="Flash attention, as llama.cpp's -fa (auto: on where every layer's device supports it, llama-cli's and "
+    "llama-server's default).")]
+
+
 def _size(value: str) -> int:
     """A memory size read with the planner's unit parser; a bad one is a usage error naming the option."""
     from ..placement.units import SizeError, parse_size  # noqa: PLC0415  (lazy: keeps --help fast)
@@ -112,8 +124,8 @@ PolicyOpt = Annotated[Optional[Path], typer.Option(
 @dataclass(frozen=True)
 class EngineOptions:
     """The engine's options that `run` and `serve` share, declared once: placement by hand (-ngl, --n-cpu-moe, -ot,
-    --rpc, -ts) or by the planner (--gpu-mem, --reserve, --freq), and the RESplit split (--residual, -r, --policy,
-    --overlap). `engine_options` puts them into a command's signature; the command gets them as one value."""
+    --rpc, -ts) or by the planner (--gpu-mem, --reserve, --freq), the RESplit split (--residual, -r, --policy,
+    --overlap) and the attention kernel (-fa). `engine_options` puts them into a command's signature; the command gets them as one value."""
 
     n_gpu_layers: GpuLayers = 0
     n_cpu_moe: NCpuMoe = 0
@@ -127,6 +139,7 @@ class EngineOptions:
     n_critical: NCritical = 2
     policy: PolicyOpt = None
     overlap: OverlapOpt = OverlapMode.auto
+    flash_attn: FlashAttnOpt = FlashAttnMode.auto
 
 
 DEFAULT_ENGINE = EngineOptions()  # the options as the command line leaves them

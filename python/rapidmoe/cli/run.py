@@ -51,7 +51,8 @@ def run(
         llm = Llama(path, n_threads=threads, n_threads_batch=threads, seed=seed, rpc_servers=rpc_servers,
                     tensor_split=options.tensor_split(engine.tensor_split), **place,
                     residual_path=engine.residual, n_critical=engine.n_critical, policy=engine.policy,
-                    overlap=engine.overlap.value, trace=trace, verbose=verbose)
+                    overlap=engine.overlap.value, flash_attn=engine.flash_attn.value, trace=trace,
+                    verbose=verbose)
     except RapidMoEError:
         raise
     except ValueError as e:  # llama_cpp reports load failures as ValueError

@@ -109,6 +109,7 @@ def serve(
         tensor_split=tuple(options.tensor_split(engine.tensor_split) or ()),
         expert_cache=place.get("expert_cache"),
         residual=engine.residual, n_critical=engine.n_critical, policy=engine.policy, overlap=engine.overlap.value,
+        flash_attn=engine.flash_attn.value,
         trace=trace, api_keys=keys, cors_origins=cors_origins, timeout=timeout,
         queue_timeout=queue_timeout, max_body=max_body, max_connections=max_connections,
         header_timeout=header_timeout, body_timeout=body_timeout, keepalive_timeout=keepalive_timeout, chat_template=chat_template, seed=seed, temperature=temp,

@@ -468,6 +468,7 @@ def _load(config: ServerConfig, st: routes.AppState) -> Llama:
                     rpc_servers=list(config.rpc_servers) or None, tensor_split=list(config.tensor_split) or None,
                     expert_cache=config.expert_cache,
                     residual_path=config.residual, n_critical=config.n_critical, overlap=config.overlap,
+                    flash_attn=config.flash_attn,
                     n_seq_max=config.parallel, trace=config.trace, pooling_type=pooling_type(config.pooling),
                     verbose=config.verbose)
     except RapidMoEError:

@@ -34,6 +34,7 @@ class ServerConfig:
     n_critical: int = 2
     policy: Path | None = None
     overlap: str = "auto"  # rapidmoe.Llama's overlap mode for split layers
+    flash_attn: str = "auto"  # llama.cpp's -fa: auto, on or off (llama-server's default: auto)
     trace: Path | None = None  # routing trace file (rapidmoe.trace), written as batches are decoded
     api_keys: tuple[str, ...] = ()
     cors_origins: str = "*"  # --cors-origins: "*" (any, the request's Origin echoed), "localhost" (a localhost Origin

@@ -11,6 +11,8 @@ mmap'd weights move with the disk. This runs the speed half alone, over files be
       [--presets cpu-fast --r 0,1,2 --ik-types Q3_K_M,Q4_K_M,Q5_K_M,Q6_K --reps 3]
 Without --ik it times ours alone, against --stock-types run by the stock build's llama-bench; --ab VAR adds each
 of our points with one of our kernel switches off (VAR=0), for a kernel's end-to-end effect in the same passes.
+Our points run with flash attention as llama-bench does (stock: auto, ik: on); before 2026-12-03 they ran
+without it (llama_cpp.Llama's default), which cost them about 9 % of decode and prefill on the bench model.
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ import json, sys, time, numpy as np
 from rapidmoe import Llama
 cfg = json.loads(sys.argv[1])
 llm = Llama(model_path=cfg["wq"], residual_path=cfg["wr"], n_critical=cfg["r"], n_ctx=cfg["pp"] + 8,
-            n_batch=cfg["pp"], n_ubatch=cfg["pp"], n_threads=2, n_threads_batch=2, logits_all=True, verbose=False)
+            n_batch=cfg["pp"], n_ubatch=cfg["pp"], n_threads=2, n_threads_batch=2, logits_all=True, verbose=False,
+            flash_attn=cfg["fa"])
 toks = list(range(1000, 1000 + cfg["pp"]))
 llm._logits_all = False
 llm.eval(toks)  # warm-up
@@ -56,8 +59,9 @@ print("RESULT " + json.dumps({"pp": pp, "tg": tg}))
 """
 
 
-def run_ours(wq: Path, wr: Path, r: int, pp: int, tg: int, env: dict[str, str] | None = None) -> dict[str, float]:
-    cfg = {"wq": str(wq), "wr": str(wr), "r": r, "pp": pp, "tg": tg}
+def run_ours(wq: Path, wr: Path, r: int, pp: int, tg: int, env: dict[str, str] | None = None,
+             fa: str = "auto") -> dict[str, float]:
+    cfg = {"wq": str(wq), "wr": str(wr), "r": r, "pp": pp, "tg": tg, "fa": fa}
     out = subprocess.run([sys.executable, "-c", OURS, json.dumps(cfg)], capture_output=True, text=True, check=True,
                          env={**os.environ, **(env or {})})
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
@@ -71,6 +75,8 @@ def main() -> int:
     ap.add_argument("--kl-from", type=Path, default=None, help="a bench_frontier.py JSON: the points' KL")
     ap.add_argument("--stock-types", default="",
                     help="stock files also timed by the stock build's llama-bench (e.g. Q4_K_M), comma-separated")
+    ap.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"],
+                    help="our points' flash attention (default auto: as stock llama-bench; ik's runs it on)")
     ap.add_argument("--ab", action="append", default=[], metavar="VAR",
                     help="also time each of our points with VAR=0 in the environment (one of our kernel switches, "
                          "e.g. RAPIDMOE_VEC_DOT_Q3_K); repeatable")
@@ -114,7 +120,7 @@ def main() -> int:
                 res = run_llama_bench(stock_bench, spec[0], args.pp, args.tg)
                 pp, tg = res["pp_tps"], res["tg_tps"]
             else:
-                res = run_ours(spec[0], spec[1], spec[2], args.pp, args.tg, env=spec[3])
+                res = run_ours(spec[0], spec[1], spec[2], args.pp, args.tg, env=spec[3], fa=args.flash_attn)
                 pp, tg = res["pp"], res["tg"]
             times[name]["pp"].append(pp)
             times[name]["tg"].append(tg)

@@ -15,7 +15,7 @@ import tempfile
 import threading
 from typing import Any
 
-from .._llama_cpp.llama_grammar import SchemaConverter
+from .._llama_cpp.llama_grammar import BuiltinRule, SchemaConverter
 from .._runtime import llama_cpp as lc
 from .errors import invalid_request
 
@@ -103,9 +103,19 @@ def _int_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
     return (None if lo is None else math.ceil(lo)), (None if hi is None else math.floor(hi))
 
 
+# A JSON string's character as llama.cpp's converter writes it (common/json-schema-to-grammar.cpp): no raw control
+# character (U+0000-U+001F) or DEL, which JSON forbids inside strings; llama-cpp-python's port allows any character
+# but '"' and '\\', so a sampled control character made the answer invalid JSON (a tool call then read as content)
+JSON_CHAR = BuiltinRule(r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F]{4})', [])
+
+
 class Converter(SchemaConverter):
     """llama-cpp-python's converter, plus integer bounds (which it ignores): a bounded range becomes its
-    values as alternatives, `minimum` 0 or 1 alone a digit pattern; other bounds are refused."""
+    values as alternatives, `minimum` 0 or 1 alone a digit pattern; other bounds are refused. A string's
+    characters follow llama.cpp's rule (JSON_CHAR)."""
+
+    def _add_primitive(self, name: str, rule: BuiltinRule) -> str:
+        return str(SchemaConverter._add_primitive(self, name, JSON_CHAR if name == "char" else rule))
 
     def visit(self, schema: dict[str, Any], name: str) -> str:
         if isinstance(schema, dict) and schema.get("type") == "integer" and any(

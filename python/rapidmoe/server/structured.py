@@ -1,9 +1,10 @@
 """Structured output: a request's `grammar` (GBNF), `json_schema` or `response_format` -> one GBNF grammar.
 
 JSON schemas become GBNF with llama-cpp-python's converter (`llama_grammar.SchemaConverter` of its Python layer, the
-Python port of llama.cpp's converter, with llama.cpp's rule for a string's characters); every grammar is parsed once here by llama.cpp's own parser
-(`llama_sampler_init_grammar`), so a bad one is a 400 that quotes the parser's message, before the engine sees the
-request. The engine's sampler then applies the grammar to generated tokens only (never the prompt).
+Python port of llama.cpp's converter, with llama.cpp's rule for a string's characters); every grammar is parsed once
+here by llama.cpp's own parser (`llama_sampler_init_grammar`), so a bad one is a 400 that quotes the parser's
+message, before the engine sees the request. The engine's sampler then applies the grammar to generated tokens only
+(never the prompt).
 """
 from __future__ import annotations
 

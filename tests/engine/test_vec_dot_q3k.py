@@ -24,21 +24,20 @@ pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or
                                 reason="the kernel is x86 with AVX2 or AVX-512")
 
 
-def _run(tmp_path: Path, march: str) -> str:
-    exe = tmp_path / f"check-{march}"
-    subprocess.run(["g++", "-O2", "-std=c++17", f"-march={march}", str(CHECK), str(EXT / "rapidmoe-vecdot-q3k.cpp"),
-                    f"-I{GGML / 'include'}", f"-I{GGML / 'src'}", f"-I{EXT}", f"-L{LIB_DIR}", "-lggml-cpu",
+def _run(exe: Path, march: str, ext: Path = EXT) -> subprocess.CompletedProcess[str]:
+    """The check program built from ext's kernel file for `march`, run against upstream's kernel in the library."""
+    subprocess.run(["g++", "-O2", "-std=c++17", f"-march={march}", str(CHECK), str(ext / "rapidmoe-vecdot-q3k.cpp"),
+                    f"-I{GGML / 'include'}", f"-I{GGML / 'src'}", f"-I{ext}", f"-L{LIB_DIR}", "-lggml-cpu",
                     "-lggml-base", f"-Wl,-rpath,{LIB_DIR}", "-o", str(exe)], check=True)
-    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "RAPIDMOE_VEC_DOT_Q3_K": "0"})
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
+    return subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "RAPIDMOE_VEC_DOT_Q3_K": "0"})
 
 
 @pytest.mark.parametrize("march", ["native", "x86-64-v3"])
 def test_q3k_vec_dot_matches_upstream_bit_for_bit(tmp_path: Path, march: str) -> None:
     """3,000 random rows of 1-16 blocks (every byte random, -128 in the activations, scales of both signs)."""
-    assert "rows 3000 mismatches 0" in _run(tmp_path, march)
+    out = _run(tmp_path / f"check-{march}", march)
+    assert out.returncode == 0 and "rows 3000 mismatches 0" in out.stdout, out.stdout + out.stderr
 
 
 def test_q3k_vec_dot_check_can_fail(tmp_path: Path) -> None:
@@ -49,10 +48,5 @@ def test_q3k_vec_dot_check_can_fail(tmp_path: Path) -> None:
     assert broken != src
     (tmp_path / "rapidmoe-vecdot-q3k.cpp").write_text(broken)
     (tmp_path / "rapidmoe-vecdot-q3k.h").write_text((EXT / "rapidmoe-vecdot-q3k.h").read_text())
-    exe = tmp_path / "check-broken"
-    subprocess.run(["g++", "-O2", "-std=c++17", "-march=native", str(CHECK), str(tmp_path / "rapidmoe-vecdot-q3k.cpp"),
-                    f"-I{GGML / 'include'}", f"-I{GGML / 'src'}", f"-I{tmp_path}", f"-L{LIB_DIR}", "-lggml-cpu",
-                    "-lggml-base", f"-Wl,-rpath,{LIB_DIR}", "-o", str(exe)], check=True)
-    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "RAPIDMOE_VEC_DOT_Q3_K": "0"})
+    out = _run(tmp_path / "check-broken", "native", tmp_path)
     assert out.returncode == 1 and "mismatches 0" not in out.stdout, out.stdout

@@ -13,7 +13,7 @@
 //   RAPIDMOE_VEC_DOT_Q3_K=0 /tmp/q3k_probe
 //
 // Measured on the AMD EPYC Zen 5 VM (AVX-512), 2026-12-03 (docs/split-routing.md, CPU performance): rows in L2
-// 17.5-19 ps per weight against 37-41 for the plain kernel; from memory 24-30 against 40-44 with one block
+// 17.5-19 ps per weight against 37-41 for the plain kernel; from memory 22-30 against 40-44 with one block
 // prefetched ahead (2 or 4 blocks ahead measured slower).
 #define GGML_COMMON_DECL_CPP
 #include "ggml-common.h"

@@ -125,7 +125,8 @@ PolicyOpt = Annotated[Optional[Path], typer.Option(
 class EngineOptions:
     """The engine's options that `run` and `serve` share, declared once: placement by hand (-ngl, --n-cpu-moe, -ot,
     --rpc, -ts) or by the planner (--gpu-mem, --reserve, --freq), the RESplit split (--residual, -r, --policy,
-    --overlap) and the attention kernel (-fa). `engine_options` puts them into a command's signature; the command gets them as one value."""
+    --overlap) and the attention kernel (-fa). `engine_options` puts them into a command's signature; the command
+    gets them as one value."""
 
     n_gpu_layers: GpuLayers = 0
     n_cpu_moe: NCpuMoe = 0

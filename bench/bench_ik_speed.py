@@ -10,7 +10,8 @@ mmap'd weights move with the disk. This runs the speed half alone, over files be
   python bench/bench_ik_speed.py --ik /path/to/ik_llama.cpp/build --kl-from bench/out/frontier-NAME.json \\
       [--presets cpu-fast --r 0,1,2 --ik-types Q3_K_M,Q4_K_M,Q5_K_M,Q6_K --reps 3]
 Without --ik it times ours alone, against --stock-types run by the stock build's llama-bench; --ab VAR adds each
-of our points with one of our kernel switches off (VAR=0), for a kernel's end-to-end effect in the same passes.
+of our points with one of our kernel switches off (VAR=0), or set to another value (--ab VAR=VALUE, e.g.
+RAPIDMOE_GEMM=avx2: our AVX2 gemms on an AVX-512 VNNI CPU), for a kernel's end-to-end effect in the same passes.
 Our points run with flash attention as llama-bench does (stock: auto, ik: on); before 2026-12-03 they ran
 without it (llama_cpp.Llama's default), which cost them about 9 % of decode and prefill on the bench model.
 """
@@ -77,9 +78,9 @@ def main() -> int:
                     help="stock files also timed by the stock build's llama-bench (e.g. Q4_K_M), comma-separated")
     ap.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"],
                     help="our points' flash attention (default auto: as stock llama-bench; ik's runs it on)")
-    ap.add_argument("--ab", action="append", default=[], metavar="VAR",
-                    help="also time each of our points with VAR=0 in the environment (one of our kernel switches, "
-                         "e.g. RAPIDMOE_VEC_DOT_Q3_K); repeatable")
+    ap.add_argument("--ab", action="append", default=[], metavar="VAR[=VALUE]",
+                    help="also time each of our points with VAR=0 (or VAR=VALUE) in the environment (one of our kernel "
+                         "switches, e.g. RAPIDMOE_VEC_DOT_Q3_K, RAPIDMOE_GEMM=avx2); repeatable")
     ap.add_argument("--model-stem", default="synthetic-qwen3moe-bench")
     ap.add_argument("--presets", default="cpu-fast")
     ap.add_argument("--r", default="0,1,2")
@@ -105,8 +106,9 @@ def main() -> int:
             points[f"ik {p} .wq.gguf -rtr"] = (wq, f"ours {p} r=0")
         for r in (int(x) for x in args.r.split(",") if x):
             points[f"ours {p} r={r}"] = (wq, wr, r, {})
-            for var in args.ab:
-                points[f"ours {p} r={r}, {var}=0"] = (wq, wr, r, {var: "0"})
+            for ab in args.ab:
+                var, _, value = ab.partition("=")
+                points[f"ours {p} r={r}, {var}={value or '0'}"] = (wq, wr, r, {var: value or "0"})
     times: dict[str, dict[str, list[float]]] = {name: {"pp": [], "tg": []} for name in points}
     for rep in range(args.reps):
         order = list(points) if rep % 2 == 0 else list(reversed(points))

@@ -42,6 +42,8 @@ else:
     from rapidmoe import Llama
     from rapidmoe._runtime import llama_cpp as lc
     kw = dict(residual_path=cfg["residual"], n_critical=cfg["r"]) if cfg["residual"] else {}
+# ours takes llama.cpp's three modes; stock llama_cpp.Llama a bool (auto turns it on on a CPU)
+kw["flash_attn"] = cfg["fa"] if not cfg["stock"] else cfg["fa"] != "off"
 if cfg["no_repack"]:  # plain weight layout: llama.cpp's use_extra_bufts off (its --no-repack)
     import importlib
     low = importlib.import_module("llama_cpp.llama_cpp" if cfg["stock"] else "rapidmoe._llama_cpp.llama_cpp")
@@ -103,6 +105,8 @@ def main() -> int:
     ap.add_argument("--no-repack", action="store_true", help="load every weight in the plain layout (no CPU_REPACK)")
     ap.add_argument("--pp", type=int, default=0,
                     help="profile prefill instead: --steps batches of PP tokens each (times are then per token)")
+    ap.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto",
+                    help="flash attention, as llama.cpp's -fa (default auto, as llama-bench and llama-server run)")
     ap.add_argument("--json", type=Path, default=None, help="also write the table as JSON")
     ap.add_argument("--ik", type=Path, default=None, help="ik_llama.cpp's llama-bench: profile it (-rtr 1) on MODEL")
     args = ap.parse_args()
@@ -121,7 +125,7 @@ def main() -> int:
         cfg = {"model": str(args.model.resolve()), "residual": str(args.residual.resolve()) if args.residual else None,
                "r": args.r, "policy": str(args.policy) if args.policy else None, "stock": args.stock,
                "threads": args.threads, "steps": args.steps, "data": data, "freq": FREQ, "pp": args.pp,
-               "no_repack": args.no_repack}
+               "no_repack": args.no_repack, "fa": args.flash_attn}
         out = subprocess.run([sys.executable, "-c", LOOP, json.dumps(cfg)], env=env, cwd=cwd, capture_output=True,
                              text=True)
         if out.returncode != 0:

@@ -1,6 +1,7 @@
 // RapidMoE's gemm kernels for the CPU's repacked 8-column layouts (block_q2_Kx8, block_q4_Kx8) against 4-row
 // interleaved activations (block_q8_Kx4), called from llama.cpp's ggml_gemm_q2_K_8x8_q8_K and
-// ggml_gemm_q4_K_8x8_q8_K on AVX2 CPUs (patches/0008-cpu-gemm.patch). Compiled into ggml-cpu.
+// ggml_gemm_q4_K_8x8_q8_K on AVX2 CPUs, with AVX-512 VNNI paths where the build has them
+// (patches/0008-cpu-gemm.patch). Compiled into ggml-cpu.
 #pragma once
 
 #include <cstddef>
@@ -19,4 +20,11 @@ void rapidmoe_gemm_q4_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, c
 inline bool rapidmoe_gemm_enabled() {
     const char * env = std::getenv("RAPIDMOE_GEMM");
     return env == nullptr || std::strcmp(env, "0") != 0;
+}
+
+// RAPIDMOE_GEMM=avx2 runs our AVX2 kernels on a CPU whose build has the AVX-512 VNNI ones (Q2_K): to time one against
+// the other in one process, and to test both paths of the library
+inline bool rapidmoe_gemm_avx2_only() {
+    const char * env = std::getenv("RAPIDMOE_GEMM");
+    return env != nullptr && std::strcmp(env, "avx2") == 0;
 }

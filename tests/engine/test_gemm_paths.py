@@ -47,7 +47,8 @@ def test_gemm_check_can_fail(tmp_path: Path) -> None:
     for name in (*KERNELS, "rapidmoe-gemm.h", "rapidmoe-simd.h"):
         (tmp_path / name).write_text((EXT / name).read_text())
     loop = (EXT / "rapidmoe-gemm-loop.h").read_text()
-    broken = loop.replace("_mm256_sub_ps(acc[2 * row], acc[2 * row + 1])", "_mm256_add_ps(acc[2 * row], acc[2 * row + 1])")
+    difference = "_mm256_sub_ps(acc[2 * row], acc[2 * row + 1])"
+    broken = loop.replace(difference, difference.replace("sub", "add"))
     assert broken != loop
     (tmp_path / "rapidmoe-gemm-loop.h").write_text(broken)
     out = _run(tmp_path / "check-broken", "native", tmp_path)

@@ -36,7 +36,8 @@ from stock_llama import build_stock  # noqa: E402  (tools/ on the path first)
 WORK = ROOT / "bench" / "out" / "frontier-work"
 
 # One point of ours in a fresh process, timed as bench_frontier.py's MEASURE times it (pp: the prompt's last logits
-# only; decode: one token per llama_decode, logits copied, greedy)
+# only; decode: one token per llama_decode, logits copied, greedy), after one untimed decode step as llama-bench
+# warms up (from 2026-12-03; the first steps after a prompt batch ran up to 15 % slower)
 OURS = r"""
 import json, sys, time, numpy as np
 from rapidmoe import Llama
@@ -51,6 +52,7 @@ llm.reset(); llm._ctx.kv_cache_clear()
 t0 = time.perf_counter(); llm.eval(toks); pp = cfg["pp"] / (time.perf_counter() - t0)
 llm._logits_all = True
 llm.reset(); llm._ctx.kv_cache_clear(); llm.eval(toks[:8]); tok = int(np.argmax(llm.scores[7]))
+llm.eval([tok]); tok = int(np.argmax(llm.scores[8]))  # one untimed decode step first, as llama-bench's warm-up
 t0 = time.perf_counter()
 for _ in range(cfg["tg"]):
     llm.eval([tok]); tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))

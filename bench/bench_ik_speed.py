@@ -37,7 +37,7 @@ WORK = ROOT / "bench" / "out" / "frontier-work"
 
 # One point of ours in a fresh process, timed as bench_frontier.py's MEASURE times it (pp: the prompt's last logits
 # only; decode: one token per llama_decode, logits copied, greedy), after one untimed decode step as llama-bench
-# warms up (from 2026-12-03; the first steps after a prompt batch ran up to 15 % slower)
+# warms up (from 2026-12-03: the timed steps of every engine then follow a warm-up step)
 OURS = r"""
 import json, sys, time, numpy as np
 from rapidmoe import Llama

@@ -101,17 +101,6 @@ void unpack_512(const block_q2_Kx8 & blk, UnpackedQ2K512 & u) {
     }
 }
 
-// 8 columns' sums from 16 32-bit lanes holding each column's two halves (lanes 2c, 2c + 1)
-inline __m256i column_pairs(__m512i v) {
-    return _mm512_cvtepi64_epi32(_mm512_add_epi32(v, _mm512_srli_epi64(v, 32)));
-}
-
-inline __m512i broadcast_8_bytes_512(const void * p) {
-    int64_t v;
-    std::memcpy(&v, p, sizeof(v));
-    return _mm512_set1_epi64(v);
-}
-
 // block_sums' integers (exact: the same products, summed in 32 bits) with vpdpbusd and vpdpwssd
 inline void block_sums_512(const UnpackedQ2K512 & u, const block_q8_Kx4 & a, __m256i sums[4], __m256i mins[4]) {
     __m512i acc0[4];

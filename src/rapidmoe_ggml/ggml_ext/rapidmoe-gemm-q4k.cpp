@@ -83,12 +83,6 @@ void unpack_512(const block_q4_Kx8 & blk, UnpackedQ4K512 & u) {
     }
 }
 
-inline __m512i broadcast_8_bytes_512(const void * p) {
-    int64_t v;
-    std::memcpy(&v, p, sizeof(v));
-    return _mm512_set1_epi64(v);
-}
-
 // block_sums' integers (exact, the same products) with vpdpbusd and vpmulld; the mins as the AVX2 kernel
 inline void block_sums_512(const UnpackedQ4K512 & u, const block_q8_Kx4 & a, __m256i sums[4], __m256i mins[4]) {
     __m512i acc[4];
@@ -107,8 +101,7 @@ inline void block_sums_512(const UnpackedQ4K512 & u, const block_q8_Kx4 & a, __m
         }
     }
     for (int r = 0; r < 4; r++) {
-        // lanes 2c and 2c + 1 hold column c's halves
-        sums[r] = _mm512_cvtepi64_epi32(_mm512_add_epi32(acc[r], _mm512_srli_epi64(acc[r], 32)));
+        sums[r] = column_pairs(acc[r]);
         mins[r] = block_mins(u.mins, a, r);
     }
 }

@@ -42,4 +42,17 @@ inline __m128i unpack_scales_mins(const uint8_t * packed) {
     u[0] &= kmask1;
     return _mm_set_epi32((int) u[3], (int) u[2], (int) u[1], (int) u[0]);
 }
+#if defined(__AVX512F__)
+// broadcast_8_bytes to every 64-bit lane of a zmm (the AVX-512 gemms' activation operand)
+inline __m512i broadcast_8_bytes_512(const void * p) {
+    int64_t v;
+    std::memcpy(&v, p, sizeof(v));
+    return _mm512_set1_epi64(v);
+}
+
+// 8 columns' sums from 16 32-bit lanes holding each column's two halves (lanes 2c, 2c + 1)
+inline __m256i column_pairs(__m512i v) {
+    return _mm512_cvtepi64_epi32(_mm512_add_epi32(v, _mm512_srli_epi64(v, 32)));
+}
+#endif
 #endif

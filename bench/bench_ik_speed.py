@@ -42,7 +42,8 @@ OURS = r"""
 import json, sys, time, numpy as np
 from rapidmoe import Llama
 cfg = json.loads(sys.argv[1])
-llm = Llama(model_path=cfg["wq"], residual_path=cfg["wr"], n_critical=cfg["r"], n_ctx=cfg["pp"] + 8,
+llm = Llama(model_path=cfg["wq"], residual_path=cfg["wr"], n_critical=cfg["r"],
+            n_ctx=max(cfg["pp"], cfg["depth"] + cfg["tg"] + 1) + 8,
             n_batch=cfg["pp"], n_ubatch=cfg["pp"], n_threads=2, n_threads_batch=2, logits_all=True, verbose=False,
             flash_attn=cfg["fa"])
 toks = list(range(1000, 1000 + cfg["pp"]))
@@ -51,8 +52,12 @@ llm.eval(toks)  # warm-up
 llm.reset(); llm._ctx.kv_cache_clear()
 t0 = time.perf_counter(); llm.eval(toks); pp = cfg["pp"] / (time.perf_counter() - t0)
 llm._logits_all = True
-llm.reset(); llm._ctx.kv_cache_clear(); llm.eval(toks[:8]); tok = int(np.argmax(llm.scores[7]))
-llm.eval([tok]); tok = int(np.argmax(llm.scores[8]))  # one untimed decode step first, as llama-bench's warm-up
+llm.reset(); llm._ctx.kv_cache_clear()
+context = toks[:8] if not cfg["depth"] else [1000 + i % 4000 for i in range(cfg["depth"])]  # --depth: a long context
+for i in range(0, len(context), cfg["pp"]):
+    llm.eval(context[i:i + cfg["pp"]])
+tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+llm.eval([tok]); tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))  # one untimed step first, as llama-bench warms up
 t0 = time.perf_counter()
 for _ in range(cfg["tg"]):
     llm.eval([tok]); tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
@@ -63,8 +68,8 @@ print("RESULT " + json.dumps({"pp": pp, "tg": tg}))
 
 
 def run_ours(wq: Path, wr: Path, r: int, pp: int, tg: int, env: dict[str, str] | None = None,
-             fa: str = "auto") -> dict[str, float]:
-    cfg = {"wq": str(wq), "wr": str(wr), "r": r, "pp": pp, "tg": tg, "fa": fa}
+             fa: str = "auto", depth: int = 0) -> dict[str, float]:
+    cfg = {"wq": str(wq), "wr": str(wr), "r": r, "pp": pp, "tg": tg, "fa": fa, "depth": depth}
     out = subprocess.run([sys.executable, "-c", OURS, json.dumps(cfg)], capture_output=True, text=True, check=True,
                          env={**os.environ, **(env or {})})
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
@@ -89,9 +94,14 @@ def main() -> int:
     ap.add_argument("--ik-types", default="Q3_K_M,Q4_K_M,Q5_K_M,Q6_K")
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--tg", type=int, default=32)
+    ap.add_argument("--depth", type=int, default=0,
+                    help="time decode after a context of this many tokens (ik: llama-bench -gp DEPTH,TG); prefill "
+                         "stays pp from an empty cache; not with --stock-types")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "ik-speed.json")
     args = ap.parse_args()
+    if args.depth and args.stock_types:
+        ap.error("--depth times ik's and our decode only (stock llama-bench's -d moves its prefill too)")
     ik = locate_or_build(args.ik) if args.ik is not None else None
     stock_bench = build_stock(["llama-bench"]) / "llama-bench" if args.stock_types else None
     kl = ({row["variant"]: row["kl_mean"] for row in json.loads(args.kl_from.read_text())["rows"]}
@@ -118,13 +128,14 @@ def main() -> int:
             spec = points[name]
             t0 = time.perf_counter()
             if name.startswith("ik ") and ik is not None:
-                res = llama_bench(ik, spec[0], args.pp, args.tg)
+                res = llama_bench(ik, spec[0], args.pp, args.tg, depth=args.depth)
                 pp, tg = res["pp_tps"], res["tg_tps"]
             elif name.startswith("stock ") and stock_bench is not None:
                 res = run_llama_bench(stock_bench, spec[0], args.pp, args.tg)
                 pp, tg = res["pp_tps"], res["tg_tps"]
             else:
-                res = run_ours(spec[0], spec[1], spec[2], args.pp, args.tg, env=spec[3], fa=args.flash_attn)
+                res = run_ours(spec[0], spec[1], spec[2], args.pp, args.tg, env=spec[3], fa=args.flash_attn,
+                               depth=args.depth)
                 pp, tg = res["pp"], res["tg"]
             times[name]["pp"].append(pp)
             times[name]["tg"].append(tg)

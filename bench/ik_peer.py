@@ -60,9 +60,13 @@ def _commit(src: Path) -> str:
     return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
-def llama_bench(ik: IkBuild, model: Path, pp: int, tg: int, threads: int = 2) -> dict[str, float]:
-    """ik's llama-bench with run-time repacking: prefill tokens/s (pp tokens) and decode tokens/s (tg tokens)."""
-    return run_llama_bench(ik.bench, model, pp, tg, threads, ["-rtr", "1"])
+def llama_bench(ik: IkBuild, model: Path, pp: int, tg: int, threads: int = 2, depth: int = 0) -> dict[str, float]:
+    """ik's llama-bench with run-time repacking: prefill tokens/s (pp tokens) and decode tokens/s (tg tokens; after
+    a context of `depth` tokens when given: its -gp DEPTH,TG test, which times the tg part alone)."""
+    if not depth:
+        return run_llama_bench(ik.bench, model, pp, tg, threads, ["-rtr", "1"])
+    res = run_llama_bench(ik.bench, model, pp, 0, threads, ["-rtr", "1", "-gp", f"{depth},{tg}"])
+    return res
 
 
 def run_llama_bench(exe: Path, model: Path, pp: int, tg: int, threads: int = 2,
@@ -83,7 +87,7 @@ def parse_bench_json(text: str) -> dict[str, float]:
     for t in tests:
         if t.get("n_prompt", 0) > 0 and t.get("n_gen", 0) == 0:
             res["pp_tps"] = float(t["avg_ts"])
-        elif t.get("n_gen", 0) > 0 and t.get("n_prompt", 0) == 0:
+        elif t.get("n_gen", 0) > 0:  # tgN, or ik's tgN@ppM (-gp: the tg part's rate after an M-token context)
             res["tg_tps"] = float(t["avg_ts"])
     if set(res) != {"pp_tps", "tg_tps"}:
         raise RuntimeError(f"llama-bench gave no pp and tg result: {text[:500]}")

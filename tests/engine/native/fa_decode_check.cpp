@@ -105,10 +105,15 @@ int main() {
         {"gqa4-d128-kv700-masked", 128, 700, 16, 4, 1, 2, 0.3f},
         {"gqa8-d64-kv256", 64, 256, 16, 2, 1, 2, 0.1f},
         {"mha-d80-kv100", 80, 100, 4, 4, 1, 1, 0.0f},
-        // shapes our kernel leaves to llama.cpp's: two query rows, a group of 3, fewer KV heads than threads
-        {"two-rows", 128, 64, 8, 2, 2, 2, 0.0f},
+        // 16 query heads a KV head (Qwen3-235B-A22B's grouping): two sets of 8, one per thread
+        {"gqa16-d128-kv300", 128, 300, 16, 1, 1, 2, 0.2f},
+        // a short batch (7 query rows, each its own mask row: the causal mask of a prompt's tail)
+        {"seven-rows", 128, 90, 8, 2, 7, 2, 0.3f},
+        // shapes our kernel leaves to llama.cpp's: a tile of query rows (64: upstream's tiled kernel), a group of 3,
+        // fewer sets of heads than threads
+        {"tile-rows", 64, 80, 4, 2, 64, 2, 0.0f},
         {"gqa3", 64, 50, 6, 2, 1, 2, 0.0f},
-        {"kv-heads-below-threads", 64, 50, 4, 1, 1, 2, 0.0f},
+        {"sets-below-threads", 64, 50, 4, 1, 1, 2, 0.0f},
     };
     std::mt19937 rng(5);
     int n = 0;

@@ -1,4 +1,5 @@
-// Flash attention for one decode token over an F16 KV cache, grouped by KV head.
+// Flash attention over an F16 KV cache, query heads grouped by KV head: decode steps first of all, and every batch
+// (so a token's attention does not depend on the batch it was computed in).
 //
 // Why our own: llama.cpp's CPU kernel for a single query row handles each query head alone, so with grouped-query
 // attention it reads every K and V row once per query head sharing it (4 times on Qwen3-MoE), converts the query
@@ -107,9 +108,10 @@ void weighted_values(const float * p, const char * v, size_t v_stride, const int
     }
 }
 
-// Query row t's heads h0..h0+G-1, all on KV head g
+// Query row t's heads h0..h0+G-1 of stream i3 (a sequence's own cache when llama.cpp keeps one per sequence), all on
+// KV head g
 template <int G>
-void kv_head(const ggml_tensor * dst, int64_t t, int64_t g, int64_t h0, float scale) {
+void kv_head(const ggml_tensor * dst, int64_t i3, int64_t t, int64_t g, int64_t h0, float scale) {
     const ggml_tensor * q = dst->src[0];
     const ggml_tensor * k = dst->src[1];
     const ggml_tensor * v = dst->src[2];
@@ -119,14 +121,15 @@ void kv_head(const ggml_tensor * dst, int64_t t, int64_t g, int64_t h0, float sc
     const int dv = (int) v->ne[0];
     const float * qh[G];
     for (int h = 0; h < G; h++) {
-        qh[h] = (const float *) ((const char *) q->data + t * q->nb[1] + (h0 + h) * q->nb[2]);
+        qh[h] = (const float *) ((const char *) q->data + t * q->nb[1] + (h0 + h) * q->nb[2] + i3 * q->nb[3]);
     }
     // the positions the query sees (the mask's row: one for all heads), so masked and padded cells cost nothing
     static thread_local std::vector<int32_t> pos;
     static thread_local std::vector<float> pos_mask;
     pos.clear();
     pos_mask.clear();
-    const auto * mp = mask != nullptr ? (const ggml_fp16_t *) ((const char *) mask->data + t * mask->nb[1]) : nullptr;
+    const auto * mp = mask != nullptr ? (const ggml_fp16_t *) ((const char *) mask->data + t * mask->nb[1] +
+                                                               (i3 % mask->ne[3]) * mask->nb[3]) : nullptr;
     for (int64_t ic = 0; ic < n_kv; ic++) {
         const float mv = mp != nullptr ? ggml_fp16_to_fp32(mp[ic]) : 0.0f;
         if (mv != -INFINITY) {
@@ -137,8 +140,9 @@ void kv_head(const ggml_tensor * dst, int64_t t, int64_t g, int64_t h0, float sc
     const int64_t n = (int64_t) pos.size();
     static thread_local std::vector<float> scores;
     scores.resize((size_t) G * n);
-    scores_of<G>(qh, (const char *) k->data + g * k->nb[2], k->nb[1], (const char *) v->data + g * v->nb[2],
-                 v->nb[1], pos.data(), pos_mask.data(), n, dk, scale, scores.data());
+    const char * kg = (const char *) k->data + g * k->nb[2] + i3 * k->nb[3];
+    const char * vg = (const char *) v->data + g * v->nb[2] + i3 * v->nb[3];
+    scores_of<G>(qh, kg, k->nb[1], vg, v->nb[1], pos.data(), pos_mask.data(), n, dk, scale, scores.data());
     float sum[G];
     for (int h = 0; h < G; h++) {
         float * s = scores.data() + h * n;
@@ -154,10 +158,10 @@ void kv_head(const ggml_tensor * dst, int64_t t, int64_t g, int64_t h0, float sc
         sum[h] = total;
     }
     alignas(32) float out[G * MAX_DIM];
-    weighted_values<G>(scores.data(), (const char *) v->data + g * v->nb[2], v->nb[1], pos.data(), n, dv, out);
+    weighted_values<G>(scores.data(), vg, v->nb[1], pos.data(), n, dv, out);
     for (int h = 0; h < G; h++) {
         const float inv = sum[h] == 0.0f ? 0.0f : 1.0f / sum[h];
-        auto * row = (float *) ((char *) dst->data + (h0 + h) * dst->nb[1] + t * dst->nb[2]);
+        auto * row = (float *) ((char *) dst->data + (h0 + h) * dst->nb[1] + t * dst->nb[2] + i3 * dst->nb[3]);
         for (int d = 0; d < dv; d++) {
             row[d] = out[h * MAX_DIM + d] * inv;
         }
@@ -167,7 +171,7 @@ void kv_head(const ggml_tensor * dst, int64_t t, int64_t g, int64_t h0, float sc
 
 }  // namespace
 
-bool rapidmoe_flash_attn_decode(int ith, int nth, ggml_tensor * dst, int64_t max_rows) {
+bool rapidmoe_flash_attn_decode(int ith, int nth, ggml_tensor * dst) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     const ggml_tensor * q = dst->src[0];
     const ggml_tensor * k = dst->src[1];
@@ -182,33 +186,35 @@ bool rapidmoe_flash_attn_decode(int ith, int nth, ggml_tensor * dst, int64_t max
     const int64_t n_head = q->ne[2];
     const int64_t n_head_kv = k->ne[2];
     const bool applies = rapidmoe_fa_decode_enabled() && q->type == GGML_TYPE_F32 && k->type == GGML_TYPE_F16 &&
-        v->type == GGML_TYPE_F16 && q->ne[1] < max_rows && q->ne[3] == 1 && k->ne[3] == 1 && v->ne[3] == 1 &&
+        v->type == GGML_TYPE_F16 && k->ne[3] == q->ne[3] && v->ne[3] == q->ne[3] &&
         dst->src[4] == nullptr && softcap == 0.0f && max_bias == 0.0f && k->ne[0] == q->ne[0] &&
         v->ne[0] == k->ne[0] && k->ne[0] % 8 == 0 && k->ne[0] <= MAX_DIM && v->ne[2] == n_head_kv &&
         v->ne[1] == k->ne[1] && n_head_kv > 0 && n_head % n_head_kv == 0 &&
         ((n_head / n_head_kv) & (n_head / n_head_kv - 1)) == 0 &&  // a power of two query heads per KV head
-        q->ne[1] * n_head_kv * std::max<int64_t>(1, n_head / n_head_kv / MAX_GROUP) >= nth &&  // a set per thread
+        // at least one set of heads per thread
+        q->ne[3] * q->ne[1] * n_head_kv * std::max<int64_t>(1, n_head / n_head_kv / MAX_GROUP) >= nth &&
         k->nb[0] == sizeof(ggml_fp16_t) && v->nb[0] == sizeof(ggml_fp16_t) &&
         q->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float) && dst->ne[0] == v->ne[0] &&
-        dst->ne[1] == n_head && dst->ne[2] == q->ne[1] &&
+        dst->ne[1] == n_head && dst->ne[2] == q->ne[1] && dst->ne[3] == q->ne[3] &&
         (mask == nullptr || (mask->type == GGML_TYPE_F16 && mask->ne[0] >= k->ne[1] && mask->ne[1] >= q->ne[1] &&
-                             mask->ne[2] == 1 &&
-                             mask->ne[3] == 1));
+                             mask->ne[2] == 1 && (mask->ne[3] == 1 || mask->ne[3] == q->ne[3])));
     if (!applies) {
         return false;
     }
     const int64_t group = n_head / n_head_kv;
     const int64_t set = std::min<int64_t>(group, MAX_GROUP); // query heads taken together
     const int64_t sets = n_head / set;                         // per query row
-    for (int64_t item = ith; item < q->ne[1] * sets; item += nth) { // work items: the threads take every nth
-        const int64_t t = item / sets;
+    const int64_t per_stream = q->ne[1] * sets;
+    for (int64_t item = ith; item < q->ne[3] * per_stream; item += nth) { // work items: the threads take every nth
+        const int64_t i3 = item / per_stream;
+        const int64_t t = item % per_stream / sets;
         const int64_t h0 = item % sets * set;
         const int64_t g = h0 / group;
         switch (set) {
-            case 1: kv_head<1>(dst, t, g, h0, scale); break;
-            case 2: kv_head<2>(dst, t, g, h0, scale); break;
-            case 4: kv_head<4>(dst, t, g, h0, scale); break;
-            case 8: kv_head<8>(dst, t, g, h0, scale); break;
+            case 1: kv_head<1>(dst, i3, t, g, h0, scale); break;
+            case 2: kv_head<2>(dst, i3, t, g, h0, scale); break;
+            case 4: kv_head<4>(dst, i3, t, g, h0, scale); break;
+            case 8: kv_head<8>(dst, i3, t, g, h0, scale); break;
             default: GGML_ABORT("rapidmoe_flash_attn_decode: %d query heads per KV head not checked", (int) group);
         }
     }

@@ -1,4 +1,4 @@
-// RapidMoE's flash attention for one decode token (ggml_ext/rapidmoe-fa-decode.cpp), called at the top of
+// RapidMoE's CPU flash attention over an F16 KV cache, made for the decode step (ggml_ext/rapidmoe-fa-decode.cpp), called at the top of
 // llama.cpp's CPU GGML_OP_FLASH_ATTN_EXT (patches/0011-cpu-fa-decode.patch). Compiled into ggml-cpu.
 #pragma once
 
@@ -7,14 +7,14 @@
 #include <cstdlib>
 #include <cstring>
 
-// Computes dst (every thread its share: a query row's set of heads on one KV head at a time) and returns true when
-// the node has fewer than max_rows query rows (the caller passes its tile: below it llama.cpp runs its row-at-a-time
-// kernel, which this replaces for decode steps and short batches alike, so a token's attention is the same computed
-// alone or in a short batch) over an F16 K/V cache with F32 Q, an F16 mask (one for all heads) or none, no sinks,
-// no logit softcap, no ALiBi, DK = DV a multiple of 8 up to 256, a power of two query heads per KV head (taken by
-// sets of up to 8) and at least one set per thread; otherwise returns false and computes nothing (llama.cpp's
-// kernel runs). Every thread gets the same answer.
-bool rapidmoe_flash_attn_decode(int ith, int nth, ggml_tensor * dst, int64_t max_rows);
+// Computes dst (every thread its share: one query row's set of heads on one KV head at a time) and returns true
+// when the node reads an F16 K/V cache with F32 Q (any number of query rows and streams), an F16 mask (one for all
+// heads) or none, no sinks, no logit softcap, no ALiBi, DK = DV a multiple of 8 up to 256, a power of two query heads
+// per KV head (taken by sets of up to 8) and at least one set per thread; otherwise returns false and computes
+// nothing (llama.cpp's kernel runs). Every thread gets the same answer. Taking every batch, not only decode steps,
+// keeps a token's attention the same computed alone or in a prompt, and a sequence's the same alone or batched with
+// others in their own streams (llama.cpp's row, tiled and split-KV kernels each round differently).
+bool rapidmoe_flash_attn_decode(int ith, int nth, ggml_tensor * dst);
 
 // Whether the op takes our kernel: yes, unless RAPIDMOE_FA_DECODE=0 is in the environment (read at each call, one a
 // layer and token, so one process can time both kernels)

@@ -65,8 +65,7 @@ def llama_bench(ik: IkBuild, model: Path, pp: int, tg: int, threads: int = 2, de
     a context of `depth` tokens when given: its -gp DEPTH,TG test, which times the tg part alone)."""
     if not depth:
         return run_llama_bench(ik.bench, model, pp, tg, threads, ["-rtr", "1"])
-    res = run_llama_bench(ik.bench, model, pp, 0, threads, ["-rtr", "1", "-gp", f"{depth},{tg}"])
-    return res
+    return run_llama_bench(ik.bench, model, pp, 0, threads, ["-rtr", "1", "-gp", f"{depth},{tg}"])
 
 
 def run_llama_bench(exe: Path, model: Path, pp: int, tg: int, threads: int = 2,

@@ -1,5 +1,6 @@
-// RapidMoE's CPU flash attention over an F16 KV cache, made for the decode step (ggml_ext/rapidmoe-fa-decode.cpp), called at the top of
-// llama.cpp's CPU GGML_OP_FLASH_ATTN_EXT (patches/0011-cpu-fa-decode.patch). Compiled into ggml-cpu.
+// RapidMoE's CPU flash attention over an F16 KV cache, made for the decode step (ggml_ext/rapidmoe-fa-decode.cpp),
+// called at the top of llama.cpp's CPU GGML_OP_FLASH_ATTN_EXT (patches/0011-cpu-fa-decode.patch). Compiled into
+// ggml-cpu.
 #pragma once
 
 #include "ggml.h"

@@ -13,8 +13,9 @@
 // On a CPU with AVX-512 VNNI (Zen 4/5, Ice Lake and later) a second path multiplies each unpacked 2-bit value by its
 // sub-block's 4-bit scale once per block (at most 45: a byte) and takes a block's sum per row and column pair with
 // vpdpbusd alone: 64 products an instruction with no per-sub-block step. Measured on the bench model (pp512, 2
-// threads, Zen 5 VM): the prompt 1.32x faster end to end than with the AVX2 path (bench/results/prefill-gemm-
-// avx512-zen5.md); RAPIDMOE_GEMM=avx2 runs the AVX2 path instead.
+// threads, Zen 5 VM, with the Q4_K gemm's path too): `cpu-fast` prompts 1.33x (r = 0) and 1.50x (r = 1) faster end
+// to end than with the AVX2 paths (bench/results/prefill-gemm-avx512-zen5.md); RAPIDMOE_GEMM=avx2 runs the AVX2
+// path instead.
 // Every integer sum is exact (no 16-bit partial exceeds 2 x 2 x 3 x 128), and the float operations per (row,
 // column) are the gemv's, in its order (per block: acc += sum x (column scale x row scale), mins likewise, then
 // acc - mins): the output is bit-identical to the repacked gemv run on each row, ours and upstream's
@@ -83,8 +84,10 @@ void unpack_512(const block_q2_Kx8 & blk, UnpackedQ2K512 & u) {
                 const __m512i v = _mm512_and_si512(
                     _mm512_srl_epi16(_mm512_loadu_si512((const void *) (q + 64 * (src + g))), shift), m3b);
                 // v x scale for v in 0..3: bit 0 adds the scale, bit 1 twice it
-                u.w[8 * h + k][g] = _mm512_add_epi8(_mm512_maskz_mov_epi8(_mm512_test_epi8_mask(v, _mm512_set1_epi8(1)), scale),
-                                                    _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(v, _mm512_set1_epi8(2)), scale2));
+                const __mmask64 bit0 = _mm512_test_epi8_mask(v, _mm512_set1_epi8(1));
+                const __mmask64 bit1 = _mm512_test_epi8_mask(v, _mm512_set1_epi8(2));
+                u.w[8 * h + k][g] =
+                    _mm512_add_epi8(_mm512_maskz_mov_epi8(bit0, scale), _mm512_maskz_mov_epi8(bit1, scale2));
             }
         }
         // mins: high nibbles; bytes 2c + p of the 16 at sc + 16 i are column c's mins of sub-blocks 8h + 2i + p

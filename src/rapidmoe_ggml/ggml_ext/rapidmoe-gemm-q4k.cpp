@@ -93,8 +93,10 @@ inline void block_sums_512(const UnpackedQ4K512 & u, const block_q8_Kx4 & a, __m
         // sub-block sub of row r, values 8i..8i+7: at qs + 128 sub + 32 i + 8 r
         const int8_t * aq = a.qs + 128 * sub;
         for (int r = 0; r < 4; r++) {
-            __m512i p01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.w[sub][0], broadcast_8_bytes_512(aq + 8 * r));
-            __m512i p23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.w[sub][2], broadcast_8_bytes_512(aq + 64 + 8 * r));
+            // values 0-15 and 16-31 in two chains, added before the scale
+            const __m512i zero = _mm512_setzero_si512();
+            __m512i p01 = _mm512_dpbusd_epi32(zero, u.w[sub][0], broadcast_8_bytes_512(aq + 8 * r));
+            __m512i p23 = _mm512_dpbusd_epi32(zero, u.w[sub][2], broadcast_8_bytes_512(aq + 64 + 8 * r));
             p01 = _mm512_dpbusd_epi32(p01, u.w[sub][1], broadcast_8_bytes_512(aq + 32 + 8 * r));
             p23 = _mm512_dpbusd_epi32(p23, u.w[sub][3], broadcast_8_bytes_512(aq + 96 + 8 * r));
             acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(_mm512_add_epi32(p01, p23), u.scale[sub]));

@@ -22,8 +22,8 @@ inline bool rapidmoe_gemm_enabled() {
     return env == nullptr || std::strcmp(env, "0") != 0;
 }
 
-// RAPIDMOE_GEMM=avx2 runs our AVX2 kernels on a CPU whose build has the AVX-512 VNNI ones (Q2_K): to time one against
-// the other in one process, and to test both paths of the library
+// RAPIDMOE_GEMM=avx2 runs our AVX2 kernels on a CPU whose build has the AVX-512 VNNI ones (Q2_K and Q4_K): to time
+// one against the other in one process
 inline bool rapidmoe_gemm_avx2_only() {
     const char * env = std::getenv("RAPIDMOE_GEMM");
     return env != nullptr && std::strcmp(env, "avx2") == 0;

@@ -2,6 +2,7 @@
 compiled parts nor rapidmoe, so every test module may import it, the no-build run (ci/test_pure_python.py) included."""
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 from pathlib import Path
 from types import ModuleType
@@ -15,6 +16,18 @@ TEXT = b"The mixture of experts routes every token to a few experts; the rest of
 def repeated_text(n: int) -> bytes:
     """TEXT n times, each followed by a space: the prompt of the tests that need more tokens."""
     return (TEXT + b" ") * n
+
+
+def ggml_cpu_counter(name: str) -> int:
+    """A counter our CPU ops export from ggml-cpu (rapidmoe_moe_sum_count, rapidmoe_tiny_run_count), read from the
+    copy of the library this process loaded: dlopen of another name of the file (libggml-cpu.so for the engine's
+    libggml-cpu.so.0) would load a second copy with counters of its own."""
+    loaded = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+              if "/libggml-cpu.so" in line}
+    assert len(loaded) == 1, loaded
+    fn = getattr(ctypes.CDLL(loaded.pop()), name)
+    fn.restype = ctypes.c_longlong
+    return int(fn())
 
 
 # The server tests' greedy sampling (request fields), spread into a request: {**GREEDY, "n": 2}

@@ -10,7 +10,7 @@ which cancels most of a shared machine's drift.
 Uses a split pair bench_frontier.py made (bench/out/frontier-work/STEM.PRESET/); prints, per context length, both
 settings' median decode tokens/s and the median of the per-pair ratios (on / off), with --pp also a prompt batch's
 tokens/s, and writes them to --out as JSON. The switch's "off" value is --off (default 0); "on" is the variable
-unset (our default).
+unset (our default), or --on's value (two settings of a threshold: --switch RAPIDMOE_TINY_RUN --on 8192 --off 4096).
 """
 from __future__ import annotations
 
@@ -33,11 +33,11 @@ def _set(var: str, value: str | None) -> None:
         os.environ[var] = value
 
 
-def _pairs(reps: int, off: str) -> list[tuple[str, str | None]]:
+def _pairs(reps: int, on: str | None, off: str) -> list[tuple[str, str | None]]:
     """The settings of each timed pair, in alternating order: (label, value of the variable)."""
     order: list[tuple[str, str | None]] = []
     for rep in range(reps):
-        pair: list[tuple[str, str | None]] = [("on", None), ("off", off)]
+        pair: list[tuple[str, str | None]] = [("on", on), ("off", off)]
         order += pair if rep % 2 == 0 else pair[::-1]
     return order
 
@@ -52,6 +52,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--switch", default="RAPIDMOE_FA_DECODE", help="the environment variable our op reads per call")
     ap.add_argument("--off", default="0", help="the variable's value that switches our op off")
+    ap.add_argument("--on", default=None, help="the variable's value for 'on' (default: unset)")
     ap.add_argument("--model-stem", default="synthetic-qwen3moe-bench")
     ap.add_argument("--preset", default="cpu-fast")
     ap.add_argument("--r", type=int, default=1)
@@ -73,7 +74,7 @@ def main() -> int:
     rows = []
     for depth in depths:
         tps: dict[str, list[float]] = {"on": [], "off": []}
-        for label, value in _pairs(args.reps, args.off):
+        for label, value in _pairs(args.reps, args.on, args.off):
             _set(args.switch, value)
             llm.reset()
             llm._ctx.kv_cache_clear()
@@ -94,7 +95,8 @@ def main() -> int:
         tps = {"on": [], "off": []}
         llm._logits_all = False  # as llama-bench's pp: the prompt's last logits only
         toks = [1000 + i for i in range(args.pp)]
-        for label, value in [("on", None), ("off", args.off), *_pairs(args.reps, args.off)]:  # first pair: warm-up
+        warm_up = [("on", args.on), ("off", args.off)]  # the first pair: dropped below
+        for label, value in [*warm_up, *_pairs(args.reps, args.on, args.off)]:
             _set(args.switch, value)
             llm.reset()
             llm._ctx.kv_cache_clear()

@@ -75,3 +75,34 @@ extern "C" void rapidmoe_quantize_row_q8_K(const float * x, void * vy, int64_t k
     (void) x; (void) vy; (void) k;
 #endif
 }
+
+namespace {
+
+// ggml-cpu's block_q8_Kx4 (repack.h): four Q8_K rows' blocks, interleaved
+struct q8_K_x4 {
+    float d[4];
+    int8_t qs[QK_K * 4];
+    int16_t bsums[QK_K / 4];
+};
+static_assert(sizeof(q8_K_x4) == 4 * sizeof(float) + QK_K * 4 + (QK_K / 4) * sizeof(int16_t), "block_q8_Kx4 layout");
+
+}  // namespace
+
+extern "C" void rapidmoe_interleave_q8_K_4x8(const void * const rows[4], void * vy, int64_t k) {
+    auto * y = (q8_K_x4 *) vy;
+    const int64_t nb = k / QK_K;
+    for (int64_t i = 0; i < nb; i++) {
+        for (int r = 0; r < 4; r++) {
+            const block_q8_K & x = ((const block_q8_K *) rows[r])[i];
+            y[i].d[r] = x.d;
+            // value e of row r at (e / 8) * 32 + r * 8 + e % 8: 8 bytes of each row in turn
+            for (int c = 0; c < QK_K / 8; c++) {
+                std::memcpy(y[i].qs + (c * 4 + r) * 8, x.qs + c * 8, 8);
+            }
+            // sum g (values 16 g to 16 g + 15) of row r at (g / 4) * 16 + r * 4 + g % 4: four sums of each row in turn
+            for (int g = 0; g < QK_K / 16; g++) {
+                y[i].bsums[(g / 4) * 16 + r * 4 + g % 4] = x.bsums[g];
+            }
+        }
+    }
+}

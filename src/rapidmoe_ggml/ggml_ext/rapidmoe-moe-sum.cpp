@@ -64,8 +64,10 @@ bool match(const ggml_cgraph * g, int node_n, moe_sum & m) {
     const ggml_tensor * x = mul->src[0];
     const ggml_tensor * w = mul->src[1];
     const int64_t n = x->ne[0], k = x->ne[1], T = x->ne[2];
-    if (k < 2 || k > MAX_K || x->ne[3] != 1 || w->ne[0] != 1 || w->ne[1] != k || w->ne[2] != T || w->ne[3] != 1 ||
-        !f32_rows(mul) || !f32_rows(x) || w->type != GGML_TYPE_F32 || !ggml_are_same_shape(mul, x)) {
+    // T = 0: a layer may compute no row (the last one, in a prompt chunk without outputs)
+    if (k < 2 || T < 1 || n < 1 || k > MAX_K || x->ne[3] != 1 || w->ne[0] != 1 || w->ne[1] != k ||
+        w->ne[2] != T || w->ne[3] != 1 || !f32_rows(mul) || !f32_rows(x) || w->type != GGML_TYPE_F32 ||
+        !ggml_are_same_shape(mul, x)) {
         return false;
     }
     const int first = node_n;
@@ -116,11 +118,14 @@ bool match(const ggml_cgraph * g, int node_n, moe_sum & m) {
     }
     // every intermediate used inside the tail only (not an output, not read by another node)
     enum ggml_op ops[32];
+    if (total >= 32) { // ggml_can_fuse_subgraph's limit
+        return false;
+    }
     for (int j = 0; j < total; ++j) {
         ops[j] = g->nodes[first + j]->op;
     }
     const int outputs[1] = { first + total - 1 };
-    if (total >= 32 || !ggml_can_fuse_subgraph(g, first, total, ops, outputs, 1)) {
+    if (!ggml_can_fuse_subgraph(g, first, total, ops, outputs, 1)) {
         return false;
     }
     m.down = lead != nullptr ? lead->src[0] : x;

@@ -4,7 +4,8 @@
 // writes, routing ops and expert sums are each a few thousand floats of work, less than the barrier costs, and an op
 // with a single row (a decode token's) gives it to one thread while the others wait anyway. Thread 0 computes such a
 // run of consecutive nodes alone and the threads meet once after it (patches/0013-cpu-tiny-run.patch runs it).
-// Matmuls, attention and custom ops stay shared (and they meet the other threads inside, which a run must not).
+// Matmuls, attention and custom ops of several tasks stay shared (and they may meet the other threads inside, which a
+// run must not); a custom op of one task (split routing's choice of critical slots) is thread 0's anyway.
 #include "rapidmoe-tiny-run.h"
 
 #include "rapidmoe-moe-sum.h"
@@ -14,6 +15,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 
 namespace {
 
@@ -65,8 +67,19 @@ bool skipped(const ggml_tensor * t) { // the graph loop passes over it
     return ggml_op_is_empty(t->op) || (t->flags & GGML_TENSOR_FLAG_COMPUTE) == 0;
 }
 
+// a custom op that asked for one task: thread 0 computes all of it in any case (the others return at once)
+bool single_task_custom(const ggml_tensor * t) {
+    if (t->op != GGML_OP_CUSTOM) {
+        return false;
+    }
+    ggml_custom_op_params p;
+    std::memcpy(&p, t->op_params, sizeof(p));
+    return p.n_tasks == 1;
+}
+
 bool tiny(const ggml_tensor * t, int64_t limit) {
-    return skipped(t) || (single_thread_safe(t->op) && ggml_nelements(t) <= limit);
+    return skipped(t) ||
+           ((single_thread_safe(t->op) || single_task_custom(t)) && ggml_nelements(t) <= limit);
 }
 
 // nodes in the unit that starts at i: a group llama.cpp or we compute as one node, else 1

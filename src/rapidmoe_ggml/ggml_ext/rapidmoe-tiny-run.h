@@ -13,7 +13,8 @@ struct ggml_cgraph;
 // before the threads meet again: at least 2 nodes that compute something, else 0 (the graph runs as upstream's).
 // A node belongs to a run when its op is elementwise, row-wise or a copy that never meets the other threads inside
 // (add, mul, div, scale, clamp, soft_max, argsort, get_rows, set_rows, sum_rows, rms_norm, norm, rope, glu, unary,
-// cpy, cont, dup; not matmuls, attention or custom ops) and its result has at most RAPIDMOE_TINY_RUN floats
+// cpy, cont, dup, and custom ops of one task such as split routing's choice of critical slots; not matmuls,
+// attention or custom ops of several tasks) and its result has at most RAPIDMOE_TINY_RUN floats
 // (default 4096; 0: no runs), as a decode step's norms, ropes, routing ops and expert sums do, where one barrier
 // costs more than the node's work. Views and other no-op nodes inside a run come with it. A group that llama.cpp's
 // fusion or ours computes as one node (RMS_NORM + MUL, build_moe_ffn's expert sum) joins a run whole or not at all.

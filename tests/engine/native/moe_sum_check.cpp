@@ -153,6 +153,7 @@ int main() {
         { "used-elsewhere", 256, 8, 1, false, true, true, 2 },
         { "out-over-down-rows", 256, 4, 9, true, true, false, 2, true },
         { "out-over-down-decode", 1024, 8, 2, false, false, false, 4, true },
+        { "no-rows", 256, 8, 0, true, true, false, 2 }, // a layer that computes no row (no outputs in a chunk)
     };
     int bad = 0;
     for (const Case & c : cases) {

@@ -24,12 +24,14 @@ the KL of an F32 copy of the F16 model (no weight changes: only the computation'
 
 Usage:
   python bench/bench_experts.py --name tiny-moe-a --r 0,1,2,3,4
-Writes <out-dir>/experts-<name>.{json,md,png} (default bench/out/experts; copy to bench/results/ to publish).
+Writes <out-dir>/experts-<name>.{json,md,png} (default bench/out/experts; copy to bench/results/ to publish); the
+files it makes on the way are kept in <out-dir>/work/<model folder>-<file stem>-<digest of the path, size and time>/.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -173,6 +175,14 @@ def stock_experts_file(src: Path, ty: str, out: Path, imatrix: Imatrix | None) -
     w.close()
     tmp.replace(out)
     return out
+
+
+def _source_key(src: Path) -> str:
+    """The work folder of one source model: its name and a digest of its path, size and time, so that two models with
+    the same file name (each trained model's model-f16.gguf) or a model written again never share cached files."""
+    st = src.resolve().stat()
+    digest = hashlib.sha256(f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    return f"{src.parent.name}-{src.stem}-{digest}"
 
 
 def llama_quantize_check(src: Path, ty: str, ours: Path, imatrix: Path | None, work: Path) -> bool | None:
@@ -330,8 +340,8 @@ def main() -> int:
         ggml_type(s)
     eval_path = args.eval or src.parent / "eval.txt"
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    work = args.out_dir / "work"
-    work.mkdir(exist_ok=True)
+    work = args.out_dir / "work" / _source_key(src)
+    work.mkdir(parents=True, exist_ok=True)
 
     f = GGUFFile(src)
     arch = f.get("general.architecture")

@@ -35,12 +35,15 @@ from stock_llama import build_stock  # noqa: E402  (tools/ on the path first)
 
 WORK = ROOT / "bench" / "out" / "frontier-work"
 
-# One point of ours in a fresh process, timed as bench_frontier.py's MEASURE times it (pp: the prompt's last logits
-# only; decode: one token per llama_decode, logits copied, greedy), after one untimed decode step as llama-bench
-# warms up (from 2026-12-03: the timed steps of every engine then follow a warm-up step)
+# One point of ours in a fresh process. pp: a prompt batch, the last token's logits only (as llama-bench's pp).
+# Decode, as llama-bench's tg times it (from stop 37, 2026-12-03): one random token per llama_decode (the low-level
+# call, not Llama.eval), llama_synchronize, no logits read, after one untimed step; before, the decode loop ran
+# through Llama.eval with every step's logits copied and the greedy token picked in Python, which read about 4-8 %
+# below llama-bench (cfg "python_loop": that loop, for comparisons with earlier results).
 OURS = r"""
-import json, sys, time, numpy as np
+import json, random, sys, time, numpy as np
 from rapidmoe import Llama
+from rapidmoe._runtime import llama_cpp as lc
 cfg = json.loads(sys.argv[1])
 llm = Llama(model_path=cfg["wq"], residual_path=cfg["wr"], n_critical=cfg["r"],
             n_ctx=max(cfg["pp"], cfg["depth"] + cfg["tg"] + 1) + 8,
@@ -51,16 +54,29 @@ llm._logits_all = False
 llm.eval(toks)  # warm-up
 llm.reset(); llm._ctx.kv_cache_clear()
 t0 = time.perf_counter(); llm.eval(toks); pp = cfg["pp"] / (time.perf_counter() - t0)
-llm._logits_all = True
+llm._logits_all = cfg["python_loop"]
 llm.reset(); llm._ctx.kv_cache_clear()
 context = toks[:8] if not cfg["depth"] else [1000 + i % 4000 for i in range(cfg["depth"])]  # --depth: a long context
 for i in range(0, len(context), cfg["pp"]):
     llm.eval(context[i:i + cfg["pp"]])
-tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-llm.eval([tok]); tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))  # one untimed step first, as llama-bench warms up
+if cfg["python_loop"]:
+    def step(tok):
+        llm.eval([tok])
+        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+else:
+    ctx, one, rng, n_vocab = llm._ctx.ctx, (lc.llama_token * 1)(), random.Random(0), llm.n_vocab()
+    def step(tok):
+        one[0] = tok
+        if lc.llama_decode(ctx, lc.llama_batch_get_one(one, 1)) != 0:
+            raise SystemExit("llama_decode failed")
+        lc.llama_synchronize(ctx)
+        return rng.randrange(n_vocab)
+    tok = rng.randrange(n_vocab)
+tok = step(tok)  # one untimed step first, as llama-bench warms up
 t0 = time.perf_counter()
 for _ in range(cfg["tg"]):
-    llm.eval([tok]); tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = step(tok)
 tg = cfg["tg"] / (time.perf_counter() - t0)
 llm.close()
 print("RESULT " + json.dumps({"pp": pp, "tg": tg}))
@@ -68,12 +84,22 @@ print("RESULT " + json.dumps({"pp": pp, "tg": tg}))
 
 
 def run_ours(wq: Path, wr: Path, r: int, pp: int, tg: int, env: dict[str, str] | None = None,
-             fa: str = "auto", depth: int = 0) -> dict[str, float]:
-    cfg = {"wq": str(wq), "wr": str(wr), "r": r, "pp": pp, "tg": tg, "fa": fa, "depth": depth}
+             fa: str = "auto", depth: int = 0, python_loop: bool = False) -> dict[str, float]:
+    cfg = {"wq": str(wq), "wr": str(wr), "r": r, "pp": pp, "tg": tg, "fa": fa, "depth": depth,
+           "python_loop": python_loop}
     out = subprocess.run([sys.executable, "-c", OURS, json.dumps(cfg)], capture_output=True, text=True, check=True,
                          env={**os.environ, **(env or {})})
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
+
+
+def _ab_env(ab: str) -> dict[str, str]:
+    """--ab's environment: VAR (=0) or VAR=VALUE, several joined by +."""
+    env = {}
+    for part in (x for x in ab.split("+") if x):
+        var, _, value = part.partition("=")
+        env[var] = value or "0"
+    return env
 
 
 def main() -> int:
@@ -85,9 +111,10 @@ def main() -> int:
                     help="stock files also timed by the stock build's llama-bench (e.g. Q4_K_M), comma-separated")
     ap.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"],
                     help="our points' flash attention (default auto: as stock llama-bench; ik's runs it on)")
-    ap.add_argument("--ab", action="append", default=[], metavar="VAR[=VALUE]",
+    ap.add_argument("--ab", action="append", default=[], metavar="VAR[=VALUE][+VAR2[=VALUE2]...]",
                     help="also time each of our points with VAR=0 (or VAR=VALUE) in the environment (one of our kernel "
-                         "switches, e.g. RAPIDMOE_VEC_DOT_Q3_K, RAPIDMOE_GEMM=avx2); repeatable")
+                         "switches, e.g. RAPIDMOE_VEC_DOT_Q3_K, RAPIDMOE_GEMM=avx2; several joined by +, e.g. "
+                         "RAPIDMOE_MOE_SUM+RAPIDMOE_TINY_RUN: both off); repeatable")
     ap.add_argument("--model-stem", default="synthetic-qwen3moe-bench")
     ap.add_argument("--presets", default="cpu-fast")
     ap.add_argument("--r", default="0,1,2")
@@ -98,6 +125,9 @@ def main() -> int:
                     help="time decode after a context of this many tokens (ik: llama-bench -gp DEPTH,TG); prefill "
                          "stays pp from an empty cache; not with --stock-types")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--python-loop", action="store_true",
+                    help="also time each of our points with its decode steps through Llama.eval, logits copied and "
+                         "the greedy token picked in Python (the harness before 2026-12-03)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "ik-speed.json")
     args = ap.parse_args()
     if args.depth and args.stock_types:
@@ -118,9 +148,11 @@ def main() -> int:
             points[f"ik {p} .wq.gguf -rtr"] = (wq, f"ours {p} r=0")
         for r in (int(x) for x in args.r.split(",") if x):
             points[f"ours {p} r={r}"] = (wq, wr, r, {})
+            if args.python_loop:
+                points[f"ours {p} r={r} (Python loop)"] = (wq, wr, r, {}, True)
             for ab in args.ab:
-                var, _, value = ab.partition("=")
-                points[f"ours {p} r={r}, {var}={value or '0'}"] = (wq, wr, r, {var: value or "0"})
+                env = _ab_env(ab)
+                points[f"ours {p} r={r}, {'+'.join(f'{k}={v}' for k, v in env.items())}"] = (wq, wr, r, env)
     times: dict[str, dict[str, list[float]]] = {name: {"pp": [], "tg": []} for name in points}
     for rep in range(args.reps):
         order = list(points) if rep % 2 == 0 else list(reversed(points))
@@ -135,14 +167,14 @@ def main() -> int:
                 pp, tg = res["pp_tps"], res["tg_tps"]
             else:
                 res = run_ours(spec[0], spec[1], spec[2], args.pp, args.tg, env=spec[3], fa=args.flash_attn,
-                               depth=args.depth)
+                               depth=args.depth, python_loop=len(spec) > 4)
                 pp, tg = res["pp"], res["tg"]
             times[name]["pp"].append(pp)
             times[name]["tg"].append(tg)
             print(f"rep {rep} {name}: pp {pp:.1f} tg {tg:.2f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     rows: list[dict[str, Any]] = []
     for name, spec in points.items():
-        kl_name = spec[1] if name.startswith(("ik ", "stock ")) else name.split(", ")[0]
+        kl_name = spec[1] if name.startswith(("ik ", "stock ")) else name.split(", ")[0].removesuffix(" (Python loop)")
         rows.append({"variant": name, "kl_mean": kl.get(str(kl_name)), "pp_tps": statistics.median(times[name]["pp"]),
                      "tg_tps": statistics.median(times[name]["tg"]), "pp_all": times[name]["pp"],
                      "tg_all": times[name]["tg"]})

@@ -34,12 +34,13 @@ sys.path.insert(0, str(ROOT / "tools"))
 from stock_llama import build_stock  # noqa: E402  (tools/ on the path first)
 
 WORK = ROOT / "bench" / "out" / "frontier-work"
+PYTHON_LOOP = " (Python loop)"  # the name suffix of a point of ours timed through the earlier harness (--python-loop)
 
 # One point of ours in a fresh process. pp: a prompt batch, the last token's logits only (as llama-bench's pp).
 # Decode, as llama-bench's tg times it (from stop 37, 2026-12-03): one random token per llama_decode (the low-level
 # call, not Llama.eval), llama_synchronize, no logits read, after one untimed step; before, the decode loop ran
-# through Llama.eval with every step's logits copied and the greedy token picked in Python, which read about 4-8 %
-# below llama-bench (cfg "python_loop": that loop, for comparisons with earlier results).
+# through Llama.eval with every step's logits copied and the greedy token picked in Python, which read 1.09-1.18x
+# slower in this stop's runs (cfg "python_loop": that loop, for comparisons with earlier results).
 OURS = r"""
 import json, random, sys, time, numpy as np
 from rapidmoe import Llama
@@ -149,7 +150,7 @@ def main() -> int:
         for r in (int(x) for x in args.r.split(",") if x):
             points[f"ours {p} r={r}"] = (wq, wr, r, {})
             if args.python_loop:
-                points[f"ours {p} r={r} (Python loop)"] = (wq, wr, r, {}, True)
+                points[f"ours {p} r={r}{PYTHON_LOOP}"] = (wq, wr, r, {})
             for ab in args.ab:
                 env = _ab_env(ab)
                 points[f"ours {p} r={r}, {'+'.join(f'{k}={v}' for k, v in env.items())}"] = (wq, wr, r, env)
@@ -167,14 +168,14 @@ def main() -> int:
                 pp, tg = res["pp_tps"], res["tg_tps"]
             else:
                 res = run_ours(spec[0], spec[1], spec[2], args.pp, args.tg, env=spec[3], fa=args.flash_attn,
-                               depth=args.depth, python_loop=len(spec) > 4)
+                               depth=args.depth, python_loop=name.endswith(PYTHON_LOOP))
                 pp, tg = res["pp"], res["tg"]
             times[name]["pp"].append(pp)
             times[name]["tg"].append(tg)
             print(f"rep {rep} {name}: pp {pp:.1f} tg {tg:.2f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     rows: list[dict[str, Any]] = []
     for name, spec in points.items():
-        kl_name = spec[1] if name.startswith(("ik ", "stock ")) else name.split(", ")[0].removesuffix(" (Python loop)")
+        kl_name = spec[1] if name.startswith(("ik ", "stock ")) else name.split(", ")[0].removesuffix(PYTHON_LOOP)
         rows.append({"variant": name, "kl_mean": kl.get(str(kl_name)), "pp_tps": statistics.median(times[name]["pp"]),
                      "tg_tps": statistics.median(times[name]["tg"]), "pp_all": times[name]["pp"],
                      "tg_all": times[name]["tg"]})

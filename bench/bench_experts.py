@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import itertools
 import json
 import math
@@ -58,7 +57,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_frontier import SHARED  # noqa: E402
 from bench_split import run_variant  # noqa: E402
-from common import log_softmax, pyplot  # noqa: E402
+from common import log_softmax, pyplot, source_key  # noqa: E402
 
 STOCK_TYPES = "Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
 # the stock build's llama-quantize (tools/stock_llama.py), used only when already built: then every stock file is
@@ -175,14 +174,6 @@ def stock_experts_file(src: Path, ty: str, out: Path, imatrix: Imatrix | None) -
     w.close()
     tmp.replace(out)
     return out
-
-
-def _source_key(src: Path) -> str:
-    """The work folder of one source model: its name and a digest of its path, size and time, so that two models with
-    the same file name (each trained model's model-f16.gguf) or a model written again never share cached files."""
-    st = src.resolve().stat()
-    digest = hashlib.sha256(f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
-    return f"{src.parent.name}-{src.stem}-{digest}"
 
 
 def llama_quantize_check(src: Path, ty: str, ours: Path, imatrix: Path | None, work: Path) -> bool | None:
@@ -340,7 +331,7 @@ def main() -> int:
         ggml_type(s)
     eval_path = args.eval or src.parent / "eval.txt"
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    work = args.out_dir / "work" / _source_key(src)
+    work = args.out_dir / "work" / source_key(src)
     work.mkdir(parents=True, exist_ok=True)
 
     f = GGUFFile(src)

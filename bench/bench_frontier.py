@@ -28,15 +28,15 @@ Usage:
   python bench/bench_frontier.py --arch qwen3moe --size bench            # the bench-size synthetic model
   python bench/bench_frontier.py --model ../shared/models/tiny-moe-a/model-f16.gguf --name tiny-moe-a
   python bench/bench_frontier.py --presets cpu-fast,cpu --ik ~/ik_llama.cpp       # with ik_llama.cpp as a peer
-Writes bench/out/frontier-<name>.{json,md,png} (copy to bench/results/ to publish).
+Writes bench/out/frontier-<name>.{json,md,png} (copy to bench/results/ to publish). The files it makes on the way
+are kept in bench/out/frontier-work/ (the synthetic models) or, for a --model of yours, in a folder of that model's
+own there (frontier-work/<model folder>-<file stem>-<digest of path, size and time>/).
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
-import itertools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -57,7 +57,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_split import file_bytes_per_token, measure_bandwidth, run_variant  # noqa: E402
-from common import ensure_synthetic, kl_stats, pyplot  # noqa: E402
+from common import (  # noqa: E402
+    K_QUANTS,
+    ensure_synthetic,
+    frontier_speed,
+    kl_at_bytes,
+    kl_stats,
+    pareto,
+    pyplot,
+    source_key,
+)
 from ik_peer import IK_COMMIT, llama_bench, locate_or_build, run_llama_bench  # noqa: E402
 from stock_llama import build_stock  # noqa: E402
 
@@ -136,33 +145,6 @@ print("RESULT " + json.dumps(res))
 
 
 # -- the stock frontier and the ratios -----------------------------------------------------------------------
-
-def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """(kl, tok/s) points no other point beats in both (lower KL and higher speed), by increasing KL."""
-    pts = sorted(points)
-    front: list[tuple[float, float]] = []
-    for kl, tps in pts:
-        if not front or tps > front[-1][1]:
-            front.append((kl, tps))
-    return front
-
-
-def frontier_speed(front: list[tuple[float, float]], kl: float) -> tuple[float, str]:
-    """Stock decode tok/s on the frontier at this KL (linear in log KL between neighbours) and how it was found:
-    'interp', 'below' (our KL is lower than every stock point's: the lowest-KL stock point, a lower bound on what
-    stock would need), or 'above' (higher than every stock point's: the fastest stock point)."""
-    logk = math.log(max(kl, 1e-9))
-    if logk <= math.log(front[0][0]):
-        return front[0][1], "below"
-    if logk >= math.log(front[-1][0]):
-        return front[-1][1], "above"
-    for (k0, s0), (k1, s1) in itertools.pairwise(front):
-        l0, l1 = math.log(k0), math.log(k1)
-        if l0 <= logk <= l1:
-            w = (logk - l0) / (l1 - l0) if l1 > l0 else 0.0
-            return s0 + w * (s1 - s0), "interp"
-    return front[-1][1], "above"
-
 
 # -- setup ---------------------------------------------------------------------------------------------------
 
@@ -247,7 +229,14 @@ def main() -> int:
     ap.add_argument("--ik-types", default="Q3_K_M,Q4_K_M,Q5_K_M,Q6_K",
                     help="the stock files ik_llama.cpp runs (each must be in --stock)")
     ap.add_argument("--ik-wq", default=None, help="presets whose .wq.gguf ik_llama.cpp runs alone (default: all)")
+    ap.add_argument("--render", type=Path, default=None,
+                    help="write the Markdown table of a finished run's JSON again (bench/out/frontier-NAME.md beside "
+                         "it), running nothing")
     args = ap.parse_args()
+    if args.render is not None:
+        args.render.with_suffix(".md").write_text(to_markdown(json.loads(args.render.read_text())))
+        print(args.render.with_suffix(".md").read_text())
+        return 0
 
     OUT.mkdir(parents=True, exist_ok=True)
     work = OUT / "frontier-work"
@@ -257,6 +246,9 @@ def main() -> int:
         args.model = ensure_synthetic(work / f"synthetic-{args.arch}-{args.size}.gguf", args.arch, args.size)
     args.model = args.model.resolve()
     name = args.name or args.model.stem
+    if args.model.parent != work.resolve():  # a model of the user's: its own folder (two trained models are both
+        work = work / source_key(args.model)  # model-f16.gguf; their stock files and pairs must not be shared)
+        work.mkdir(exist_ok=True)
     stock_bin = build_stock(["llama", "llama-quantize"] + (["llama-bench"] if args.ik else []))
     stock_types = [s for s in args.stock.split(",") if s]
     ik_types = [t for t in args.ik_types.split(",") if t] if args.ik else []
@@ -410,6 +402,7 @@ def to_markdown(r: dict[str, Any]) -> str:
     lines += ["", "Frontier ratio marks: `>` our KL is below every stock type's, so the ratio is to stock's "
               "lowest-KL type (which is also worse in quality); `<` our KL is above every stock type's (ratio to "
               "stock's fastest type)."]
+    lines += quality_per_byte(r["rows"])
     if ik:
         lines += ["", f"ik_llama.cpp at commit {r['ik_commit']}: rows `ik ...` are its llama-bench with `-rtr 1` "
                   "(run-time repacking), one repetition per alternating pass; their KL is that of the same file in the "
@@ -418,6 +411,33 @@ def to_markdown(r: dict[str, Any]) -> str:
                   "llama-bench` is stock llama.cpp's llama-bench on the same file, so its ratio to `stock Q4_K_M` is "
                   "the harnesses' difference. The ik frontier is ik's stock types only."]
     return "\n".join(lines) + "\n"
+
+
+def quality_per_byte(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: each of our points against stock's K-quant line at the same bytes read per token (issue 22's
+    whole-model measure: lower KL at equal bytes is better quality per byte, whatever the speed)."""
+    line = [(x["mb_per_token"], x["kl_mean"]) for x in rows
+            if x["kind"] == "stock" and str(x["variant"]).removeprefix("stock ") in K_QUANTS]
+    ours = [x for x in rows if x["kind"] == "ours"]
+    if len(line) < 2 or not ours:
+        return []
+    out = ["", f"Quality per byte: stock's K-quants ({', '.join(t for t in K_QUANTS)}; log KL linear in MB read per "
+           "token between neighbours) at each of our points' bytes; `KL / stock` below 1 is better quality at equal "
+           "bytes. Outside the K-quants' range the ratio is to the nearest end: `<` fewer bytes than the smallest "
+           "(the ratio at equal bytes would be lower still), `>` more than the largest.", "",
+           "| variant | MB read/token | KL vs F16 | stock K-quants' KL at these bytes | KL / stock |",
+           "|---|---|---|---|---|"]
+    for x in ours:
+        kl, how = kl_at_bytes(line, x["mb_per_token"])
+        if kl is None:
+            end = min(line) if how == "below" else max(line)
+            mark = "<" if how == "below" else ">"
+            out.append(f"| {x['variant']} | {x['mb_per_token']:.1f} | {x['kl_mean']:.5f} | - ({mark} {end[0]:.1f} MB: "
+                       f"{end[1]:.5f}) | {mark}{x['kl_mean'] / end[1]:.2f}x |")
+        else:
+            out.append(f"| {x['variant']} | {x['mb_per_token']:.1f} | {x['kl_mean']:.5f} | {kl:.5f} | "
+                       f"{x['kl_mean'] / kl:.2f}x |")
+    return out
 
 
 def plot(r: dict[str, Any], path: Path) -> None:

@@ -12,12 +12,18 @@ mmap'd weights move with the disk. This runs the speed half alone, over files be
 Without --ik it times ours alone, against --stock-types run by the stock build's llama-bench; --ab VAR adds each
 of our points with one of our kernel switches off (VAR=0), or set to another value (--ab VAR=VALUE, e.g.
 RAPIDMOE_GEMM=avx2: our AVX2 gemms on an AVX-512 VNNI CPU), for a kernel's end-to-end effect in the same passes.
+--ik-ab 'FLAGS' adds each ik point with more of its llama-bench flags (e.g. '-fmoe 0': its fused MoE up/gate op
+off). With two or more ik stock types the table gives each point's decode against ik's frontier (its stock types'
+Pareto front, linear in log KL) at the point's KL, and a last line checks the issue's condition over ik's KL range:
+at every KL from ik's lowest to its highest, the fastest of our points at or below that KL is faster than ik's
+frontier there (bench/common.py envelope_check).
 Our points run with flash attention as llama-bench does (stock: auto, ik: on); before 2026-12-03 they ran
 without it (llama_cpp.Llama's default), which cost them about 9 % of decode and prefill on the bench model.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -27,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import EnvelopeCheck, envelope_check, frontier_speed, pareto
 from ik_peer import llama_bench, locate_or_build, run_llama_bench
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,6 +123,9 @@ def main() -> int:
                     help="also time each of our points with VAR=0 (or VAR=VALUE) in the environment (one of our kernel "
                          "switches, e.g. RAPIDMOE_VEC_DOT_Q3_K, RAPIDMOE_GEMM=avx2; several joined by +, e.g. "
                          "RAPIDMOE_MOE_SUM+RAPIDMOE_TINY_RUN: both off); repeatable")
+    ap.add_argument("--ik-ab", action="append", default=[], metavar="'FLAG VALUE ...'",
+                    help="also time each ik point with these llama-bench flags added (e.g. '-fmoe 0': ik's fused MoE "
+                         "up/gate op off), for what one of ik's features is worth in the same passes; repeatable")
     ap.add_argument("--model-stem", default="synthetic-qwen3moe-bench")
     ap.add_argument("--presets", default="cpu-fast")
     ap.add_argument("--r", default="0,1,2")
@@ -140,6 +150,8 @@ def main() -> int:
     points: dict[str, tuple[Any, ...]] = {}
     for t in (t for t in args.ik_types.split(",") if t and ik is not None):
         points[f"ik {t} -rtr"] = (WORK / f"{args.model_stem}.{t}.gguf", f"stock {t}")
+        for extra in args.ik_ab:
+            points[f"ik {t} -rtr {extra}"] = (WORK / f"{args.model_stem}.{t}.gguf", f"stock {t}", extra.split())
     for t in (t for t in args.stock_types.split(",") if t):
         points[f"stock {t} (llama-bench)"] = (WORK / f"{args.model_stem}.{t}.gguf", f"stock {t}")
     for p in (p for p in args.presets.split(",") if p):
@@ -147,6 +159,8 @@ def main() -> int:
         wq, wr = pair / f"{args.model_stem}.wq.gguf", pair / f"{args.model_stem}.wr.gguf"
         if ik is not None:
             points[f"ik {p} .wq.gguf -rtr"] = (wq, f"ours {p} r=0")
+            for extra in args.ik_ab:
+                points[f"ik {p} .wq.gguf -rtr {extra}"] = (wq, f"ours {p} r=0", extra.split())
         for r in (int(x) for x in args.r.split(",") if x):
             points[f"ours {p} r={r}"] = (wq, wr, r, {})
             if args.python_loop:
@@ -161,7 +175,8 @@ def main() -> int:
             spec = points[name]
             t0 = time.perf_counter()
             if name.startswith("ik ") and ik is not None:
-                res = llama_bench(ik, spec[0], args.pp, args.tg, depth=args.depth)
+                res = llama_bench(ik, spec[0], args.pp, args.tg, depth=args.depth,
+                                  extra=spec[2] if len(spec) > 2 else None)
                 pp, tg = res["pp_tps"], res["tg_tps"]
             elif name.startswith("stock ") and stock_bench is not None:
                 res = run_llama_bench(stock_bench, spec[0], args.pp, args.tg)
@@ -185,18 +200,46 @@ def main() -> int:
     for x in rows:
         x["decode_vs_base"] = x["tg_tps"] / base["tg_tps"]
         x["prefill_vs_base"] = x["pp_tps"] / base["pp_tps"]
+    envelope = _ik_frontier(rows, points)
     result = {"ik_commit": ik.commit if ik is not None else None, "reps": args.reps, "pp": args.pp, "tg": args.tg,
               "baseline": base_name, "rows": rows, "kl_from": str(args.kl_from) if args.kl_from else None,
+              "ik_envelope": dataclasses.asdict(envelope) if envelope is not None else None,
               "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
     args.out.write_text(json.dumps(result, indent=1))
     print(f"| variant | KL vs F16 | decode tok/s (median) | pp{args.pp} tok/s (median) | decode / {base_name} "
-          f"| prefill / {base_name} |")
-    print("|---|---|---|---|---|---|")
+          f"| prefill / {base_name} | decode / ik frontier at its KL |")
+    print("|---|---|---|---|---|---|---|")
     for x in rows:
         klv = f"{x['kl_mean']:.4f}" if x["kl_mean"] is not None else "-"
+        ikf = x.get("decode_vs_ik_frontier")
+        ikv = f"{ikf:.2f}x ({x['ik_frontier_how']})" if ikf is not None else "-"
         print(f"| {x['variant']} | {klv} | {x['tg_tps']:.2f} | {x['pp_tps']:.1f} | "
-              f"{x['decode_vs_base']:.2f}x | {x['prefill_vs_base']:.2f}x |")
+              f"{x['decode_vs_base']:.2f}x | {x['prefill_vs_base']:.2f}x | {ikv} |")
+    if envelope is not None:
+        print(f"\nOur points (timed llama-bench-style, switches as shipped) against ik's frontier of stock types, "
+              f"KL {envelope.lo:.4f} to {envelope.hi:.4f}: the fastest of ours at or below each KL is "
+              f"{'ahead everywhere' if envelope.holds else 'behind somewhere'}; least ahead at KL "
+              f"{envelope.worst_kl:.4f}: {envelope.worst_ratio:.2f}x ik's frontier there")
     return 0
+
+
+def _ik_frontier(rows: list[dict[str, Any]], points: dict[str, tuple[Any, ...]]) -> EnvelopeCheck | None:
+    """Each row's decode against ik's frontier (its stock types' Pareto front, linear in log KL) at the row's KL, and
+    the envelope check of our plain points (no switch changed, not the Python loop) over ik's KL range; None without
+    two ik stock types with a KL."""
+    ik_pts = [(x["kl_mean"], x["tg_tps"]) for x in rows
+              if x["variant"].startswith("ik ") and len(points[x["variant"]]) == 2  # no --ik-ab flags
+              and ".wq.gguf" not in x["variant"] and x["kl_mean"] is not None]
+    if len(ik_pts) < 2:
+        return None
+    front = pareto(ik_pts)
+    for x in rows:
+        if x["kl_mean"] is not None:
+            spd, how = frontier_speed(front, x["kl_mean"])
+            x["decode_vs_ik_frontier"], x["ik_frontier_how"] = x["tg_tps"] / spd, how
+    ours = [(x["kl_mean"], x["tg_tps"]) for x in rows if x["variant"].startswith("ours ") and x["kl_mean"] is not None
+            and ", " not in x["variant"] and not x["variant"].endswith(PYTHON_LOOP)]
+    return envelope_check(ours, ik_pts) if ours else None
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """Shared by the benchmarks: KL divergence and top-1 agreement between two models' logits, synthetic models, plots."""
 from __future__ import annotations
 
+import hashlib
+import itertools
+import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,15 @@ def ensure_synthetic(path: Path, arch: str, size: str, **overrides: object) -> P
     return path
 
 
+def source_key(src: Path) -> str:
+    """A work folder's name for one source model: its folder, file stem and a digest of its path, size and time, so
+    that two models with the same file name (each trained model's model-f16.gguf) or a model written again never
+    share cached files."""
+    st = src.resolve().stat()
+    digest = hashlib.sha256(f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    return f"{src.parent.name}-{src.stem}-{digest}"
+
+
 def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend, or None (said on stderr) when matplotlib is not installed."""
     try:
@@ -43,3 +56,80 @@ def pyplot() -> Any:
         print("matplotlib not installed (pip install '.[bench]'): no plot", file=sys.stderr)
         return None
     return plt
+
+
+# -- speed against quality: frontiers ------------------------------------------------------------------------
+
+def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(kl, tok/s) points no other point beats in both (lower KL and higher speed), by increasing KL."""
+    pts = sorted(points)
+    front: list[tuple[float, float]] = []
+    for kl, tps in pts:
+        if not front or tps > front[-1][1]:
+            front.append((kl, tps))
+    return front
+
+
+def frontier_speed(front: list[tuple[float, float]], kl: float) -> tuple[float, str]:
+    """A frontier's tok/s at this KL (linear in log KL between neighbours) and how it was found: 'interp', 'below'
+    (the KL is lower than every frontier point's: the lowest-KL point, a lower bound on what the peer would need),
+    or 'above' (higher than every point's: the fastest point)."""
+    logk = math.log(max(kl, 1e-9))
+    if logk <= math.log(front[0][0]):
+        return front[0][1], "below"
+    if logk >= math.log(front[-1][0]):
+        return front[-1][1], "above"
+    for (k0, s0), (k1, s1) in itertools.pairwise(front):
+        l0, l1 = math.log(k0), math.log(k1)
+        if l0 <= logk <= l1:
+            w = (logk - l0) / (l1 - l0) if l1 > l0 else 0.0
+            return s0 + w * (s1 - s0), "interp"
+    return front[-1][1], "above"
+
+
+@dataclass(frozen=True)
+class EnvelopeCheck:
+    """Our points against a peer's frontier over the peer's KL range: at every KL x in [lo, hi], the fastest of our
+    points with KL <= x (what a user who needs quality x can pick) against the peer's frontier interpolated at x."""
+    lo: float
+    hi: float
+    worst_kl: float         # where ours is furthest behind (or least ahead)
+    worst_ratio: float      # our best speed there / the peer's frontier speed; 0.0 where we have no point that good
+    holds: bool             # worst_ratio > 1: ours is faster over the whole range
+
+
+def envelope_check(ours: list[tuple[float, float]], peer: list[tuple[float, float]]) -> EnvelopeCheck:
+    """Exact, not sampled: the peer's frontier speed grows with KL and our best speed is a step function that only
+    steps up at our points' KLs, so the ratio is lowest just below each of our KLs inside the range, or at its ends."""
+    front = pareto(peer)
+    lo, hi = front[0][0], max(k for k, _ in peer)
+
+    def best(x: float, strict: bool) -> float:
+        return max((t for k, t in ours if (k < x if strict else k <= x)), default=0.0)
+
+    candidates = [(lo, best(lo, False)), (hi, best(hi, False))]
+    candidates += [(k, best(k, True)) for k, _ in ours if lo < k <= hi]
+    ratios = [(s / frontier_speed(front, x)[0], x) for x, s in candidates]
+    worst_ratio, worst_kl = min(ratios)
+    return EnvelopeCheck(lo, hi, worst_kl, worst_ratio, worst_ratio > 1.0)
+
+
+K_QUANTS = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K")  # stock llama-quantize's K-quant mixtures, by size
+
+
+def kl_at_bytes(points: list[tuple[float, float]], mb: float) -> tuple[float | None, str]:
+    """A stock line's KL at `mb` bytes read per token: (MB, KL) points, the ones no smaller point beats in KL, log KL
+    linear in MB between neighbours; (None, 'below') or (None, 'above') outside the line's range (not extrapolated)."""
+    line: list[tuple[float, float]] = []
+    for m, k in sorted(points):
+        if not line or k < line[-1][1]:
+            line.append((m, k))
+    if not line or mb < line[0][0]:
+        return None, "below"
+    if mb > line[-1][0]:
+        return None, "above"
+    for (m0, k0), (m1, k1) in itertools.pairwise(line):
+        if m0 <= mb <= m1:
+            w = (mb - m0) / (m1 - m0) if m1 > m0 else 0.0
+            return math.exp(math.log(k0) + w * (math.log(k1) - math.log(k0))), "interp"
+    return line[0][1], "interp"  # one point, at exactly its bytes

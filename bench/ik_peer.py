@@ -60,12 +60,14 @@ def _commit(src: Path) -> str:
     return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
-def llama_bench(ik: IkBuild, model: Path, pp: int, tg: int, threads: int = 2, depth: int = 0) -> dict[str, float]:
+def llama_bench(ik: IkBuild, model: Path, pp: int, tg: int, threads: int = 2, depth: int = 0,
+                extra: list[str] | None = None) -> dict[str, float]:
     """ik's llama-bench with run-time repacking: prefill tokens/s (pp tokens) and decode tokens/s (tg tokens; after
-    a context of `depth` tokens when given: its -gp DEPTH,TG test, which times the tg part alone)."""
+    a context of `depth` tokens when given: its -gp DEPTH,TG test, which times the tg part alone); `extra`: more of
+    its flags (e.g. ["-fmoe", "0"]: its fused MoE up/gate op off)."""
     if not depth:
-        return run_llama_bench(ik.bench, model, pp, tg, threads, ["-rtr", "1"])
-    return run_llama_bench(ik.bench, model, pp, 0, threads, ["-rtr", "1", "-gp", f"{depth},{tg}"])
+        return run_llama_bench(ik.bench, model, pp, tg, threads, ["-rtr", "1", *(extra or [])])
+    return run_llama_bench(ik.bench, model, pp, 0, threads, ["-rtr", "1", "-gp", f"{depth},{tg}", *(extra or [])])
 
 
 def run_llama_bench(exe: Path, model: Path, pp: int, tg: int, threads: int = 2,

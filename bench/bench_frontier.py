@@ -421,7 +421,7 @@ def quality_per_byte(rows: list[dict[str, Any]]) -> list[str]:
     ours = [x for x in rows if x["kind"] == "ours"]
     if len(line) < 2 or not ours:
         return []
-    out = ["", f"Quality per byte: stock's K-quants ({', '.join(t for t in K_QUANTS)}; log KL linear in MB read per "
+    out = ["", f"Quality per byte: stock's K-quants ({', '.join(K_QUANTS)}; log KL linear in MB read per "
            "token between neighbours) at each of our points' bytes; `KL / stock` below 1 is better quality at equal "
            "bytes. Outside the K-quants' range the ratio is to the nearest end: `<` fewer bytes than the smallest "
            "(the ratio at equal bytes would be lower still), `>` more than the largest.", "",

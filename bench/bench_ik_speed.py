@@ -148,8 +148,10 @@ def main() -> int:
     kl = ({row["variant"]: row["kl_mean"] for row in json.loads(args.kl_from.read_text())["rows"]}
           if args.kl_from is not None else {})
     points: dict[str, tuple[Any, ...]] = {}
+    ik_frontier: list[str] = []  # ik's stock types as shipped: its frontier
     for t in (t for t in args.ik_types.split(",") if t and ik is not None):
         points[f"ik {t} -rtr"] = (WORK / f"{args.model_stem}.{t}.gguf", f"stock {t}")
+        ik_frontier.append(f"ik {t} -rtr")
         for extra in args.ik_ab:
             points[f"ik {t} -rtr {extra}"] = (WORK / f"{args.model_stem}.{t}.gguf", f"stock {t}", extra.split())
     for t in (t for t in args.stock_types.split(",") if t):
@@ -200,7 +202,7 @@ def main() -> int:
     for x in rows:
         x["decode_vs_base"] = x["tg_tps"] / base["tg_tps"]
         x["prefill_vs_base"] = x["pp_tps"] / base["pp_tps"]
-    envelope = _ik_frontier(rows, points)
+    envelope = _ik_frontier(rows, ik_frontier)
     result = {"ik_commit": ik.commit if ik is not None else None, "reps": args.reps, "pp": args.pp, "tg": args.tg,
               "baseline": base_name, "rows": rows, "kl_from": str(args.kl_from) if args.kl_from else None,
               "ik_envelope": dataclasses.asdict(envelope) if envelope is not None else None,
@@ -223,13 +225,11 @@ def main() -> int:
     return 0
 
 
-def _ik_frontier(rows: list[dict[str, Any]], points: dict[str, tuple[Any, ...]]) -> EnvelopeCheck | None:
+def _ik_frontier(rows: list[dict[str, Any]], ik_frontier: list[str]) -> EnvelopeCheck | None:
     """Each row's decode against ik's frontier (its stock types' Pareto front, linear in log KL) at the row's KL, and
     the envelope check of our plain points (no switch changed, not the Python loop) over ik's KL range; None without
     two ik stock types with a KL."""
-    ik_pts = [(x["kl_mean"], x["tg_tps"]) for x in rows
-              if x["variant"].startswith("ik ") and len(points[x["variant"]]) == 2  # no --ik-ab flags
-              and ".wq.gguf" not in x["variant"] and x["kl_mean"] is not None]
+    ik_pts = [(x["kl_mean"], x["tg_tps"]) for x in rows if x["variant"] in ik_frontier and x["kl_mean"] is not None]
     if len(ik_pts) < 2:
         return None
     front = pareto(ik_pts)

@@ -70,21 +70,23 @@ def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return front
 
 
+def _piecewise(line: list[tuple[float, float]], x: float) -> float:
+    """y at x on the polyline through `line` (sorted by x, x inside its range)."""
+    for (x0, y0), (x1, y1) in itertools.pairwise(line):
+        if x0 <= x <= x1:
+            return y0 + ((x - x0) / (x1 - x0) if x1 > x0 else 0.0) * (y1 - y0)
+    return line[-1][1]  # one point, at exactly its x
+
+
 def frontier_speed(front: list[tuple[float, float]], kl: float) -> tuple[float, str]:
     """A frontier's tok/s at this KL (linear in log KL between neighbours) and how it was found: 'interp', 'below'
     (the KL is lower than every frontier point's: the lowest-KL point, a lower bound on what the peer would need),
     or 'above' (higher than every point's: the fastest point)."""
-    logk = math.log(max(kl, 1e-9))
-    if logk <= math.log(front[0][0]):
+    if kl <= front[0][0]:
         return front[0][1], "below"
-    if logk >= math.log(front[-1][0]):
+    if kl >= front[-1][0]:
         return front[-1][1], "above"
-    for (k0, s0), (k1, s1) in itertools.pairwise(front):
-        l0, l1 = math.log(k0), math.log(k1)
-        if l0 <= logk <= l1:
-            w = (logk - l0) / (l1 - l0) if l1 > l0 else 0.0
-            return s0 + w * (s1 - s0), "interp"
-    return front[-1][1], "above"
+    return _piecewise([(math.log(k), t) for k, t in front], math.log(kl)), "interp"
 
 
 @dataclass(frozen=True)
@@ -120,16 +122,9 @@ K_QUANTS = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K")  # stock llama-quantiz
 def kl_at_bytes(points: list[tuple[float, float]], mb: float) -> tuple[float | None, str]:
     """A stock line's KL at `mb` bytes read per token: (MB, KL) points, the ones no smaller point beats in KL, log KL
     linear in MB between neighbours; (None, 'below') or (None, 'above') outside the line's range (not extrapolated)."""
-    line: list[tuple[float, float]] = []
-    for m, k in sorted(points):
-        if not line or k < line[-1][1]:
-            line.append((m, k))
+    line = [(m, -neg) for m, neg in pareto([(m, -k) for m, k in points])]  # KL falling as the bytes grow
     if not line or mb < line[0][0]:
         return None, "below"
     if mb > line[-1][0]:
         return None, "above"
-    for (m0, k0), (m1, k1) in itertools.pairwise(line):
-        if m0 <= mb <= m1:
-            w = (mb - m0) / (m1 - m0) if m1 > m0 else 0.0
-            return math.exp(math.log(k0) + w * (math.log(k1) - math.log(k0))), "interp"
-    return line[0][1], "interp"  # one point, at exactly its bytes
+    return math.exp(_piecewise([(m, math.log(k)) for m, k in line], mb)), "interp"

@@ -465,6 +465,9 @@ def main() -> int:
     if bad:
         ap.error(f"unknown section {bad[0]!r} (known: {', '.join(known)})")
 
+    # cpu-q8's Q8_0 attention stays plain, as it was when the preset was chosen for this check: patch 0016 repacks
+    # Q8_0 on x86 (another summation order), which only the CPU path's buffers would get, not the cache's copies
+    os.environ.setdefault("RAPIDMOE_Q8_0_REPACK", "0")
     package = use_package(args.site, need_cuda=not args.cpu)
 
     from common import ensure_synthetic  # noqa: PLC0415  (after use_package, for --site)

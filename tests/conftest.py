@@ -220,6 +220,14 @@ def rpc(request: pytest.FixtureRequest) -> Iterator[RPCServer]:
         yield srv
 
 
+@pytest.fixture
+def plain_q8_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q8_0 weights stay plain (RAPIDMOE_Q8_0_REPACK=0, read at each weight load): the rpc-server stand-in's CPU
+    backend has no repacked layouts, so with EXACT_PRESET's Q8_0 matrices plain on both sides the same kernel runs
+    in both processes (patch 0016 repacks Q8_0 on x86 for speed, which sums in another order)."""
+    monkeypatch.setenv("RAPIDMOE_Q8_0_REPACK", "0")
+
+
 @pytest.fixture(scope="session")
 def stock_bin() -> Path:
     """Folder with STOCK (unpatched) libllama of the same pin; built on first use, reused after."""

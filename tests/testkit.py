@@ -34,7 +34,8 @@ def ggml_cpu_counter(name: str) -> int:
 GREEDY = {"temperature": 0}
 
 # The CPU-vs-stand-in comparisons use preset cpu-q8: its non-expert matrices are Q8_0, which x86 CPUs run with
-# the same kernel in both processes (no repacked Q8_0 layout there). The cpu preset's Q4_K attention is repacked
+# the same kernel in both processes when it stays plain (conftest's plain_q8_0: patch 0016 repacks Q8_0 here, the
+# stand-in's CPU backend has no repacked layouts). The cpu preset's Q4_K attention is repacked
 # on this CPU and not on the stand-in (its CPU backend keeps the plain layout): two kernels with different
 # summation orders, which a random-weight model amplifies past any tolerance that would still catch a bug.
 EXACT_PRESET = "cpu-q8"

@@ -119,7 +119,7 @@ def apply_patches(tree: Path, patches: list[Path]) -> None:
     for p in patches:
         cmd = ["patch", "-p1", "--forward", "--batch", "--fuzz=0", "--no-backup-if-mismatch",
                "-d", str(tree), "-i", str(p)]
-        dry = subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True)
+        dry = subprocess.run([*cmd, "--dry-run"], capture_output=True, text=True)
         if dry.returncode != 0:
             raise UpstreamError(
                 f"patch {p.name} no longer applies to llama.cpp {load_pin()['llama_cpp_commit']} "

@@ -17,6 +17,8 @@ from rapidmoe.ggufio import GGUFFile
 from rapidmoe.rpc import RPCServer, parse_endpoint
 from rapidmoe.umia import Policy
 
+pytestmark = pytest.mark.usefixtures("plain_q8_0")  # one Q8_0 kernel in both processes (conftest)
+
 TOL = 1e-3  # relative L2 of the logits (measured: 0, the same CPU kernels run in both processes)
 RPC_THREADS = 2  # conftest's rpc fixture: the stand-in's threads
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from server_proc import ServerProc
-from testkit import EXACT_PRESET, TEXT  # EXACT_PRESET: Q8_0 runs the same CPU kernel in every process
+from testkit import EXACT_PRESET, TEXT  # EXACT_PRESET: Q8_0, plain: the same CPU kernel in every process
 
 from rapidmoe import Llama, RapidMoEError, _children
 from rapidmoe.ggufio import GGUFFile
@@ -25,7 +25,7 @@ from rapidmoe.placement.multidevice import gpu_layer_bytes, plan_across
 from rapidmoe.placement.typeplan import native_types
 from rapidmoe.rpc import RPC_SERVER, RPCServer, _free_port, parse_servers, server_command
 
-pytestmark = pytest.mark.native
+pytestmark = [pytest.mark.native, pytest.mark.usefixtures("plain_q8_0")]  # one Q8_0 kernel everywhere
 
 TOL = 1e-3  # relative L2 of the logits (measured: 0)
 

@@ -54,10 +54,11 @@ def test_r0_is_exactly_stock_on_the_wq_file(split_pair, stock_bin: Path, tmp_pat
     CPU without AVX-512 stock keeps Q2_K plain and our build repacks it (patch 0006): RAPIDMOE_Q2_K_REPACK=0 keeps
     it plain here too (tools/kernel_cost.py --check compares that repacked gemv with the plain kernel). Our Q2_K and
     Q4_K gemms (patch 0008) give the gemv's bits, where upstream's add in another order: RAPIDMOE_GEMM=0 keeps
-    upstream's for the prompt's dense rows."""
+    upstream's for the prompt's dense rows. On x86 stock keeps Q8_0 plain: RAPIDMOE_Q8_0_REPACK=0 (patch 0016)."""
     monkeypatch.setenv("RAPIDMOE_REPACK_MMID_GEMM", "0")
     monkeypatch.setenv("RAPIDMOE_Q2_K_REPACK", "0")
     monkeypatch.setenv("RAPIDMOE_GEMM", "0")
+    monkeypatch.setenv("RAPIDMOE_Q8_0_REPACK", "0")
     _, wq, wr = split_pair
     toks = _tokens(wq)
     ours = _logits(wq, toks, residual_path=wr, n_critical=0)
@@ -265,7 +266,7 @@ def _require_repacked(type_name: str) -> None:
         pytest.skip(f"no repacked {type_name} layout on this CPU ({e})")
 
 
-@pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K", "Q8_0"])
 def test_masked_mul_mat_id_on_repacked_weights_matches_numpy(type_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The op on the CPU's repacked layout (CPU_REPACK claims it): skipped slots are zero rows, kept ones equal the
     repacked plain MUL_MAT_ID bit for bit and numpy to quantization error. Before patch 0002 made the masked matmul
@@ -295,7 +296,7 @@ def test_masked_mul_mat_id_on_repacked_weights_matches_numpy(type_name: str, mon
                          n_in, b, ids, repacked=True)
 
 
-@pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K", "Q8_0"])
 @pytest.mark.parametrize("masked", [False, True])
 def test_repacked_mul_mat_id_gemm_rows_match_the_gemv(type_name: str, masked: bool,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:

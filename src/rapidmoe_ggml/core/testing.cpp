@@ -9,7 +9,9 @@
 #include "ggml.h"
 #include "rapidmoe-llama.h"
 
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -225,6 +227,39 @@ bool capture_callback(ggml_tensor * t, bool ask, void * user_data) {
     return true;
 }
 
+
+// The VmFlags of the /proc/self/smaps mapping that holds addr ("" when none is found, or not on Linux)
+std::string vm_flags_at(uintptr_t addr) {
+    std::ifstream smaps("/proc/self/smaps");
+    std::string line;
+    bool inside = false;
+    while (std::getline(smaps, line)) {
+        unsigned long long lo = 0, hi = 0;
+        if (std::sscanf(line.c_str(), "%llx-%llx ", &lo, &hi) == 2 && line.find(':') > line.find('-')) {
+            inside = addr >= lo && addr < hi;
+        } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+            return line.substr(8);
+        }
+    }
+    return "";
+}
+
+// Allocates a CPU (or CPU_REPACK) buffer of nbytes as llama.cpp does for weights and caches, and returns the VmFlags
+// of the memory it got: "hg" among them is madvise(MADV_HUGEPAGE) (patch 0015)
+std::string cpu_buffer_vm_flags(size_t nbytes, bool repack) {
+    ggml_backend_buffer_type_t buft = repack ? cpu_repack_buft() : ggml_backend_cpu_buffer_type();
+    if (buft == nullptr) {
+        throw std::invalid_argument("cpu_buffer_vm_flags: this CPU backend has no CPU_REPACK buffer type");
+    }
+    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, nbytes);
+    if (buf == nullptr) {
+        throw std::runtime_error("cpu_buffer_vm_flags: the allocation failed");
+    }
+    const auto base = (uintptr_t) ggml_backend_buffer_get_base(buf);
+    std::string flags = vm_flags_at(base + ggml_backend_buffer_get_size(buf) / 2);
+    ggml_backend_buffer_free(buf);
+    return flags;
+}
 }  // namespace
 
 void bind_testing(nb::module_ & m) {
@@ -238,6 +273,9 @@ void bind_testing(nb::module_ & m) {
           "n_in/8], b float32 [T, n_b, n_in], ids int32 [T, k] (-1: a zero row); returns float32 [T, k, n_out].");
     m.def("refine_dot", &refine_dot, "wq"_a, "bits"_a, "x"_a, "reference"_a = false,
           "One refined row (Q3_K bytes, bit plane) dot x (quantized to Q8_K): the SIMD kernel or the scalar reference.");
+    m.def("cpu_buffer_vm_flags", &cpu_buffer_vm_flags, "nbytes"_a, "repack"_a = false,
+          "Allocate a CPU (repack: CPU_REPACK) backend buffer of nbytes and return the VmFlags of /proc/self/smaps'\n"
+          "mapping that holds its middle (\"\" if none): \"hg\" = huge pages advised. Frees the buffer.");
     nb::class_<TensorCapture>(m, "TensorCapture",
         "Copies the named F32 or I32 graph tensors (I32 as exact floats; views with contiguous rows too) each time\n"
         "a llama_context computes them (eval callback).")

@@ -465,8 +465,9 @@ def main() -> int:
     if bad:
         ap.error(f"unknown section {bad[0]!r} (known: {', '.join(known)})")
 
-    # cpu-q8's Q8_0 attention stays plain, as it was when the preset was chosen for this check: patch 0016 repacks
-    # Q8_0 on x86 (another summation order), which only the CPU path's buffers would get, not the cache's copies
+    # cpu-q8's Q8_0 attention stays plain, as it was when the preset was chosen for this check ("one CPU kernel for
+    # every placement"): patch 0016 repacks Q8_0 on x86 in CPU_REPACK buffers only (another summation order), and
+    # the exact --cpu checks of the cache modes then differ from the CPU path
     os.environ.setdefault("RAPIDMOE_Q8_0_REPACK", "0")
     package = use_package(args.site, need_cuda=not args.cpu)
 

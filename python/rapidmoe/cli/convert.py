@@ -21,6 +21,11 @@ def convert(
     calib_text: Annotated[Optional[Path], typer.Option("--calib-text", help="Text to compute an importance matrix from with our build.")] = None,
     calib_ctx: Annotated[int, typer.Option("--calib-ctx", help="Tokens per calibration chunk.", min=16)] = 512,
     calib_chunks: Annotated[int, typer.Option("--calib-chunks", help="At most this many chunks.", min=1)] = 16,
+    mix: Annotated[Optional[str], typer.Option("--mix", help="Per-layer/per-role routed-expert types over the preset's: comma-separated ROLE=WQ or LAYER.ROLE=WQ entries, each optionally /HI for its sidecar type (e.g. down=Q3_K,0.down=Q4_K/Q5_K); recorded in the sidecar.")] = None,
+    mix_bits: Annotated[Optional[float], typer.Option("--mix-bits", help="Choose the mix by measurement: each routed-expert tensor's KL at each --mix-types type on --mix-text, then this many mean WQ bits per routed weight spent where they save most KL.")] = None,
+    mix_text: Annotated[Optional[Path], typer.Option("--mix-text", help="Calibration text for --mix-bits.")] = None,
+    mix_types: Annotated[str, typer.Option("--mix-types", help="WQ types --mix-bits chooses among.")] = "Q2_K,Q3_K,Q4_K",
+    mix_chunks: Annotated[int, typer.Option("--mix-chunks", help="Chunks of --calib-ctx tokens of --mix-text per measurement.", min=1)] = 4,
     name: Annotated[Optional[str], typer.Option("--name", help="Output base name (default: the input's).")] = None,
     report_experts: Annotated[int, typer.Option("--report-experts", help="Experts per tensor on which plain Q4_K/Q8_0 errors are measured (0: all).", min=0)] = 4,
     force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite existing outputs.")] = False,
@@ -28,6 +33,8 @@ def convert(
     """Split every routed expert into WQ (low-bit, in NAME.wq.gguf, which stock llama.cpp runs) and the quantized residual WR (NAME.wr.gguf sidecar); print bits per weight and the reconstruction-error table.
 
     --preset auto (the default) takes cpu-fast where llama.cpp sees no GPU: on the 8.1 GB bench model on 2 CPU cores it decoded 1.52x as fast as stock Q4_K_M at r = 1 with lower KL to F16 (0.063 vs 0.074) and pp512 1.02x; 1.65x at r = 0 (KL 0.133); cpu (Q6_K output head) at r = 2: KL 0.030 at 1.27x (bench/results/frontier-qwen3moe-bench-reps3.md). cpu-fast's KL stops near 0.050 whatever r (its Q4_K attention and head); below that take cpu-q8 (Q8_0 attention and head): r = 2 KL 0.017, r = 4 0.0095 (below stock Q6_K's 0.0117 with 0.86x its bytes), decoding 1.15-1.25x ik_llama.cpp's Q5_K_M-Q6_K frontier at the same KL (r = 2-4, two runs; Q8_0 repacked on x86, patch 0016) but slower than cpu-fast (bench/results/ik-frontier-hp-q8-zen5-avx512.md). On the trained tiny-moe-b every preset's points have lower KL than stock K-quants read at the same bytes per token (bench/results/frontier-tiny-moe-b.md). Where a GPU is found it takes paper (IQ1_M WQ, small enough for the device; needs --imatrix or --calib-text). For quality per byte take refine (a Q3_K base fitted for one refinement bit per weight): on the trained tiny-moe-a, experts only, every slot critical reaches stock Q4_K's KL at 4.44 bits (0.00201 vs 0.00211) and r = 1 half of stock's KL at equal bits; it decodes slower than cpu-fast on x86 today (no repacked Q3_K kernel yet; docs/resplit.md).
+
+    --mix-bits B --mix-text FILE gives each layer's gate, up and down its own WQ type (Q2_K, Q3_K or Q4_K by default), chosen by measuring on the text how much KL each tensor loses in each type and spending B mean bits per routed weight where they save most (one evaluation of the model per tensor and type: for models that run here); --mix writes such types by hand. On tiny-moe-a, experts only, cpu-q8 with --mix-bits 2.9 has 0.66x, 0.52x and 0.60x stock K-quants' KL at equal bits read for r = 0, 1, 2 (uniform cpu-q8: 1.00x, 0.55x, 0.72x); r = 2 reaches stock Q4_K's KL at 0.89x its bits (docs/resplit.md).
     """
     from ..calibration.imatrix import collect_imatrix  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit import convert as run_convert  # noqa: PLC0415  (lazy: keeps --help fast)
@@ -41,10 +48,14 @@ def convert(
         preset = default_preset(bool(gpus))
         typer.echo(f"preset auto: {preset} ({'GPU: ' + ', '.join(gpus) if gpus else 'no GPU found'})")
     try:
-        given = {"wq": wq, "wr": wr, "down_mode": down, "other": other}
+        given = {"wq": wq, "wr": wr, "down_mode": down, "other": other, "mix": mix}
         p = get_preset(preset, **{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
         raise RapidMoEError(str(e)) from e
+    if mix_bits is not None:
+        p = _measured_mix(model, output, name, p, mix, mix_bits, mix_text, mix_types, calib_ctx, mix_chunks)
+    elif mix_text is not None:
+        raise RapidMoEError("--mix-text is the calibration text of --mix-bits: give --mix-bits too")
     if imatrix is not None and calib_text is not None:
         raise RapidMoEError("give either --imatrix or --calib-text, not both")
     im = read_imatrix(imatrix) if imatrix is not None else None
@@ -60,6 +71,8 @@ def convert(
                       report_experts=None if report_experts == 0 else report_experts)
     report: dict[str, Any] = res.report
     b = report["bits"]
+    if p.mix:
+        typer.echo(f"mix: {p.mix}")
     typer.echo(f"preset {p.name}: WQ {p.wq} {b['wq']:.3f} bpw | sidecar gate/up {p.wr} {b['wr_gate_up']:.3f} bpw, "
                f"down {p.down_hi} {p.down_mode} {b['down_sidecar']:.3f} bpw | critical path {b['critical']:.3f} bpw | "
                f"total stored {b['total_stored']:.3f} bpw (routed experts)")
@@ -67,3 +80,29 @@ def convert(
     f = report["files"]
     typer.echo(f"wrote {res.wq_path} ({f['wq_bytes'] / 1e6:.1f} MB), {res.wr_path} ({f['wr_bytes'] / 1e6:.1f} MB), "
                f"{res.report_path} in {res.seconds:.1f} s")
+
+
+def _measured_mix(model: Path, output: Path, name: Optional[str], p: Any, mix: Optional[str], mix_bits: float,
+                  mix_text: Optional[Path], mix_types: str, n_ctx: int, chunks: int) -> Any:
+    """The preset with a mix chosen on --mix-text (resplit/mix.py); the measurements saved next to the outputs."""
+    import dataclasses  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    from ..atomic import write_text  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..resplit.mix import choose_mix  # noqa: PLC0415  (lazy: keeps --help fast)
+
+    if mix is not None:
+        raise RapidMoEError("give either --mix (the types) or --mix-bits (measure and choose them), not both")
+    if mix_text is None:
+        raise RapidMoEError("--mix-bits needs --mix-text FILE: the calibration text the mix is measured on")
+    if not mix_text.is_file():
+        raise RapidMoEError(f"mix calibration text not found: {mix_text}")
+    types = [t for t in mix_types.split(",") if t]
+    mixed, sens = choose_mix(model, mix_text.read_text(errors="replace"), p, mix_bits, types, n_ctx=n_ctx,
+                             chunks=chunks)
+    output.mkdir(parents=True, exist_ok=True)
+    path = output / f"{name or model.name.removesuffix('.gguf')}.mix.json"
+    write_text(path, json.dumps({"mix": mixed.mix, "budget_bits": mix_bits, "text": str(mix_text),
+                                        "sensitivity": [dataclasses.asdict(x) for x in sens]}, indent=1))
+    typer.echo(f"mix measurements: {path}")
+    return mixed

@@ -5,7 +5,7 @@ that says what was placed. Pure planning like the rest of the package: GGUF head
 from __future__ import annotations
 
 import os
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from typing import Any, TypedDict
 
 from typing_extensions import NotRequired  # typing has it from Python 3.11
@@ -74,8 +74,9 @@ def realize(p: Plan, cache_device: str | None = None) -> LlamaPlacement:
 def sidecar_preset(residual_path: str | os.PathLike[str]) -> Preset:
     """The preset a RESplit sidecar was made with, from its metadata (ModelFileError if it has none)."""
     meta = read_sidecar_meta(residual_path)
-    names = [f.name for f in fields(Preset)]
-    missing = [n for n in names if f"preset.{n}" not in meta]
+    names = [f.name for f in fields(Preset) if f"preset.{f.name}" in meta]
+    # fields added later (mix) have defaults: a sidecar from before them records none
+    missing = [f.name for f in fields(Preset) if f"preset.{f.name}" not in meta and f.default is MISSING]
     if missing:
         raise ModelFileError(f"sidecar {residual_path} does not record its preset ({', '.join(missing)} missing)")
     try:

@@ -138,6 +138,9 @@ class _Converter:
     def expert_tensors(self) -> list[Tensor]:
         return [t for t in self.reader.tensors if EXPERT_RE.match(t.name)]
 
+    def moe_layers(self) -> list[int]:
+        return sorted({int(m.group(1)) for t in self.expert_tensors() if (m := EXPERT_RE.match(t.name))})
+
     def validate(self) -> None:
         experts = self.expert_tensors()
         if not experts:
@@ -380,7 +383,7 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset
         sidecar.stamp(wr_tmp, wq_tmp)
         seconds = time.perf_counter() - t0
         report = {
-            "source": str(src_p), "preset": asdict(preset), "bits": preset.bits(), "pair_id": pair_id,
+            "source": str(src_p), "preset": asdict(preset), "bits": preset.bits(conv.moe_layers()), "pair_id": pair_id,
             **({"codec": preset.codec} if preset.codec is not None else {}),
             "imatrix": imatrix is not None, "seconds": round(seconds, 3),
             "files": {"wq_bytes": wq_tmp.stat().st_size, "wr_bytes": wr_tmp.stat().st_size,

@@ -4,12 +4,15 @@ Pure data and arithmetic (no extension import): bits per weight come from ggml_t
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..ggml_types import bits_per_weight
 
 # types the converter accepts for each role (the issue's minimum set, plus what costs nothing to allow)
 WQ_TYPES = ("IQ1_M", "IQ2_XXS", "IQ2_XS", "Q2_K", "IQ3_XXS", "Q3_K")
+# a mix (per layer and role) may also give a tensor's WQ a Q4_K: the sensitive ones (resplit/mix.py)
+MIX_WQ_TYPES = (*WQ_TYPES, "Q4_K")
 WR_TYPES = ("Q2_K", "Q3_K", "Q4_K")
 DOWN_COPY_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
 OTHER_TYPES = ("Q8_0", "F16", "F32")
@@ -27,6 +30,51 @@ REFINE_WR = "REFINE1"
 REFINE_WQ = "Q3_K"
 REFINE_CODEC = "q3k-refine1"  # the sidecar's rapidmoe.residual.codec
 REFINE_BITS = 1.0
+# the roles a mix entry names (a merged gate_up tensor takes gate's entry)
+MIX_ROLES = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class MixEntry:
+    """One entry of a preset's mix: the routed-expert types of one role in one layer (layer None: every layer)."""
+
+    layer: int | None
+    role: str
+    wq: str
+    hi: str | None  # the sidecar part's type (None: the preset's)
+
+    def key(self) -> str:
+        return self.role if self.layer is None else f"{self.layer}.{self.role}"
+
+    def __str__(self) -> str:
+        return f"{self.key()}={self.wq}" + (f"/{self.hi}" if self.hi is not None else "")
+
+
+def parse_mix(text: str) -> tuple[MixEntry, ...]:
+    """A mix string, `[LAYER.]ROLE=WQ[/HI]` entries separated by commas (e.g. `down=Q3_K,0.gate=Q4_K/Q3_K`), as
+    entries; ValueError naming the bad entry. Types are upper-cased; a key given twice is an error."""
+    out: list[MixEntry] = []
+    seen: set[str] = set()
+    for raw in (x.strip() for x in text.split(",")):
+        if not raw:
+            continue
+        key, eq, types = raw.partition("=")
+        layer_s, dot, role = key.strip().rpartition(".")
+        if not eq or not types.strip() or role not in MIX_ROLES or (dot and not layer_s.isdigit()):
+            raise ValueError(f"mix entry {raw!r} is not [LAYER.]ROLE=WQ[/HI] with ROLE one of {', '.join(MIX_ROLES)}")
+        wq, _, hi = types.strip().partition("/")
+        entry = MixEntry(int(layer_s) if dot else None, role, wq.strip().upper(), hi.strip().upper() or None)
+        if entry.key() in seen:
+            raise ValueError(f"mix entry {raw!r}: {entry.key()} is given twice")
+        seen.add(entry.key())
+        out.append(entry)
+    return tuple(out)
+
+
+def format_mix(entries: Iterable[MixEntry]) -> str:
+    """The canonical mix string (role-wide entries first, then by layer and role)."""
+    order = {r: i for i, r in enumerate(MIX_ROLES)}
+    return ",".join(str(e) for e in sorted(entries, key=lambda e: (e.layer is not None, e.layer or 0, order[e.role])))
 
 
 @dataclass(frozen=True)
@@ -44,6 +92,9 @@ class Preset:
     token_embd: str | None = None  # the token embedding's type over `other` (it is read one row per token)
     output: str | None = None  # the output head's type over `other`
     description: str = ""
+    # per-layer / per-role routed-expert types over wq and the sidecar's (parse_mix's format; "" = none), e.g.
+    # what resplit.mix.choose_mix measured on calibration text; recorded in the sidecar with the other fields
+    mix: str = ""
 
     def __post_init__(self) -> None:
         if self.wq.upper() not in WQ_TYPES:
@@ -63,6 +114,8 @@ class Preset:
         for role, ty in (("token_embd", self.token_embd), ("output", self.output)):
             if ty is not None and ty.upper() not in TENSOR_OVERRIDE_TYPES:
                 raise ValueError(f"{role} type {ty} not supported; choose one of {', '.join(TENSOR_OVERRIDE_TYPES)}")
+        if self.mix:
+            self._check_mix()
 
     def _check_refine(self) -> None:
         """The refine codec comes whole: WR REFINE1, down_mode 'refine' (every role refined) and WQ Q3_K."""
@@ -75,6 +128,39 @@ class Preset:
         if self.wq.upper() != REFINE_WQ:
             raise ValueError(f"WR {REFINE_WR} refines a {REFINE_WQ} base whose scales it fits itself; WQ {self.wq} "
                              f"cannot be refined (use WQ {REFINE_WQ}, or a residual WR type)")
+
+    def _check_mix(self) -> None:
+        """Every mix entry in the types its role takes; a down copy better than its base."""
+        if self.is_refine:
+            raise ValueError("the refine codec fits its own Q3_K base for every tensor: it takes no mix")
+        for e in parse_mix(self.mix):
+            if e.wq not in MIX_WQ_TYPES:
+                raise ValueError(f"mix entry {e}: WQ type {e.wq} not supported; choose one of "
+                                 f"{', '.join(MIX_WQ_TYPES)}")
+            wq, hi = self.expert_types(e.layer, e.role)
+            if e.role == "down" and self.down_mode == "copy":
+                if hi not in DOWN_COPY_TYPES:
+                    raise ValueError(f"mix entry {e}: down copy type {hi} not supported; choose one of "
+                                     f"{', '.join(DOWN_COPY_TYPES)}")
+                if bits_per_weight(hi) <= bits_per_weight(wq):
+                    raise ValueError(f"mix entry {e}: down's copy ({hi}) would be no better than its base ({wq}); "
+                                     f"give it a larger type (`down=WQ/HI`)")
+            elif hi not in WR_TYPES:
+                raise ValueError(f"mix entry {e}: WR type {hi} not supported; choose one of {', '.join(WR_TYPES)}")
+
+    def expert_types(self, layer: int | None, role: str) -> tuple[str, str]:
+        """(WQ, sidecar) types asked for a routed-expert tensor of `role` in `layer`: the mix's entry for that
+        layer and role, else its role-wide entry, else the preset's own (merged gate_up: gate's entry)."""
+        role = "gate" if role == "gate_up" else role
+        hi = (self.down_hi if role == "down" else self.wr).upper()
+        wq = self.wq.upper()
+        if self.mix:
+            by_key = {e.key(): e for e in parse_mix(self.mix)}
+            for key in ((f"{layer}.{role}",) if layer is not None else ()) + (role,):
+                e = by_key.get(key)
+                if e is not None:
+                    return e.wq, e.hi or hi
+        return wq, hi
 
     @property
     def is_refine(self) -> bool:
@@ -107,19 +193,24 @@ class Preset:
         """Type of the sidecar's down tensor (the copy, or the residual; REFINE1 for the refine codec)."""
         return self.down_type if self.down_mode == "copy" else self.wr
 
-    def bits(self) -> dict[str, float]:
-        """Bits per routed-expert weight: each part, the critical path, and the total stored."""
-        wq, wr, hi = _bits(self.wq), _bits(self.wr), _bits(self.down_hi)
-        gate_up_critical = wq + wr
-        down_critical = hi if self.down_mode == "copy" else wq + wr
-        return {
-            "wq": wq,
-            "wr_gate_up": wr,
-            "down_sidecar": hi,
-            "sidecar": (2 * wr + hi) / 3,
-            "critical": (2 * gate_up_critical + down_critical) / 3,
-            "total_stored": wq + (2 * wr + hi) / 3,
-        }
+    def bits(self, moe_layers: Iterable[int] | None = None) -> dict[str, float]:
+        """Bits per routed-expert weight (gate, up and down of equal size): each part, the critical path, and the
+        total stored. With a mix, averaged over `moe_layers` (default: the layers the mix names; none: one layer
+        of role-wide entries); without one the same in every layer."""
+        named = sorted({e.layer for e in parse_mix(self.mix) if e.layer is not None})
+        layers: list[int | None] = [*(moe_layers if moe_layers is not None else named)] or [None]
+        parts: dict[str, float] = dict.fromkeys(("wq", "wr_gate_up", "down_sidecar", "critical"), 0.0)
+        for layer in layers:
+            (gwq, gwr), (uwq, uwr), (dwq, dhi) = (self.expert_types(layer, r) for r in MIX_ROLES)
+            down_critical = _bits(dhi) if self.down_mode == "copy" else _bits(dwq) + _bits(dhi)
+            parts["wq"] += (_bits(gwq) + _bits(uwq) + _bits(dwq)) / 3
+            parts["wr_gate_up"] += (_bits(gwr) + _bits(uwr)) / 2
+            parts["down_sidecar"] += _bits(dhi)
+            parts["critical"] += (_bits(gwq) + _bits(gwr) + _bits(uwq) + _bits(uwr) + down_critical) / 3
+        out = {k: v / len(layers) for k, v in parts.items()}
+        out["sidecar"] = (2 * out["wr_gate_up"] + out["down_sidecar"]) / 3
+        out["total_stored"] = out["wq"] + out["sidecar"]
+        return {k: out[k] for k in ("wq", "wr_gate_up", "down_sidecar", "sidecar", "critical", "total_stored")}
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (

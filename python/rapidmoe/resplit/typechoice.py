@@ -43,19 +43,16 @@ class ExpertPlan:
         return [f"{self.name} {part} {asked}->{used}" for part, asked, used in self.fallbacks]
 
 
-def expert_role(name: str) -> str | None:
-    """'gate', 'up', 'down' or 'gate_up' for a routed-expert tensor, else None."""
-    m = EXPERT_RE.match(name)
-    return m.group(2) if m else None
-
-
 def plan_expert(name: str, shape: tuple[int, ...], preset: Preset) -> ExpertPlan:
-    """The types of a routed-expert tensor's WQ and sidecar parts (shape in ggml order: rows of shape[0])."""
-    role = expert_role(name)
-    if role is None:
+    """The types of a routed-expert tensor's WQ and sidecar parts (shape in ggml order: rows of shape[0]): the
+    preset's, or its mix's entry for the tensor's layer and role."""
+    m = EXPERT_RE.match(name)
+    if m is None:
         raise ValueError(f"{name} is not a routed-expert tensor")
+    role = m.group(2)
     n_in = int(shape[0])
-    asked = {"wq": preset.wq.upper(), "sidecar": (preset.down_hi if role == "down" else preset.wr).upper()}
+    wq, hi = preset.expert_types(int(m.group(1)), role)
+    asked = {"wq": wq, "sidecar": hi}
     # the refine codec's sidecar (REFINE1: one bit per weight) is no ggml type and has no fallback (the converter
     # refuses rows that are not whole Q3_K super-blocks)
     used = {part: ty if ty == REFINE_WR else fit_type(ty, n_in) for part, ty in asked.items()}

@@ -50,6 +50,7 @@ from rapidmoe.ggufio import GGUFFile, Tensor, copy_metadata, n_rows, tensor_rows
 from rapidmoe.resplit import Preset, convert, get_preset
 from rapidmoe.resplit.convert import _add_quant_info, _byte_shape, _target_type
 from rapidmoe.resplit.imatrix import Imatrix, write_imatrix
+from rapidmoe.resplit.mix import Sensitivity, allocate, measure_sensitivity, mix_preset
 from rapidmoe.resplit.typechoice import EXPERT_RE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -255,6 +256,31 @@ def our_pair(src: Path, preset: Preset, work: Path, imatrix: Imatrix | None = No
     return wq, wr, True
 
 
+def with_mixes(src: Path, presets: list[Preset], args: argparse.Namespace,
+               work: Path) -> tuple[list[Preset], dict[str, Any]]:
+    """The presets plus each residual one with a mix per --mix-bits budget; the sensitivities (measured once on the
+    calibration text, cached in the work folder per types, chunks and context) and how long they took."""
+    calib = args.calib or src.parent / "calib.txt"
+    types = [t.upper() for t in args.mix_types.split(",") if t]
+    cache = work / f"{src.stem}.mix-{'-'.join(types)}-c{args.mix_chunks}x{args.n_ctx}.json"
+    t0 = time.perf_counter()
+    if cache.exists():
+        sens = [Sensitivity(**x) for x in json.loads(cache.read_text())["sensitivity"]]
+        seconds = json.loads(cache.read_text())["seconds"]
+    else:
+        sens = measure_sensitivity(src, calib.read_text(), types, n_ctx=args.n_ctx, chunks=args.mix_chunks,
+                                   threads=args.threads, progress=False)
+        seconds = time.perf_counter() - t0
+        cache.write_text(json.dumps({"seconds": seconds, "sensitivity": [dataclasses.asdict(x) for x in sens]}))
+    out = list(presets)
+    for b in (float(x) for x in args.mix_bits.split(",") if x):
+        for p in presets:
+            if not p.is_refine:
+                out.append(dataclasses.replace(mix_preset(p, allocate(sens, b)), name=f"{p.name}+mix{b:g}"))
+    return out, {"calib": str(calib), "types": types, "chunks": args.mix_chunks, "seconds": seconds,
+                 "sensitivity": [dataclasses.asdict(x) for x in sens]}
+
+
 def same_bytes(a: Path, b: Path, experts: bool) -> bool:
     """Whether two GGUFs hold byte-identical data in all their routed-expert (or all their other) tensors."""
     fa, fb = GGUFFile(a), GGUFFile(b)
@@ -315,6 +341,11 @@ def main() -> int:
     ap.add_argument("--imatrix-presets", action="store_true",
                     help="with --imatrix-variants: also our presets converted with that importance matrix")
     ap.add_argument("--imatrix-chunks", type=int, default=32, help="calibration chunks of --n-ctx for the imatrix")
+    ap.add_argument("--mix-bits", default="",
+                    help="also each residual preset with per-layer/per-role WQ types chosen on the calibration text "
+                         "(rapidmoe.resplit.mix) at these mean WQ bits, comma-separated")
+    ap.add_argument("--mix-types", default="Q2_K,Q3_K,Q4_K", help="the WQ types a mix chooses among")
+    ap.add_argument("--mix-chunks", type=int, default=8, help="calibration chunks of --n-ctx the mix measures on")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--boot", type=int, default=2000, help="chunk resamples for the ratio's interval")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "out" / "experts")
@@ -366,6 +397,9 @@ def main() -> int:
             path = stock_experts_file(src, ty, work / f"{src.stem}.experts-{ty}.{tag}.gguf", im)
             variants.append({"variant": f"{kind} {ty}", "kind": kind, "type": ty, "model": path,
                              "bits": expert_bits(path)})
+    mix_info = None
+    if args.mix_bits:
+        presets, mix_info = with_mixes(src, presets, args, work)
     pairs = {p.name: our_pair(src, p, work) for p in presets}
     for p in presets:
         wq, wr, _ = pairs[p.name]
@@ -389,7 +423,9 @@ def main() -> int:
                                            imatrix_path if v["kind"] == "stock+imatrix" else None, work)
         for v in variants if v["kind"] in ("stock", "stock+imatrix")}
     for p in presets:  # a preset's WQ alone (r = 0) vs the stock file of the same type: the same expert bytes?
-        st = next((v for v in variants if v["kind"] == "stock" and v["type"] == p.wq.upper()), None)
+        # (not for a mix: its WQ holds several types, each tensor's quantized by ggml as the others)
+        st = next((v for v in variants if v["kind"] == "stock" and v["type"] == p.wq.upper()), None) \
+            if not p.mix else None
         if st is not None:
             # True for the residual presets (their WQ is plain ggml quantization, so r = 0 is that stock file);
             # False is expected where a preset fits its own WQ (the refine codec's Q3_K scales)
@@ -436,7 +472,9 @@ def main() -> int:
               "threads": args.threads, "n_ctx": args.n_ctx, "chunks": n_chunks, "kl_tokens": n_chunks * args.n_ctx,
               "eval": str(eval_path), "imatrix": {"chunks": args.imatrix_chunks, "seconds": imatrix_s}
               if imatrix is not None else None,
-              "presets": {p.name: {**dataclasses.asdict(p), "bits": p.bits()} for p in presets},
+              "presets": {p.name: {**dataclasses.asdict(p), "bits": p.bits(sorted(expert_elements(src)))}
+                          for p in presets},
+              "mix": mix_info,
               "checks": checks, "files_s": files_s, "total_s": time.perf_counter() - t_start, "rows": rows,
               "command": " ".join(["python", "bench/bench_experts.py", *sys.argv[1:]])}
     stem = args.out_dir / f"experts-{name}"
@@ -458,7 +496,7 @@ def bits_from_counters(v: dict[str, Any], counters: list[dict[str, int]], preset
     weights = sum(c["slots"] * elems[c["layer"]] for c in counters)
     v["critical_fraction"] = crit / slots if slots else None
     v["bits"] = 8 * read / weights if weights else float("nan")
-    b = preset.bits()
+    b = preset.bits(sorted(elems))
     v["bits_preset"] = (b["wq"] + v["critical_fraction"] * (b["critical"] - b["wq"])
                         if v["critical_fraction"] is not None and "wq" in b and "critical" in b else None)
 
@@ -518,6 +556,19 @@ def _kl(x: float) -> str:
     return f"{x:.5f}" if x >= 1e-3 or x == 0 else f"{x:.2e}"
 
 
+def _mix_lines(r: dict[str, Any]) -> list[str]:
+    """How the mixes were chosen and what each one is (nothing without --mix-bits)."""
+    mix = r.get("mix")
+    if not mix:
+        return []
+    return [f"- **ours P+mixB**: preset P with per-layer/per-role WQ types (`rapidmoe.resplit.mix`): each "
+            f"routed-expert tensor alone quantized to each of {', '.join(mix['types'])}, KL to the source over "
+            f"{mix['chunks']} x {r['n_ctx']} tokens of {Path(mix['calib']).name} (not the evaluation text; "
+            f"{mix['seconds']:.0f} s), then the greedy allocation of B mean WQ bits per routed weight. The mixes "
+            "(`[layer.]role=WQ[/down copy]`):",
+            *[f"  - {name}: `{p['mix']}`" for name, p in r["presets"].items() if p.get("mix")]]
+
+
 def to_markdown(r: dict[str, Any]) -> str:
     rows = r["rows"]
     floor = next(x for x in rows if x["kind"] == "floor")
@@ -543,6 +594,7 @@ def to_markdown(r: dict[str, Any]) -> str:
         f"model-f16.gguf out.gguf Q8_0` (+ `--imatrix`): {quantize_check(r['checks'])}",
         "- **ours P r=N**: `rapidmoe.resplit.convert` with preset P, other tensors forced to Q8_0 (no per-tensor "
         "overrides), run by `rapidmoe.Llama(wq, residual_path=wr, n_critical=N)`.",
+        *_mix_lines(r),
         *[f"- check: {k}: {'yes' if v else 'no'}" for k, v in r["checks"].items()
           if k not in ("non_expert_identical", "non_expert_types", "identical_to_stock_llama_quantize")],
         "  (yes for a residual preset, whose WQ is plain ggml quantization: its r = 0 is that stock file; no is "

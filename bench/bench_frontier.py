@@ -49,7 +49,6 @@ import numpy as np
 from rapidmoe.calibration.measure import calibrate_latency
 from rapidmoe.calibration.umia import calibrate
 from rapidmoe.ggufio import GGUFFile
-from rapidmoe.resplit import convert, get_preset
 from rapidmoe.umia.latency import load_latency_model
 from rapidmoe.umia.policy import policy_from_dict
 
@@ -59,6 +58,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_split import file_bytes_per_token, measure_bandwidth, run_variant  # noqa: E402
 from common import (  # noqa: E402
     K_QUANTS,
+    ensure_pair,
     ensure_synthetic,
     frontier_speed,
     kl_at_bytes,
@@ -159,11 +159,8 @@ def stock_file(model: Path, ftype: str, work: Path, quantize: Path) -> Path:
 
 
 def our_pair(model: Path, preset: str, work: Path) -> tuple[Path, Path]:
-    d = work / f"{model.stem}.{preset}"
-    wq, wr = d / f"{model.stem}.wq.gguf", d / f"{model.stem}.wr.gguf"
-    if not (wq.exists() and wr.exists()):
-        convert(model, d, get_preset(preset), progress=True, report_experts=1, force=True)
-    return wq, wr
+    """A preset spec's pair (common.ensure_pair: NAME, or NAME@MIXFILE for a preset with a mix)."""
+    return ensure_pair(model, work, preset)
 
 
 def kernels_key() -> str:
@@ -212,7 +209,9 @@ def main() -> int:
     ap.add_argument("--arch", default="qwen3moe")
     ap.add_argument("--size", default="bench")
     ap.add_argument("--stock", default=",".join(STOCK_TYPES), help="stock llama-quantize types, comma-separated")
-    ap.add_argument("--presets", default="cpu,cpu-q8", help="our presets, comma-separated")
+    ap.add_argument("--presets", default="cpu,cpu-q8",
+                    help="our presets, comma-separated; NAME@MIXFILE: with the mix in MIXFILE (convert --mix-bits's "
+                         "NAME.mix.json, or a text file holding a mix string)")
     ap.add_argument("--r", default="0,1,2", help="fixed r values (comma-separated) for every preset")
     ap.add_argument("--umia", type=int, default=2, help="UMIA policies per preset (calibrated on --calib; 0: none)")
     ap.add_argument("--umia-presets", default=None, help="the presets that get UMIA points (default: all of --presets)")

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import EnvelopeCheck, envelope_check, frontier_speed, pareto
+from common import EnvelopeCheck, envelope_check, frontier_speed, pair_dir, pareto
 from ik_peer import llama_bench, locate_or_build, run_llama_bench
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +127,9 @@ def main() -> int:
                     help="also time each ik point with these llama-bench flags added (e.g. '-fmoe 0': ik's fused MoE "
                          "up/gate op off), for what one of ik's features is worth in the same passes; repeatable")
     ap.add_argument("--model-stem", default="synthetic-qwen3moe-bench")
-    ap.add_argument("--presets", default="cpu-fast")
+    ap.add_argument("--presets", default="cpu-fast",
+                    help="our pairs in bench/out/frontier-work, comma-separated: NAME, or NAME@MIXFILE for a preset "
+                         "with a mix (common.pair_dir: <stem>.NAME+<mix file stem>)")
     ap.add_argument("--r", default="0,1,2")
     ap.add_argument("--ik-types", default="Q3_K_M,Q4_K_M,Q5_K_M,Q6_K")
     ap.add_argument("--pp", type=int, default=512)
@@ -157,7 +159,7 @@ def main() -> int:
     for t in (t for t in args.stock_types.split(",") if t):
         points[f"stock {t} (llama-bench)"] = (WORK / f"{args.model_stem}.{t}.gguf", f"stock {t}")
     for p in (p for p in args.presets.split(",") if p):
-        pair = WORK / f"{args.model_stem}.{p}"
+        pair = pair_dir(WORK, args.model_stem, p)
         wq, wr = pair / f"{args.model_stem}.wq.gguf", pair / f"{args.model_stem}.wr.gguf"
         if ik is not None:
             points[f"ik {p} .wq.gguf -rtr"] = (wq, f"ours {p} r=0")

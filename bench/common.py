@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from rapidmoe.paths import vocab_dir
+from rapidmoe.resplit import Preset, convert, get_preset
 from rapidmoe.synthetic import spec_for, write_model
 
 
@@ -128,3 +130,29 @@ def kl_at_bytes(points: list[tuple[float, float]], mb: float) -> tuple[float | N
     if mb > line[-1][0]:
         return None, "above"
     return math.exp(_piecewise([(m, math.log(k)) for m, k in line], mb)), "interp"
+
+
+def spec_preset(spec: str) -> Preset:
+    """A preset by name, or NAME@MIXFILE: the preset with the mix in MIXFILE (`convert --mix-bits`'s NAME.mix.json,
+    or a text file holding a mix string: docs/resplit.md, Per-layer and per-role types)."""
+    name, at, mix_file = spec.partition("@")
+    if not at:
+        return get_preset(name)
+    text = Path(mix_file).read_text()
+    mix = str(json.loads(text)["mix"]) if mix_file.endswith(".json") else text.strip()
+    return get_preset(name, mix=mix)
+
+
+def pair_dir(work: Path, stem: str, spec: str) -> Path:
+    """Where a preset spec's pair of the model `stem` lives: `<stem>.<name>`, `<stem>.<name>+<mix file stem>`."""
+    name, at, mix_file = spec.partition("@")
+    return work / (f"{stem}.{name}" + (f"+{Path(mix_file).name.split('.')[0]}" if at else ""))
+
+
+def ensure_pair(model: Path, work: Path, spec: str) -> tuple[Path, Path]:
+    """(.wq.gguf, .wr.gguf) of `model` converted with a preset spec (spec_preset), converted once into pair_dir."""
+    d = pair_dir(work, model.stem, spec)
+    wq, wr = d / f"{model.stem}.wq.gguf", d / f"{model.stem}.wr.gguf"
+    if not (wq.exists() and wr.exists()):
+        convert(model, d, spec_preset(spec), progress=True, report_experts=1, force=True)
+    return wq, wr

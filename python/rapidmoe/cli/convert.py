@@ -73,8 +73,9 @@ def convert(
     b = report["bits"]
     if p.mix:
         typer.echo(f"mix: {p.mix}")
-    typer.echo(f"preset {p.name}: WQ {p.wq} {b['wq']:.3f} bpw | sidecar gate/up {p.wr} {b['wr_gate_up']:.3f} bpw, "
-               f"down {p.down_hi} {p.down_mode} {b['down_sidecar']:.3f} bpw | critical path {b['critical']:.3f} bpw | "
+    wq_t, wr_t, hi_t = ("mixed", "mixed", "mixed") if p.mix else (p.wq, p.wr, p.down_hi)  # a mix: the table's
+    typer.echo(f"preset {p.name}: WQ {wq_t} {b['wq']:.3f} bpw | sidecar gate/up {wr_t} {b['wr_gate_up']:.3f} bpw, "
+               f"down {hi_t} {p.down_mode} {b['down_sidecar']:.3f} bpw | critical path {b['critical']:.3f} bpw | "
                f"total stored {b['total_stored']:.3f} bpw (routed experts)")
     typer.echo(format_table(res.report))
     f = report["files"]

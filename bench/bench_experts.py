@@ -24,6 +24,7 @@ the KL of an F32 copy of the F16 model (no weight changes: only the computation'
 
 Usage:
   python bench/bench_experts.py --name tiny-moe-a --r 0,1,2,3,4
+  python bench/bench_experts.py --name tiny-moe-a-mix --presets cpu-q8 --mix-bits 2.9,3.2   # + measured mixes
 Writes <out-dir>/experts-<name>.{json,md,png} (default bench/out/experts; copy to bench/results/ to publish); the
 files it makes on the way are kept in <out-dir>/work/<model folder>-<file stem>-<digest of the path, size and time>/.
 """
@@ -45,12 +46,12 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from rapidmoe.calibration.imatrix import collect_imatrix
+from rapidmoe.calibration.mix import Sensitivity, allocate, measure_sensitivity, mix_preset
 from rapidmoe.ggml_types import fit_type, ggml_type
 from rapidmoe.ggufio import GGUFFile, Tensor, copy_metadata, n_rows, tensor_rows
 from rapidmoe.resplit import Preset, convert, get_preset
 from rapidmoe.resplit.convert import _add_quant_info, _byte_shape, _target_type
 from rapidmoe.resplit.imatrix import Imatrix, write_imatrix
-from rapidmoe.resplit.mix import Sensitivity, allocate, measure_sensitivity, mix_preset
 from rapidmoe.resplit.typechoice import EXPERT_RE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -343,7 +344,7 @@ def main() -> int:
     ap.add_argument("--imatrix-chunks", type=int, default=32, help="calibration chunks of --n-ctx for the imatrix")
     ap.add_argument("--mix-bits", default="",
                     help="also each residual preset with per-layer/per-role WQ types chosen on the calibration text "
-                         "(rapidmoe.resplit.mix) at these mean WQ bits, comma-separated")
+                         "(rapidmoe.calibration.mix) at these mean WQ bits, comma-separated")
     ap.add_argument("--mix-types", default="Q2_K,Q3_K,Q4_K", help="the WQ types a mix chooses among")
     ap.add_argument("--mix-chunks", type=int, default=8, help="calibration chunks of --n-ctx the mix measures on")
     ap.add_argument("--threads", type=int, default=2)
@@ -561,7 +562,7 @@ def _mix_lines(r: dict[str, Any]) -> list[str]:
     mix = r.get("mix")
     if not mix:
         return []
-    return [f"- **ours P+mixB**: preset P with per-layer/per-role WQ types (`rapidmoe.resplit.mix`): each "
+    return [f"- **ours P+mixB**: preset P with per-layer/per-role WQ types (`rapidmoe.calibration.mix`): each "
             f"routed-expert tensor alone quantized to each of {', '.join(mix['types'])}, KL to the source over "
             f"{mix['chunks']} x {r['n_ctx']} tokens of {Path(mix['calib']).name} (not the evaluation text; "
             f"{mix['seconds']:.0f} s), then the greedy allocation of B mean WQ bits per routed weight. The mixes "

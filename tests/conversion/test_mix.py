@@ -1,4 +1,4 @@
-"""Per-layer / per-role routed-expert types (a preset's `mix`, rapidmoe/resplit/mix.py): the mix format and its
+"""Per-layer / per-role routed-expert types (a preset's `mix`, rapidmoe/calibration/mix.py): the mix format and its
 errors, the types and bits it gives, the greedy allocation on given measurements, a conversion whose tensors carry
 the mixed types (read back from the files) and whose sidecar records the mix, split routing on the mixed pair
 against an F32 model of its critical weights (gguf-py's numpy dequantization, not ours), and the measurement."""
@@ -13,11 +13,11 @@ from gguf.quants import dequantize as np_dequantize
 from reference.split_logits import all_logits, prompt_tokens, rel_error
 from typer.testing import CliRunner
 
+from rapidmoe.calibration.mix import Sensitivity, allocate, measure_sensitivity, mix_preset
 from rapidmoe.cli.app import app
 from rapidmoe.ggufio import GGUFFile, copy_metadata
 from rapidmoe.placement.realize import sidecar_preset
 from rapidmoe.resplit import convert, get_preset, read_sidecar_meta
-from rapidmoe.resplit.mix import Sensitivity, allocate, measure_sensitivity, mix_preset
 from rapidmoe.resplit.presets import MixEntry, format_mix, parse_mix
 
 MIX = "down=Q3_K,0.gate=Q4_K/Q3_K,1.down=Q4_K/Q6_K"

@@ -85,12 +85,12 @@ def convert(
 
 def _measured_mix(model: Path, output: Path, name: Optional[str], p: Any, mix: Optional[str], mix_bits: float,
                   mix_text: Optional[Path], mix_types: str, n_ctx: int, chunks: int) -> Any:
-    """The preset with a mix chosen on --mix-text (resplit/mix.py); the measurements saved next to the outputs."""
+    """The preset with a mix chosen on --mix-text (calibration/mix.py); the measurements saved next to the outputs."""
     import dataclasses  # noqa: PLC0415
     import json  # noqa: PLC0415
 
     from ..atomic import write_text  # noqa: PLC0415  (lazy: keeps --help fast)
-    from ..resplit.mix import choose_mix  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..calibration.mix import choose_mix  # noqa: PLC0415  (lazy: keeps --help fast)
 
     if mix is not None:
         raise RapidMoEError("give either --mix (the types) or --mix-bits (measure and choose them), not both")

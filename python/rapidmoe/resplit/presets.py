@@ -11,7 +11,7 @@ from ..ggml_types import bits_per_weight
 
 # types the converter accepts for each role (the minimum set, plus what costs nothing to allow)
 WQ_TYPES = ("IQ1_M", "IQ2_XXS", "IQ2_XS", "Q2_K", "IQ3_XXS", "Q3_K")
-# a mix (per layer and role) may also give a tensor's WQ a Q4_K: the sensitive ones (resplit/mix.py)
+# a mix (per layer and role) may also give a tensor's WQ a Q4_K: the sensitive ones (calibration/mix.py)
 MIX_WQ_TYPES = (*WQ_TYPES, "Q4_K")
 WR_TYPES = ("Q2_K", "Q3_K", "Q4_K")
 DOWN_COPY_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
@@ -93,7 +93,7 @@ class Preset:
     output: str | None = None  # the output head's type over `other`
     description: str = ""
     # per-layer / per-role routed-expert types over wq and the sidecar's (parse_mix's format; "" = none), e.g.
-    # what resplit.mix.choose_mix measured on calibration text; recorded in the sidecar with the other fields
+    # what calibration.mix.choose_mix measured on calibration text; recorded in the sidecar with the other fields
     mix: str = ""
 
     def __post_init__(self) -> None:

@@ -30,8 +30,8 @@ from tqdm import tqdm
 from ..errors import RapidMoEError
 from ..ggml_types import bits_per_weight, fit_type, ggml_type
 from ..ggufio import GGUFFile, Tensor, copy_metadata, tensor_rows
-from .presets import DOWN_COPY_TYPES, MIX_WQ_TYPES, MixEntry, Preset, format_mix
-from .typechoice import EXPERT_RE
+from ..resplit.presets import DOWN_COPY_TYPES, MIX_WQ_TYPES, MixEntry, Preset, format_mix
+from ..resplit.typechoice import EXPERT_RE
 
 log = logging.getLogger(__name__)
 

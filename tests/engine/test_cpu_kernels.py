@@ -22,17 +22,19 @@ def test_repacked_q2k_gemv_is_stocks_bit_for_bit(stock_bin: Path) -> None:
     float rounding. Batches (16 tokens routed to 4 of 8 experts, 18 dense rows) run the gemm: our Q2_K and Q4_K
     gemms (patch 0008) must give the gemv's bits for the experts' rows, and the dense rows' outputs must equal the
     plain layout's to float rounding. Q8_0: stock keeps it plain on x86, our build repacks it (patch 0016) with our
-    gemv and gemm: equal to the plain vec_dot (upstream's, unchanged) to float rounding, the gemm the gemv's bits."""
+    gemv and gemm: equal to the plain vec_dot (upstream's, unchanged) to float rounding, the gemm the gemv's bits.
+    Q6_K the same (patch 0017)."""
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_cost.py"), "--check",
-                          "--types", "q2_K,q3_K,q4_K,q8_0"], capture_output=True, text=True, timeout=600)
+                          "--types", "q2_K,q3_K,q4_K,q8_0,q6_K"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "bit-identical in ours and stock" in out.stdout
     info = _core.system_info()
     if "AVX2 = 1" in info:  # our gemm runs on AVX2 and AVX-512 CPUs; elsewhere upstream's repacked kernels run
         assert ("gemm (batched rows) against gemv: bit-identical: experts x16 q2_K repacked; experts x16 q4_K repacked"
-                "; experts x16 q8_0 repacked" in out.stdout), out.stdout
-        for m in ("experts q8_0", "dense q8_0", "experts x16 q8_0", "dense x18 q8_0"):
-            assert f"{m} repacked: only in ours" in out.stdout, out.stdout
+                "; experts x16 q8_0 repacked; experts x16 q6_K repacked" in out.stdout), out.stdout
+        for ty in ("q8_0", "q6_K"):
+            for m in (f"experts {ty}", f"dense {ty}", f"experts x16 {ty}", f"dense x18 {ty}"):
+                assert f"{m} repacked: only in ours" in out.stdout, out.stdout
     if "AVX512 = 1" in info:  # stock llama.cpp repacks Q2_K on x86 only with AVX-512: both builds run it
         assert "q2_K repacked;" in out.stdout.split("\n")[0], out.stdout
     elif "AVX2 = 1" in info:  # ours also repacks it with AVX2 alone, and the stock build has no such layout

@@ -36,30 +36,7 @@ constexpr int PREFETCH_BYTES = 2048;
 
 #if defined(__AVX2__)
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr bool HAVE_VNNI = true;
-#else
-constexpr bool HAVE_VNNI = false;
-#endif
-
-// acc (8 int32 lanes) += per 4-byte group sum of |w| x (a with w's signs): lanes 2c, 2c + 1 for column c; VNNI: one
-// vpdpbusd (the same exact integers)
-template <bool VNNI>
-inline __m256i dot_add(__m256i acc, __m256i w_abs, __m256i a_signed) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    if constexpr (VNNI) {
-        return _mm256_dpbusd_epi32(acc, w_abs, a_signed);
-    }
-#endif
-    const __m256i p16 = _mm256_maddubs_epi16(w_abs, a_signed); // exact: at most 2 x 127 x 127 a lane
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
-}
-
-// the 4 column scales times the activation's, each twice: lanes 2c, 2c + 1 = column c
-inline __m256 block_scales(const ggml_half * d4, float da) {
-    const __m128 d = _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *) d4)), _mm_set1_ps(da));
-    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-}
+constexpr bool HAVE_VNNI = RAPIDMOE_HAVE_VNNI_256;
 
 // out[c] = acc[2c] + acc[2c + 1]
 inline void store_columns(float * out, __m256 acc) {
@@ -97,9 +74,9 @@ void rapidmoe_gemv_q8_0_4x8_q8_0(int n, float * s, size_t bs, const void * vx, c
             for (int k = 0; k < 4; k++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *) (b[l].qs + 32 * k));
                 const __m256i av = broadcast_8_bytes(a[l].qs + 8 * k);
-                isum = dot_add<HAVE_VNNI>(isum, _mm256_sign_epi8(w, w), _mm256_sign_epi8(av, w));
+                isum = dot_add_u8s8<HAVE_VNNI>(isum, _mm256_sign_epi8(w, w), _mm256_sign_epi8(av, w));
             }
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), block_scales(b[l].d, GGML_CPU_FP16_TO_FP32(a[l].d)), acc);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), pair_scales_4(b[l].d, GGML_CPU_FP16_TO_FP32(a[l].d)), acc);
         }
         store_columns(s + 4 * x, acc);
     }
@@ -127,12 +104,12 @@ void gemm_impl(int n, float * s, size_t bs, const void * vx, const void * vy, in
                     const __m256i w_abs = _mm256_sign_epi8(w, w);
                     for (int r = 0; r < 4; r++) { // activation row r's 8 bytes of chunk k
                         const __m256i av = broadcast_8_bytes(a[l].qs + 32 * k + 8 * r);
-                        isum[r] = dot_add<VNNI>(isum[r], w_abs, _mm256_sign_epi8(av, w));
+                        isum[r] = dot_add_u8s8<VNNI>(isum[r], w_abs, _mm256_sign_epi8(av, w));
                     }
                 }
                 for (int r = 0; r < 4; r++) {
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]),
-                                             block_scales(b[l].d, GGML_CPU_FP16_TO_FP32(a[l].d[r])), acc[r]);
+                                             pair_scales_4(b[l].d, GGML_CPU_FP16_TO_FP32(a[l].d[r])), acc[r]);
                 }
             }
             for (int r = 0; r < 4; r++) {

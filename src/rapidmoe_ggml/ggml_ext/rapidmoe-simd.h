@@ -15,6 +15,32 @@ inline __m256i broadcast_8_bytes(const int8_t * p) {
     return _mm256_set1_epi64x(v);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool RAPIDMOE_HAVE_VNNI_256 = true;
+#else
+constexpr bool RAPIDMOE_HAVE_VNNI_256 = false;
+#endif
+
+// acc (8 int32 lanes) += per 4-byte group sums of u (unsigned bytes) x s (signed bytes). VNNI: one vpdpbusd; else
+// maddubs + madd, exact where two products fit an int16 (the callers' weights: |w| <= 127 for Q8_0, q <= 63 for Q6_K,
+// against |a| <= 127): the same integers either way
+template <bool VNNI>
+inline __m256i dot_add_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    if constexpr (VNNI) {
+        return _mm256_dpbusd_epi32(acc, u, s);
+    }
+#endif
+    const __m256i p16 = _mm256_maddubs_epi16(u, s);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+// 4 fp16 column scales (d4) times the activation's scale, each twice: lanes 2c, 2c + 1 = column c
+inline __m256 pair_scales_4(const void * d4, float da) {
+    const __m128 d = _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *) d4)), _mm_set1_ps(da));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+}
+
 // A pshufb mask that makes 16-bit lanes of scale bytes: columns c0..c0+3, each column c's byte (at stride * c + offset
 // of the 16 bytes shuffled) 4 times, high bytes zero. Q2_K: stride 2, offset the sub-block's parity; Q4_K: stride 1.
 inline __m256i scale_lanes_mask(int c0, int stride, int offset) {

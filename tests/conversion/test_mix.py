@@ -4,13 +4,18 @@ the mixed types (read back from the files) and whose sidecar records the mix, sp
 against an F32 model of its critical weights (gguf-py's numpy dequantization, not ours), and the measurement."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize as np_dequantize
-from reference.split_logits import all_logits, prompt_tokens, rel_error
+from reference.split_logits import STOCK_LOGITS, STOCK_ORDER_ENV, all_logits, prompt_tokens, rel_error
+from testkit import ROOT
 from typer.testing import CliRunner
 
 from rapidmoe.calibration.mix import Sensitivity, allocate, measure_sensitivity, mix_preset
@@ -169,6 +174,22 @@ def test_split_routing_on_the_mixed_pair(mixed_pair: tuple[Path, Path, Path], tm
     full = all_logits(wq, toks, residual_path=wr, n_critical=k)
     assert rel_error(full, ref) < 0.03, rel_error(full, ref)
     assert rel_error(full, ref) < 0.5 * rel_error(low, ref), (rel_error(full, ref), rel_error(low, ref))
+
+
+@pytest.mark.stock
+def test_the_mixed_wq_file_is_stocks_bit_for_bit(mixed_pair: tuple[Path, Path, Path], stock_bin: Path,
+                                                 tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mix's .wq.gguf is an ordinary llama.cpp file (Q2_K, Q3_K and Q4_K experts by layer and role): stock
+    llama.cpp runs it, to the same logits as ours at r = 0 (our kernels that sum in another order switched off)."""
+    for k, v in STOCK_ORDER_ENV.items():
+        monkeypatch.setenv(k, v)
+    _, wq, wr = mixed_pair
+    toks = prompt_tokens(wq)
+    ours = all_logits(wq, toks, residual_path=wr, n_critical=0)
+    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(stock_bin), PYTHONPATH=str(ROOT / "vendor" / "llama_cpp_py"))
+    subprocess.run([sys.executable, "-c", STOCK_LOGITS, str(wq), json.dumps(toks), str(tmp_path / "s.npy")],
+                   env=env, check=True, capture_output=True, cwd=ROOT / "vendor")
+    np.testing.assert_array_equal(ours, np.load(tmp_path / "s.npy"))
 
 
 def test_measured_sensitivity_orders_types(make_tiny) -> None:  # type: ignore[no-untyped-def]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 from reference.numpy_forward import ffn, load, route
+from reference.split_logits import STOCK_LOGITS, STOCK_ORDER_ENV
 from reference.split_logits import all_logits as _logits
 from reference.split_logits import prompt_tokens as _tokens
 from reference.split_logits import rel_error as _rel
@@ -36,13 +37,6 @@ def split_pair(request: pytest.FixtureRequest, make_split):  # type: ignore[no-u
 
 
 
-STOCK_LOGITS = """
-import json, sys, numpy as np, llama_cpp
-m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=128, logits_all=True, n_threads=2, verbose=False)
-toks = json.loads(sys.argv[2])
-m.eval(toks)
-np.save(sys.argv[3], np.array(m.scores[:len(toks)], dtype=np.float64))
-"""
 
 
 @pytest.mark.stock
@@ -56,11 +50,8 @@ def test_r0_is_exactly_stock_on_the_wq_file(split_pair, stock_bin: Path, tmp_pat
     Q4_K gemms (patch 0008) give the gemv's bits, where upstream's add in another order: RAPIDMOE_GEMM=0 keeps
     upstream's for the prompt's dense rows. On x86 stock keeps Q8_0 and Q6_K plain: RAPIDMOE_Q8_0_REPACK=0 and
     RAPIDMOE_Q6_K_REPACK=0 (patches 0016, 0017)."""
-    monkeypatch.setenv("RAPIDMOE_REPACK_MMID_GEMM", "0")
-    monkeypatch.setenv("RAPIDMOE_Q2_K_REPACK", "0")
-    monkeypatch.setenv("RAPIDMOE_GEMM", "0")
-    monkeypatch.setenv("RAPIDMOE_Q8_0_REPACK", "0")
-    monkeypatch.setenv("RAPIDMOE_Q6_K_REPACK", "0")
+    for k, v in STOCK_ORDER_ENV.items():
+        monkeypatch.setenv(k, v)
     _, wq, wr = split_pair
     toks = _tokens(wq)
     ours = _logits(wq, toks, residual_path=wr, n_critical=0)

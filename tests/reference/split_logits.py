@@ -10,6 +10,20 @@ from testkit import TEXT
 
 from rapidmoe import Llama
 
+# every position's logits of a token list from stock llama.cpp (run with llama-cpp-python over the stock build:
+# argv model, JSON tokens, .npy out), the same n_ctx and threads as all_logits
+STOCK_LOGITS = """
+import json, sys, numpy as np, llama_cpp
+m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=128, logits_all=True, n_threads=2, verbose=False)
+toks = json.loads(sys.argv[2])
+m.eval(toks)
+np.save(sys.argv[3], np.array(m.scores[:len(toks)], dtype=np.float64))
+"""
+
+# our kernels that sum in another order than stock's (or repack what stock keeps plain), off: bit-for-bit with stock
+STOCK_ORDER_ENV = {"RAPIDMOE_REPACK_MMID_GEMM": "0", "RAPIDMOE_Q2_K_REPACK": "0", "RAPIDMOE_GEMM": "0",
+                   "RAPIDMOE_Q8_0_REPACK": "0", "RAPIDMOE_Q6_K_REPACK": "0"}
+
 
 def prompt_tokens(path: Path) -> list[int]:
     llm = Llama(path, n_ctx=128, vocab_only=True, verbose=False)

@@ -119,6 +119,7 @@ def plan(model: ModelShapes, scheme: str = "resplit", *, preset: Preset | None =
         types = "as stored"
         if sidecar is not None:
             types += f", sidecar of preset {sidecar.name}: WR {sidecar.wr}, down {sidecar.down_mode} {sidecar.down_hi}"
+            types += " (per layer and role as its mix gives)" if sidecar.mix else ""
         elif scheme == "resplit":
             types += ", no sidecar"
         form = "WQ" if sidecar is not None else "as stored"
@@ -127,7 +128,8 @@ def plan(model: ModelShapes, scheme: str = "resplit", *, preset: Preset | None =
             raise PlanError("the resplit scheme needs a preset")
         fp = footprint(model, resplit_types(preset, model), preset)
         types = (f"preset {preset.name}: WQ {preset.wq}, WR {preset.wr}, down {preset.down_mode} "
-                 f"{preset.down_hi}, other {preset.other}")
+                 f"{preset.down_hi}, other {preset.other}" + (" (experts per layer and role as its mix gives)"
+                                                               if preset.mix else ""))
     else:
         fp = footprint(model, q4_k_m_types(model))
         types = "Q4_K_M-like: llama-quantize's Q4_K_M type rules"

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -263,7 +264,8 @@ def with_mixes(src: Path, presets: list[Preset], args: argparse.Namespace,
     calibration text, cached in the work folder per types, chunks and context) and how long they took."""
     calib = args.calib or src.parent / "calib.txt"
     types = [t.upper() for t in args.mix_types.split(",") if t]
-    cache = work / f"{src.stem}.mix-{'-'.join(types)}-c{args.mix_chunks}x{args.n_ctx}.json"
+    text_key = hashlib.sha256(calib.read_bytes()).hexdigest()[:10]  # another calibration text: measured again
+    cache = work / f"{src.stem}.mix-{'-'.join(types)}-c{args.mix_chunks}x{args.n_ctx}-{text_key}.json"
     t0 = time.perf_counter()
     if cache.exists():
         sens = [Sensitivity(**x) for x in json.loads(cache.read_text())["sensitivity"]]

@@ -1,6 +1,7 @@
 """Shared by the benchmarks: KL divergence and top-1 agreement between two models' logits, synthetic models, plots."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -146,13 +147,16 @@ def spec_preset(spec: str) -> Preset:
 def pair_dir(work: Path, stem: str, spec: str) -> Path:
     """Where a preset spec's pair of the model `stem` lives: `<stem>.<name>`, `<stem>.<name>+<mix file stem>`."""
     name, at, mix_file = spec.partition("@")
-    return work / (f"{stem}.{name}" + (f"+{Path(mix_file).name.split('.')[0]}" if at else ""))
+    return work / (f"{stem}.{name}" + (f"+{Path(mix_file).stem}" if at else ""))
 
 
 def ensure_pair(model: Path, work: Path, spec: str) -> tuple[Path, Path]:
     """(.wq.gguf, .wr.gguf) of `model` converted with a preset spec (spec_preset), converted once into pair_dir."""
     d = pair_dir(work, model.stem, spec)
-    wq, wr = d / f"{model.stem}.wq.gguf", d / f"{model.stem}.wr.gguf"
-    if not (wq.exists() and wr.exists()):
-        convert(model, d, spec_preset(spec), progress=True, report_experts=1, force=True)
+    wq, wr, rep = d / f"{model.stem}.wq.gguf", d / f"{model.stem}.wr.gguf", d / f"{model.stem}.resplit.json"
+    preset = spec_preset(spec)
+    # reused only when made with this very preset (an edited mix file is converted again)
+    if not (wq.exists() and wr.exists() and rep.exists()
+            and json.loads(rep.read_text()).get("preset") == json.loads(json.dumps(dataclasses.asdict(preset)))):
+        convert(model, d, preset, progress=True, report_experts=1, force=True)
     return wq, wr

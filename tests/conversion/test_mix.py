@@ -4,6 +4,7 @@ the mixed types (read back from the files) and whose sidecar records the mix, sp
 against an F32 model of its critical weights (gguf-py's numpy dequantization, not ours), and the measurement."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,8 +19,10 @@ from reference.split_logits import STOCK_LOGITS, STOCK_ORDER_ENV, all_logits, pr
 from testkit import ROOT
 from typer.testing import CliRunner
 
+from rapidmoe import ModelFileError
 from rapidmoe.calibration.mix import Sensitivity, allocate, measure_sensitivity, mix_preset
 from rapidmoe.cli.app import app
+from rapidmoe.ggml_types import bits_per_weight
 from rapidmoe.ggufio import GGUFFile, copy_metadata
 from rapidmoe.placement.realize import sidecar_preset
 from rapidmoe.resplit import convert, get_preset, read_sidecar_meta
@@ -76,7 +79,8 @@ def test_types_and_bits_follow_the_mix() -> None:
 
 
 def _sens(table: dict[tuple[int, str], dict[str, float]], size: int = 1000) -> list[Sensitivity]:
-    return [Sensitivity(layer, role, ty, kl, size) for (layer, role), kls in table.items() for ty, kl in kls.items()]
+    return [Sensitivity(layer, role, ty, kl, size, bits_per_weight(ty)) for (layer, role), kls in table.items()
+            for ty, kl in kls.items()]
 
 
 def test_allocation_spends_bits_where_they_save_most_kl() -> None:
@@ -96,6 +100,16 @@ def test_allocation_spends_bits_where_they_save_most_kl() -> None:
     assert got == {(0, "down"): "Q4_K", (0, "gate"): "Q4_K", (1, "down"): "Q2_K"}
     with pytest.raises(Exception, match="below the cheapest types"):
         allocate(sens, 2.0)
+
+
+def test_allocation_bills_a_row_size_fallback_at_the_type_written() -> None:
+    """Rows that take no K-quant make Q2_K and Q4_K both a 4.5-bit fallback: the tensor costs 4.5 bits whichever is
+    chosen (the lower-KL one), and a budget below that is refused, not met on paper."""
+    sens = [Sensitivity(0, "down", "Q2_K", 0.010, 1000, 4.5), Sensitivity(0, "down", "Q4_K", 0.004, 1000, 4.5),
+            Sensitivity(0, "gate", "Q2_K", 0.002, 1000, 2.625), Sensitivity(0, "gate", "Q4_K", 0.001, 1000, 4.5)]
+    assert allocate(sens, (4.5 + 2.625) / 2) == {(0, "down"): "Q4_K", (0, "gate"): "Q2_K"}
+    with pytest.raises(Exception, match=r"below the cheapest types' 3\.562"):
+        allocate(sens, 3.0)
 
 
 def test_mix_preset_gives_a_q4_k_down_a_larger_copy() -> None:
@@ -128,6 +142,25 @@ def test_conversion_writes_the_mixed_types_and_records_the_mix(mixed_pair: tuple
             assert side[f"blk.{il}.ffn_{role}_exps.{'hi' if role == 'down' else 'wr'}"] == hi_t
     assert read_sidecar_meta(wr)["preset.mix"] == MIX
     assert sidecar_preset(wr) == get_preset("cpu-q8", mix=MIX)
+
+
+def test_a_sidecar_from_before_mixes_reads_back_without_one(mixed_pair: tuple[Path, Path, Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sidecars written before the mix field record no preset.mix: their preset reads back with none."""
+    from rapidmoe.placement import realize  # noqa: PLC0415
+
+    _, _, wr = mixed_pair
+    meta = {k: v for k, v in read_sidecar_meta(wr).items() if k != "preset.mix"}
+    monkeypatch.setattr(realize, "read_sidecar_meta", lambda _path: meta)
+    assert realize.sidecar_preset(wr) == dataclasses.replace(get_preset("cpu-q8", mix=MIX), mix="")
+
+
+def test_conversion_refuses_a_mix_the_model_cannot_take(make_tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    src = make_tiny("qwen3moe", "f16")
+    with pytest.raises(ModelFileError, match=r"mix entry 99.down=Q3_K: .* has no routed experts in layer 99 "
+                                             r"\(its MoE layers: 0-"):
+        convert(src, tmp_path, get_preset("cpu-q8", mix="99.down=Q3_K"), progress=False)
+    assert not list(tmp_path.iterdir())
 
 
 def _dq(t: object) -> np.ndarray:
@@ -215,8 +248,14 @@ def test_cli_refuses_bad_mix_options(make_tiny, tmp_path: Path) -> None:  # type
     run = CliRunner().invoke
     res = run(app, ["convert", "--help"])
     assert res.exit_code == 0 and "--mix-bits" in res.output, res.output
+    (tmp_path / "tiny.resplit.json").write_text("{}")  # an earlier conversion's: refused before measuring
+    res = run(app, ["convert", str(src), "-o", str(tmp_path), "--name", "tiny", "--preset", "cpu-q8", "--mix-bits", "3",
+                    "--mix-text", str(src)])
+    assert res.exit_code != 0 and "tiny.resplit.json exists; pass --force" in res.output, res.output
+    (tmp_path / "tiny.resplit.json").unlink()
     for args, message in [
         (["--mix", "down=Q9"], "WQ type Q9 not supported"),
+        (["--mix-bits", "3", "--mix-text", str(src), "--mix-types", "Q2_K,IQ2_XXS"], "IQ2_XXS needs an importance"),
         (["--mix-bits", "3"], "--mix-bits needs --mix-text"),
         (["--mix-text", str(src)], "give --mix-bits too"),
         (["--mix", "down=Q3_K", "--mix-bits", "3", "--mix-text", str(src)], "not both"),

@@ -1,7 +1,8 @@
-"""Our CPU kernels (src/rapidmoe_ggml/ggml_ext, patches 0006-0008 and 0016) against stock llama.cpp's, bit for bit, in
-the same run, and our repacked gemms against the gemvs."""
+"""Our CPU kernels (src/rapidmoe_ggml/ggml_ext, patches 0006-0008, 0016 and 0017) against stock llama.cpp's, bit
+for bit, in the same run, and our repacked gemms against the gemvs."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +40,21 @@ def test_repacked_q2k_gemv_is_stocks_bit_for_bit(stock_bin: Path) -> None:
         assert "q2_K repacked;" in out.stdout.split("\n")[0], out.stdout
     elif "AVX2 = 1" in info:  # ours also repacks it with AVX2 alone, and the stock build has no such layout
         assert "experts q2_K repacked: only in ours" in out.stdout and "within float rounding" in out.stdout, out.stdout
+
+
+@pytest.mark.stock
+def test_repacked_q8_0_and_q6k_avx2_paths(stock_bin: Path) -> None:
+    """RAPIDMOE_GEMM=avx2 runs our Q8_0 and Q6_K kernels' AVX2 code (256-bit, maddubs) on an AVX-512 CPU, the code
+    every AVX2-only CPU runs: the same check against the plain vec_dot, and the gemm the gemv's bits."""
+    del stock_bin  # kernel_cost --check builds against both; the fixture makes sure the stock build exists
+    info = _core.system_info()
+    if "AVX2 = 1" not in info:
+        pytest.skip("no AVX2: these kernels are not built for this CPU")
+    env = {**os.environ, "RAPIDMOE_GEMM": "avx2"}
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_cost.py"), "--check", "--types", "q8_0,q6_K"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ("gemm (batched rows) against gemv: bit-identical: experts x16 q8_0 repacked; experts x16 q6_K repacked"
+            in out.stdout), out.stdout
+    for ty in ("q8_0", "q6_K"):
+        assert f"dense {ty} repacked: only in ours" in out.stdout and "within float rounding" in out.stdout, out.stdout

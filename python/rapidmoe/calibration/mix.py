@@ -30,7 +30,7 @@ from tqdm import tqdm
 from ..errors import RapidMoEError
 from ..ggml_types import bits_per_weight, fit_type, ggml_type
 from ..ggufio import GGUFFile, Tensor, copy_metadata, tensor_rows
-from ..resplit.presets import DOWN_COPY_TYPES, MIX_WQ_TYPES, MixEntry, Preset, format_mix
+from ..resplit.presets import DOWN_COPY_TYPES, MIX_WQ_TYPES, NEEDS_IMATRIX, MixEntry, Preset, format_mix
 from ..resplit.typechoice import EXPERT_RE
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class Sensitivity:
     type: str  # the type asked (the tensor holds fit_type's fallback where its rows need one)
     kl: float
     elements: int  # weights in the tensor (all experts)
+    bits: float  # bits per weight of the type the tensor holds (the fallback's where the rows need one)
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -126,6 +127,9 @@ def measure_sensitivity(src: str | os.PathLike[str], text: str, types: Sequence[
     for ty in types:
         if ty not in MIX_WQ_TYPES:
             raise RapidMoEError(f"mix type {ty} not supported; choose among {', '.join(MIX_WQ_TYPES)}")
+        if ty in NEEDS_IMATRIX:
+            raise RapidMoEError(f"mix type {ty} needs an importance matrix, which the measurement does not take; "
+                                f"choose among {', '.join(t for t in MIX_WQ_TYPES if t not in NEEDS_IMATRIX)}")
     reader = GGUFFile(src_p)
     experts = [t for t in reader.tensors if EXPERT_RE.match(t.name)]
     if not experts:
@@ -149,7 +153,9 @@ def measure_sensitivity(src: str | os.PathLike[str], text: str, types: Sequence[
             role = "gate" if m.group(2) == "gate_up" else m.group(2)
             for ty in types:
                 _write_variant(reader, t, ty, variant)
-                out.append(Sensitivity(int(m.group(1)), role, ty, scorer.kl(variant), int(t.n_elements)))
+                used = fit_type(ty, int(t.shape[0]))
+                out.append(Sensitivity(int(m.group(1)), role, ty, scorer.kl(variant), int(t.n_elements),
+                                       bits_per_weight(used)))
                 variant.unlink()
     log.info("mix: %d tensors x %d types measured over %d chunks of %d tokens", len(experts), len(types),
              n_chunks, n_ctx)
@@ -162,12 +168,15 @@ def allocate(sens: Sequence[Sensitivity], budget_bits: float) -> dict[tuple[int,
     additive; an upgrade that saves nothing is never taken). RapidMoEError if even the cheapest types exceed it."""
     table: dict[tuple[int, str], dict[str, float]] = {}
     size: dict[tuple[int, str], int] = {}
+    bits: dict[tuple[tuple[int, str], str], float] = {}  # what each type costs the tensor (after a row-size fallback)
     for s in sens:
         table.setdefault((s.layer, s.role), {})[s.type] = s.kl
         size[(s.layer, s.role)] = s.elements
+        bits[((s.layer, s.role), s.type)] = s.bits
     total = sum(size.values())
-    choice = {k: min(v, key=bits_per_weight) for k, v in table.items()}
-    used = sum(bits_per_weight(choice[k]) * size[k] for k in table)
+    # each tensor's cheapest type, the lower KL between equally cheap ones (two types falling back alike)
+    choice = {k: min(v, key=lambda ty: (bits[(k, ty)], v[ty])) for k, v in table.items()}
+    used = sum(bits[(k, choice[k])] * size[k] for k in table)
     if used > budget_bits * total + 1e-9:
         raise RapidMoEError(f"mix budget {budget_bits:.3f} bits per weight is below the cheapest types' "
                             f"{used / total:.3f}")
@@ -176,7 +185,7 @@ def allocate(sens: Sequence[Sensitivity], budget_bits: float) -> dict[tuple[int,
         for k, kls in table.items():
             cur = choice[k]
             for ty, kl in kls.items():
-                extra = (bits_per_weight(ty) - bits_per_weight(cur)) * size[k]
+                extra = (bits[(k, ty)] - bits[(k, cur)]) * size[k]
                 saved = kls[cur] - kl
                 if extra <= 0 or saved <= 0 or used + extra > budget_bits * total + 1e-9:
                     continue
@@ -185,7 +194,7 @@ def allocate(sens: Sequence[Sensitivity], budget_bits: float) -> dict[tuple[int,
         if best is None:
             return choice
         _, k, ty = best
-        used += (bits_per_weight(ty) - bits_per_weight(choice[k])) * size[k]
+        used += (bits[(k, ty)] - bits[(k, choice[k])]) * size[k]
         choice[k] = ty
 
 

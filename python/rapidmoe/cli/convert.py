@@ -52,12 +52,13 @@ def convert(
         p = get_preset(preset, **{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
         raise RapidMoEError(str(e)) from e
-    if mix_bits is not None:
+    if imatrix is not None and calib_text is not None:
+        raise RapidMoEError("give either --imatrix or --calib-text, not both")
+    if mix_bits is not None:  # checked before the measurement, which takes many evaluations of the model
+        _check_outputs(model, output, name, force)
         p = _measured_mix(model, output, name, p, mix, mix_bits, mix_text, mix_types, calib_ctx, mix_chunks)
     elif mix_text is not None:
         raise RapidMoEError("--mix-text is the calibration text of --mix-bits: give --mix-bits too")
-    if imatrix is not None and calib_text is not None:
-        raise RapidMoEError("give either --imatrix or --calib-text, not both")
     im = read_imatrix(imatrix) if imatrix is not None else None
     if calib_text is not None:
         if not calib_text.is_file():
@@ -81,6 +82,18 @@ def convert(
     f = report["files"]
     typer.echo(f"wrote {res.wq_path} ({f['wq_bytes'] / 1e6:.1f} MB), {res.wr_path} ({f['wr_bytes'] / 1e6:.1f} MB), "
                f"{res.report_path} in {res.seconds:.1f} s")
+
+
+def _check_outputs(model: Path, output: Path, name: Optional[str], force: bool) -> None:
+    """Refuse, before any work, outputs that exist without --force (the pair, its report, the mix's measurements)."""
+    from ..resplit.convert import output_paths  # noqa: PLC0415  (lazy: keeps --help fast)
+
+    if not model.is_file():
+        raise RapidMoEError(f"model not found: {model}")
+    base = name or model.name.removesuffix(".gguf")
+    existing = [q for q in (*output_paths(output, base), output / f"{base}.mix.json") if q.exists()]
+    if existing and not force:
+        raise RapidMoEError(f"{existing[0]} exists; pass --force to overwrite")
 
 
 def _measured_mix(model: Path, output: Path, name: Optional[str], p: Any, mix: Optional[str], mix_bits: float,

@@ -31,7 +31,7 @@ from ..modelfile import require_moe
 from . import sidecar
 from .fingerprint import sample_digests
 from .imatrix import Imatrix
-from .presets import NEEDS_IMATRIX, REFINE_WQ, Preset
+from .presets import NEEDS_IMATRIX, REFINE_WQ, Preset, parse_mix
 from .refine import QK_K, decode_refine, encode_refine
 from .report import ErrorAccumulator, TensorReport
 from .typechoice import EXPERT_RE, ExpertPlan, check_expert_plan, exact_mixture, plan_expert, tensor_type
@@ -168,13 +168,34 @@ class _Converter:
                                      f"number of experts ({sorted(counts)})")
         if self.preset.is_refine:
             self.validate_refine(experts)
+        if self.preset.mix:
+            self.validate_mix(layers)
         self.plans = {t.name: plan_expert(t.name, tuple(int(x) for x in t.shape), self.preset) for t in experts}
         for t in experts:
             check_expert_plan(self.plans[t.name], int(t.shape[0]))
         p = self.preset
-        if self.imatrix is None and any(pl.wq in NEEDS_IMATRIX for pl in self.plans.values()):
-            raise RapidMoEError(f"{p.wq} needs an importance matrix: pass --imatrix FILE (llama.cpp's) or "
-                                "--calib-text FILE to compute one with our build")
+        needs = sorted({pl.wq for pl in self.plans.values() if pl.wq in NEEDS_IMATRIX})
+        if self.imatrix is None and needs:
+            raise RapidMoEError(f"{', '.join(needs)} {'needs' if len(needs) == 1 else 'need'} an importance matrix "
+                                f"(preset {p.name}): pass --imatrix FILE (llama.cpp's) or --calib-text FILE to "
+                                "compute one with our build")
+
+    def validate_mix(self, layers: dict[int, dict[str, Tensor]]) -> None:
+        """Every mix entry names an MoE layer of this model, and none an up of a merged gate_up layer (gate's entry
+        types it): an entry that would change nothing is refused rather than recorded."""
+        merged = {il for il, roles in layers.items() if "gate_up" in roles}
+        for e in parse_mix(self.preset.mix):
+            if e.layer is not None and e.layer not in layers:
+                raise ModelFileError(f"mix entry {e}: {self.src.name} has no routed experts in layer {e.layer} "
+                                     f"(its MoE layers: {_ranges(sorted(layers))})")
+            if e.role == "up" and (e.layer in merged if e.layer is not None else merged == set(layers)):
+                where = f"layer {e.layer}" if e.layer is not None else "every layer"
+                raise ModelFileError(f"mix entry {e}: {where} of {self.src.name} stores gate and up as one gate_up "
+                                     "tensor, which takes gate's entry; give the types as a gate entry")
+
+    def merged_layers(self) -> list[int]:
+        return sorted({int(m.group(1)) for t in self.expert_tensors() if (m := EXPERT_RE.match(t.name))
+                       and m.group(2) == "gate_up"})
 
     def validate_refine(self, experts: list[Tensor]) -> None:
         """What the refine codec does not take: merged gate_up experts, per-expert scales, rows that are not whole
@@ -352,6 +373,17 @@ class _Converter:
         wr.close()
 
 
+def _ranges(xs: list[int]) -> str:
+    """0-3, 5, 7-9"""
+    out: list[str] = []
+    for x in xs:
+        if out and x == int(out[-1].split("-")[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{x}"
+        else:
+            out.append(str(x))
+    return ", ".join(out)
+
+
 def output_paths(out_dir: Path, name: str) -> tuple[Path, Path, Path]:
     return out_dir / f"{name}.wq.gguf", out_dir / f"{name}.wr.gguf", out_dir / f"{name}.resplit.json"
 
@@ -383,7 +415,8 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset
         sidecar.stamp(wr_tmp, wq_tmp)
         seconds = time.perf_counter() - t0
         report = {
-            "source": str(src_p), "preset": asdict(preset), "bits": preset.bits(conv.moe_layers()), "pair_id": pair_id,
+            "source": str(src_p), "preset": asdict(preset),
+            "bits": preset.bits(conv.moe_layers(), conv.merged_layers()), "pair_id": pair_id,
             **({"codec": preset.codec} if preset.codec is not None else {}),
             "imatrix": imatrix is not None, "seconds": round(seconds, 3),
             "files": {"wq_bytes": wq_tmp.stat().st_size, "wr_bytes": wr_tmp.stat().st_size,

@@ -144,22 +144,26 @@ class Preset:
                                      f"{', '.join(DOWN_COPY_TYPES)}")
                 if bits_per_weight(hi) <= bits_per_weight(wq):
                     raise ValueError(f"mix entry {e}: down's copy ({hi}) would be no better than its base ({wq}); "
-                                     f"give it a larger type (`down=WQ/HI`)")
+                                     f"give it a larger type (`{e.key()}={wq}/HI`)")
             elif hi not in WR_TYPES:
                 raise ValueError(f"mix entry {e}: WR type {hi} not supported; choose one of {', '.join(WR_TYPES)}")
 
     def expert_types(self, layer: int | None, role: str) -> tuple[str, str]:
         """(WQ, sidecar) types asked for a routed-expert tensor of `role` in `layer`: the mix's entry for that
-        layer and role, else its role-wide entry, else the preset's own (merged gate_up: gate's entry)."""
+        layer and role, else its role-wide entry, else the preset's own (merged gate_up: gate's entry). A layer's
+        entry without a sidecar type takes the role-wide entry's, else the preset's."""
         role = "gate" if role == "gate_up" else role
         hi = (self.down_hi if role == "down" else self.wr).upper()
         wq = self.wq.upper()
-        if self.mix:
-            by_key = {e.key(): e for e in parse_mix(self.mix)}
-            for key in ((f"{layer}.{role}",) if layer is not None else ()) + (role,):
-                e = by_key.get(key)
-                if e is not None:
-                    return e.wq, e.hi or hi
+        if not self.mix:
+            return wq, hi
+        by_key = {e.key(): e for e in parse_mix(self.mix)}
+        wide = by_key.get(role)
+        own = by_key.get(f"{layer}.{role}") if layer is not None else None
+        if wide is not None:
+            wq, hi = wide.wq, wide.hi or hi
+        if own is not None:
+            wq, hi = own.wq, own.hi or hi
         return wq, hi
 
     @property
@@ -193,15 +197,18 @@ class Preset:
         """Type of the sidecar's down tensor (the copy, or the residual; REFINE1 for the refine codec)."""
         return self.down_type if self.down_mode == "copy" else self.wr
 
-    def bits(self, moe_layers: Iterable[int] | None = None) -> dict[str, float]:
+    def bits(self, moe_layers: Iterable[int] | None = None, merged: Iterable[int] = ()) -> dict[str, float]:
         """Bits per routed-expert weight (gate, up and down of equal size): each part, the critical path, and the
         total stored. With a mix, averaged over `moe_layers` (default: the layers the mix names; none: one layer
-        of role-wide entries); without one the same in every layer."""
+        of role-wide entries), the `merged` layers' (one gate_up tensor) up in gate's types; without one the same
+        in every layer. Requested types: a row size that needs llama-quantize's fallback is not counted here."""
+        merged_set = set(merged)
         named = sorted({e.layer for e in parse_mix(self.mix) if e.layer is not None})
         layers: list[int | None] = [*(moe_layers if moe_layers is not None else named)] or [None]
         parts: dict[str, float] = dict.fromkeys(("wq", "wr_gate_up", "down_sidecar", "critical"), 0.0)
         for layer in layers:
-            (gwq, gwr), (uwq, uwr), (dwq, dhi) = (self.expert_types(layer, r) for r in MIX_ROLES)
+            (gwq, gwr), (uwq, uwr), (dwq, dhi) = (
+                self.expert_types(layer, "gate" if r == "up" and layer in merged_set else r) for r in MIX_ROLES)
             down_critical = _bits(dhi) if self.down_mode == "copy" else _bits(dwq) + _bits(dhi)
             parts["wq"] += (_bits(gwq) + _bits(uwq) + _bits(dwq)) / 3
             parts["wr_gate_up"] += (_bits(gwr) + _bits(uwr)) / 2

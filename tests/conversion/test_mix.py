@@ -13,8 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import dequantize as np_dequantize
+from reference.critical_model import write_critical_model
 from reference.split_logits import STOCK_LOGITS, STOCK_ORDER_ENV, all_logits, prompt_tokens, rel_error
 from testkit import ROOT
 from typer.testing import CliRunner
@@ -23,7 +22,7 @@ from rapidmoe import ModelFileError
 from rapidmoe.calibration.mix import Sensitivity, allocate, measure_sensitivity, mix_preset
 from rapidmoe.cli.app import app
 from rapidmoe.ggml_types import bits_per_weight
-from rapidmoe.ggufio import GGUFFile, copy_metadata
+from rapidmoe.ggufio import GGUFFile
 from rapidmoe.placement.realize import sidecar_preset
 from rapidmoe.resplit import convert, get_preset, read_sidecar_meta
 from rapidmoe.resplit.presets import MixEntry, format_mix, parse_mix
@@ -163,33 +162,6 @@ def test_conversion_refuses_a_mix_the_model_cannot_take(make_tiny, tmp_path: Pat
     assert not list(tmp_path.iterdir())
 
 
-def _dq(t: object) -> np.ndarray:
-    qt = t.tensor_type  # type: ignore[attr-defined]
-    return np_dequantize(np.asarray(t.data), qt).astype(np.float64)  # type: ignore[attr-defined]
-
-
-def _write_critical_model(wq: Path, wr: Path, out: Path) -> None:
-    """The r = k reference: the .wq.gguf with its routed experts replaced, in F32, by what a critical slot computes
-    with (gate/up: WQ + WR; down: the copy), dequantized by gguf-py's numpy code."""
-    base, side = GGUFFile(wq), GGUFFile(wr)
-    sides = {t.name: t for t in side.tensors}
-    w = GGUFWriter(out, arch=str(base.get("general.architecture")))
-    copy_metadata(base, w)
-    for t in base.tensors:
-        stem = t.name.removesuffix(".weight")
-        if t.name.endswith("_exps.weight"):
-            crit = _dq(sides[f"{stem}.hi"]) if f"{stem}.hi" in sides else _dq(t) + _dq(sides[f"{stem}.wr"])
-            w.add_tensor(t.name, crit.astype(np.float32))
-        elif t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            w.add_tensor(t.name, np.array(t.data))
-        else:
-            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 @pytest.mark.usefixtures("plain_q8_0")
 def test_split_routing_on_the_mixed_pair(mixed_pair: tuple[Path, Path, Path], tmp_path: Path) -> None:
     _, wq, wr = mixed_pair
@@ -200,7 +172,7 @@ def test_split_routing_on_the_mixed_pair(mixed_pair: tuple[Path, Path, Path], tm
     # r = k: every slot critical, an F32 model of the critical weights (K-quant dot products quantize the
     # activations to Q8_K, so float-level agreement, much closer than the base's)
     ref_path = tmp_path / "critical.gguf"
-    _write_critical_model(wq, wr, ref_path)
+    write_critical_model(wq, wr, ref_path)
     ref = all_logits(ref_path, toks)
     f = GGUFFile(wq)
     k = int(f.get(f"{f.get('general.architecture')}.expert_used_count"))

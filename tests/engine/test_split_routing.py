@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType
+from reference.critical_model import write_critical_model
 from reference.numpy_forward import ffn, load, route
 from reference.split_logits import STOCK_LOGITS, STOCK_ORDER_ENV
 from reference.split_logits import all_logits as _logits
@@ -23,7 +24,7 @@ from testkit import ROOT
 
 from rapidmoe import Llama, ModelFileError, RapidMoEError, _core
 from rapidmoe import llama_cpp as lc
-from rapidmoe.ggufio import GGUFFile, copy_metadata, tensor_f32
+from rapidmoe.ggufio import GGUFFile, tensor_f32
 from rapidmoe.resplit import Preset, convert, get_preset
 
 EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
@@ -62,36 +63,11 @@ def test_r0_is_exactly_stock_on_the_wq_file(split_pair, stock_bin: Path, tmp_pat
     np.testing.assert_array_equal(ours, stock)
 
 
-def _write_sum_model(wq: Path, wr: Path, out: Path) -> None:
-    """The r = k reference: a GGUF whose experts are F32 deq(WQ)+deq(WR) (down: the copy), the rest as in WQ."""
-    base, side = GGUFFile(wq), GGUFFile(wr)
-    w = GGUFWriter(out, arch=str(base.get("general.architecture")))
-    copy_metadata(base, w)
-    names = {t.name for t in side.tensors}
-    for t in base.tensors:
-        m = EXPERT.match(t.name)
-        if m:
-            stem = t.name.removesuffix(".weight")
-            if f"{stem}.hi" in names:
-                data = tensor_f32(side.tensor(f"{stem}.hi"))
-            else:
-                data = tensor_f32(t) + tensor_f32(side.tensor(f"{stem}.wr"))
-            w.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32))
-        elif t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            w.add_tensor(t.name, np.array(t.data))
-        else:
-            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def test_r_equal_k_matches_the_summed_model(split_pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     _, wq, wr = split_pair
     toks = _tokens(wq)
     ref_path = tmp_path / "sum.gguf"
-    _write_sum_model(wq, wr, ref_path)
+    write_critical_model(wq, wr, ref_path)
     ref = _logits(ref_path, toks)  # no sidecar: the stock graph on F32 experts
     k = GGUFFile(wq).get(f"{GGUFFile(wq).get('general.architecture')}.expert_used_count")
     full = _logits(wq, toks, residual_path=wr, n_critical=k)

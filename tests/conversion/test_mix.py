@@ -5,17 +5,12 @@ against an F32 model of its critical weights (gguf-py's numpy dequantization, no
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from reference.critical_model import write_critical_model
-from reference.split_logits import STOCK_LOGITS, STOCK_ORDER_ENV, all_logits, prompt_tokens, rel_error
-from testkit import ROOT
+from reference.split_logits import STOCK_ORDER_ENV, all_logits, prompt_tokens, rel_error, stock_logits
 from typer.testing import CliRunner
 
 from rapidmoe import ModelFileError
@@ -191,10 +186,7 @@ def test_the_mixed_wq_file_is_stocks_bit_for_bit(mixed_pair: tuple[Path, Path, P
     _, wq, wr = mixed_pair
     toks = prompt_tokens(wq)
     ours = all_logits(wq, toks, residual_path=wr, n_critical=0)
-    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(stock_bin), PYTHONPATH=str(ROOT / "vendor" / "llama_cpp_py"))
-    subprocess.run([sys.executable, "-c", STOCK_LOGITS, str(wq), json.dumps(toks), str(tmp_path / "s.npy")],
-                   env=env, check=True, capture_output=True, cwd=ROOT / "vendor")
-    np.testing.assert_array_equal(ours, np.load(tmp_path / "s.npy"))
+    np.testing.assert_array_equal(ours, stock_logits(wq, toks, stock_bin, tmp_path))
 
 
 def test_measured_sensitivity_orders_types(make_tiny) -> None:  # type: ignore[no-untyped-def]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType
+from reference.critical_model import write_with_experts
 from reference.numpy_forward import ffn, load, route
 from reference.refine import refined
 from reference.split_logits import all_logits as _logits
@@ -17,7 +18,7 @@ from reference.split_logits import rel_error as _rel
 
 from rapidmoe import Llama, RapidMoEError, _core
 from rapidmoe.cache import ExpertCacheConfig
-from rapidmoe.ggufio import GGUFFile, copy_metadata, tensor_f32
+from rapidmoe.ggufio import GGUFFile, tensor_f32
 
 PRESET = "refine-q8"
 
@@ -42,19 +43,7 @@ def _refined_experts(wq: GGUFFile, wr: GGUFFile, stem: str) -> np.ndarray:
 def _write_refined_model(wq: Path, wr: Path, out: Path) -> None:
     """The r = k reference: the .wq.gguf with its routed experts replaced by the refined weights in F32."""
     base, side = GGUFFile(wq), GGUFFile(wr)
-    w = GGUFWriter(out, arch=str(base.get("general.architecture")))
-    copy_metadata(base, w)
-    for t in base.tensors:
-        if t.name.endswith("_exps.weight"):
-            w.add_tensor(t.name, _refined_experts(base, side, t.name.removesuffix(".weight")).astype(np.float32))
-        elif t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            w.add_tensor(t.name, np.array(t.data))
-        else:
-            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_with_experts(wq, out, lambda t: _refined_experts(base, side, t.name.removesuffix(".weight")))
 
 
 def test_the_pair_is_a_q3k_base_and_bit_planes(refine_pair) -> None:  # type: ignore[no-untyped-def]

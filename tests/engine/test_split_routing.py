@@ -4,11 +4,7 @@ layer (0 < r < k), KL to the F16 model falling with r, the masked mul_mat_id op 
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +12,10 @@ import pytest
 from gguf import GGMLQuantizationType
 from reference.critical_model import write_critical_model
 from reference.numpy_forward import ffn, load, route
-from reference.split_logits import STOCK_LOGITS, STOCK_ORDER_ENV
+from reference.split_logits import STOCK_ORDER_ENV, stock_logits
 from reference.split_logits import all_logits as _logits
 from reference.split_logits import prompt_tokens as _tokens
 from reference.split_logits import rel_error as _rel
-from testkit import ROOT
 
 from rapidmoe import Llama, ModelFileError, RapidMoEError, _core
 from rapidmoe import llama_cpp as lc
@@ -56,11 +51,7 @@ def test_r0_is_exactly_stock_on_the_wq_file(split_pair, stock_bin: Path, tmp_pat
     _, wq, wr = split_pair
     toks = _tokens(wq)
     ours = _logits(wq, toks, residual_path=wr, n_critical=0)
-    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(stock_bin), PYTHONPATH=str(ROOT / "vendor" / "llama_cpp_py"))
-    subprocess.run([sys.executable, "-c", STOCK_LOGITS, str(wq), json.dumps(toks), str(tmp_path / "s.npy")],
-                   env=env, check=True, capture_output=True, cwd=ROOT / "vendor")
-    stock = np.load(tmp_path / "s.npy")
-    np.testing.assert_array_equal(ours, stock)
+    np.testing.assert_array_equal(ours, stock_logits(wq, toks, stock_bin, tmp_path))
 
 
 def test_r_equal_k_matches_the_summed_model(split_pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

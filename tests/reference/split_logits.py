@@ -2,11 +2,15 @@
 relative error between two logit arrays (shared by tests/engine/test_split_routing.py and test_refine_split.py)."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from testkit import TEXT
+from testkit import ROOT, TEXT
 
 from rapidmoe import Llama
 
@@ -23,6 +27,15 @@ np.save(sys.argv[3], np.array(m.scores[:len(toks)], dtype=np.float64))
 # our kernels that sum in another order than stock's (or repack what stock keeps plain), off: bit-for-bit with stock
 STOCK_ORDER_ENV = {"RAPIDMOE_REPACK_MMID_GEMM": "0", "RAPIDMOE_Q2_K_REPACK": "0", "RAPIDMOE_GEMM": "0",
                    "RAPIDMOE_Q8_0_REPACK": "0", "RAPIDMOE_Q6_K_REPACK": "0"}
+
+
+def stock_logits(model: Path, toks: list[int], stock_bin: Path, tmp_path: Path) -> np.ndarray:
+    """STOCK_LOGITS run by llama-cpp-python over the stock build, in a child process: every position's logits."""
+    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(stock_bin), PYTHONPATH=str(ROOT / "vendor" / "llama_cpp_py"))
+    out = tmp_path / "stock-logits.npy"
+    subprocess.run([sys.executable, "-c", STOCK_LOGITS, str(model), json.dumps(toks), str(out)],
+                   env=env, check=True, capture_output=True, cwd=ROOT / "vendor")
+    return np.load(out)
 
 
 def prompt_tokens(path: Path) -> list[int]:

@@ -86,14 +86,12 @@ def convert(
 
 def _check_outputs(model: Path, output: Path, name: Optional[str], force: bool) -> None:
     """Refuse, before any work, outputs that exist without --force (the pair, its report, the mix's measurements)."""
-    from ..resplit.convert import output_paths  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..resplit.convert import check_outputs, output_paths  # noqa: PLC0415  (lazy: keeps --help fast)
 
     if not model.is_file():
         raise RapidMoEError(f"model not found: {model}")
     base = name or model.name.removesuffix(".gguf")
-    existing = [q for q in (*output_paths(output, base), output / f"{base}.mix.json") if q.exists()]
-    if existing and not force:
-        raise RapidMoEError(f"{existing[0]} exists; pass --force to overwrite")
+    check_outputs([*output_paths(output, base), output / f"{base}.mix.json"], force)
 
 
 def _measured_mix(model: Path, output: Path, name: Optional[str], p: Any, mix: Optional[str], mix_bits: float,

@@ -384,6 +384,13 @@ def _ranges(xs: list[int]) -> str:
     return ", ".join(out)
 
 
+def check_outputs(paths: list[Path], force: bool) -> None:
+    """Refuse outputs that exist, unless force."""
+    existing = [p for p in paths if p.exists()]
+    if existing and not force:
+        raise RapidMoEError(f"{existing[0]} exists; pass --force to overwrite")
+
+
 def output_paths(out_dir: Path, name: str) -> tuple[Path, Path, Path]:
     return out_dir / f"{name}.wq.gguf", out_dir / f"{name}.wr.gguf", out_dir / f"{name}.resplit.json"
 
@@ -403,9 +410,7 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset
     out.mkdir(parents=True, exist_ok=True)
     base = name or src_p.name.removesuffix(".gguf")
     wq_path, wr_path, report_path = output_paths(out, base)
-    existing = [p for p in (wq_path, wr_path, report_path) if p.exists()]
-    if existing and not force:
-        raise RapidMoEError(f"{existing[0]} exists; pass --force to overwrite")
+    check_outputs([wq_path, wr_path, report_path], force)
     conv = _Converter(src_p, preset, imatrix, report_experts)
     conv.validate()
     pair_id = _pair_id(conv.reader, src_p, preset, _imatrix_digest(imatrix))

@@ -14,7 +14,10 @@
 // where it rescales online): tests/engine/test_fa_decode.py compares both with a float64 reference.
 #include "rapidmoe-fa-decode.h"
 
+#include "rapidmoe-claim.h"
+
 #include "ggml.h"
+#include "ggml-cpu-impl.h"
 #include "vec.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -169,8 +172,10 @@ void kv_head(const ggml_tensor * dst, int64_t i3, int64_t t, int64_t g, int64_t 
 
 }  // namespace
 
-bool rapidmoe_flash_attn_decode(int ith, int nth, ggml_tensor * dst) {
+bool rapidmoe_flash_attn_decode(const ggml_compute_params * params, ggml_tensor * dst) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    const int ith = params->ith;
+    const int nth = params->nth;
     const ggml_tensor * q = dst->src[0];
     const ggml_tensor * k = dst->src[1];
     const ggml_tensor * v = dst->src[2];
@@ -203,7 +208,21 @@ bool rapidmoe_flash_attn_decode(int ith, int nth, ggml_tensor * dst) {
     const int64_t set = std::min<int64_t>(group, MAX_GROUP); // query heads taken together
     const int64_t sets = n_head / set;                         // per query row
     const int64_t per_stream = q->ne[1] * sets;
-    for (int64_t item = ith; item < q->ne[3] * per_stream; item += nth) { // work items: the threads take every nth
+    const int64_t n_items = q->ne[3] * per_stream;
+    // work items (a query row's set of heads): a decode step's few are dealt out, every nth to a thread; a prompt
+    // batch's are claimed as the threads go (the threadpool's chunk counter, set before the threads meet), from the
+    // last query row back (the longest first), so a thread slowed by the machine takes fewer of them. Either way each
+    // item is computed alone, so the values do not depend on the thread that takes it.
+    const bool claimed = q->ne[1] > 1 && nth > 1 && rapidmoe_claim_enabled();
+    if (claimed) {
+        if (ith == 0) {
+            ggml_threadpool_chunk_set(params->threadpool, nth);
+        }
+        ggml_barrier(params->threadpool);
+    }
+    for (int64_t next = ith; next < n_items;
+         next = claimed ? ggml_threadpool_chunk_add(params->threadpool, 1) : next + nth) {
+        const int64_t item = claimed ? n_items - 1 - next : next;
         const int64_t i3 = item / per_stream;
         const int64_t t = item % per_stream / sets;
         const int64_t h0 = item % sets * set;
@@ -218,8 +237,7 @@ bool rapidmoe_flash_attn_decode(int ith, int nth, ggml_tensor * dst) {
     }
     return true;
 #else
-    (void) ith;
-    (void) nth;
+    (void) params;
     (void) dst;
     return false;
 #endif

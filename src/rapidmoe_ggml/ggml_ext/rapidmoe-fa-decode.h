@@ -8,14 +8,17 @@
 #include <cstdlib>
 #include <cstring>
 
-// Computes dst (every thread its share: one query row's set of heads on one KV head at a time) and returns true
+struct ggml_compute_params;
+
+// Computes dst (every thread its share: one query row's set of heads on one KV head at a time; a prompt batch's
+// claimed through the threadpool's chunk counter after one barrier) and returns true
 // when the node reads an F16 K/V cache with F32 Q (any number of query rows and streams), an F16 mask (one for all
 // heads) or none, no sinks, no logit softcap, no ALiBi, DK = DV a multiple of 8 up to 256, a power of two query heads
 // per KV head (taken by sets of up to 8) and at least one set per thread; otherwise returns false and computes
 // nothing (llama.cpp's kernel runs). Every thread gets the same answer. Taking every batch, not only decode steps,
 // keeps a token's attention the same computed alone or in a prompt, and a sequence's the same alone or batched with
 // others in their own streams (llama.cpp's row, tiled and split-KV kernels each round differently).
-bool rapidmoe_flash_attn_decode(int ith, int nth, ggml_tensor * dst);
+bool rapidmoe_flash_attn_decode(const struct ggml_compute_params * params, ggml_tensor * dst);
 
 // Whether the op takes our kernel: yes, unless RAPIDMOE_FA_DECODE=0 is in the environment (read at each call, one a
 // layer and token, so one process can time both kernels)

@@ -32,6 +32,7 @@ def _field(reader: GGUFReader, suffix: str) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.native
 def test_decode_nodes_and_their_weight_bytes(make_split, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """r = 1 on a tiny qwen3moe pair: per token, one gate, up and down matmul of 8 routed experts per layer, each
     reading top-k experts' matrices of the .wq.gguf; the sidecars (masked) one expert's of the .wr.gguf; the output

@@ -35,9 +35,9 @@ namespace {
 
 constexpr int PREFETCH_BYTES = 2048; // about three blocks ahead: the best of 1, 2, 4, 8, 16 KiB measured here
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX2__)
 // The 8 columns' mins of one half block (sub-blocks 8 h .. 8 h + 7, high nibbles of the 64 scale bytes at sc) against
-// the activation's 16-value sums of those sub-blocks: column c in lane c (the AVX2 path's code, shared)
+// the activation's 16-value sums of those sub-blocks: column c in lane c (both paths)
 inline __m256i half_block_mins(const uint8_t * sc, const int16_t * bsums) {
     const __m128i m4b = _mm_set1_epi8(0xF);
     const __m256i q8s = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) bsums));
@@ -53,6 +53,9 @@ inline __m256i half_block_mins(const uint8_t * sc, const int16_t * bsums) {
     return _mm256_add_epi32(_mm256_add_epi32(m01, m23), _mm256_add_epi32(m45, m67));
 }
 
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // One row of 8 interleaved columns against one activation row, all 8 columns in a zmm (column c's 8 bytes are 64-bit
 // lane c, so its sums sit in 32-bit lanes 2c and 2c + 1). Per pair of sub-blocks (2t, 2t + 1) of a half block: four
 // vpdpbusd (2-bit values x the activation's 8 bytes broadcast), vpackssdw of the two sub-blocks' sums (128-bit lane
@@ -155,7 +158,6 @@ void rapidmoe_gemv_q2_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, c
     const __m256i scales_hi[2] = { scale_lanes_mask(4, 2, 0), scale_lanes_mask(4, 2, 1) };
     // hadd(lo, hi) holds columns 0 1 4 5 | 2 3 6 7: back to 0..7
     const __m256i natural = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
-    const __m128i m4b_sse = _mm_set1_epi8(0xF);
 
     const auto * b_start = (const block_q2_Kx8 *) vx;
     const auto * a_start = (const block_q8_K *) vy;
@@ -214,19 +216,7 @@ void rapidmoe_gemv_q2_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, c
                     RAPIDMOE_SUB_BLOCK(7, 6)
 #undef RAPIDMOE_SUB_BLOCK
                     // the mins (high nibbles) against the activation's 16-value sums, in column order
-                    __m256i mins[4];
-                    for (int i = 0; i < 4; i++) {
-                        const __m128i ms = _mm_loadu_si128((const __m128i *) (sc + 16 * i));
-                        mins[i] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(ms, 4), m4b_sse));
-                    }
-                    const __m256i q8s =
-                        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) (a_ptr[b].bsums + sb * 8)));
-                    const __m256i m01 = _mm256_madd_epi16(_mm256_shuffle_epi32(q8s, 0), mins[0]);
-                    const __m256i m23 = _mm256_madd_epi16(_mm256_shuffle_epi32(q8s, 85), mins[1]);
-                    const __m256i m45 = _mm256_madd_epi16(_mm256_shuffle_epi32(q8s, 170), mins[2]);
-                    const __m256i m67 = _mm256_madd_epi16(_mm256_shuffle_epi32(q8s, 255), mins[3]);
-                    iacc_min_b = _mm256_add_epi32(iacc_min_b,
-                                                  _mm256_add_epi32(_mm256_add_epi32(m01, m23), _mm256_add_epi32(m45, m67)));
+                    iacc_min_b = _mm256_add_epi32(iacc_min_b, half_block_mins(sc, a_ptr[b].bsums + sb * 8));
                 }
                 const __m256i iacc_b = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(acc_lo, acc_hi), natural);
                 acc_row = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc_b), _mm256_mul_ps(col_scale, row_scale), acc_row);

@@ -39,8 +39,6 @@ constexpr int PREFETCH_BYTES = 2048; // about two blocks (1152 bytes each) ahead
 // lanes of columns 2j, 2j + 1, then 2p + 1's), one vpdpwssd against the scales in that order.
 void gemv_512(int nb, const block_q4_Kx8 * b_ptr, const block_q8_K * a_ptr, float * out) {
     const __m512i m4b = _mm512_set1_epi8(0xF);
-    // 32-bit lanes 4j and 4j + 1 (after folding the two sub-blocks): columns 2j and 2j + 1
-    const __m512i columns = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
     __m256 acc_row = _mm256_setzero_ps();
     __m256 acc_min_rows = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
@@ -81,8 +79,7 @@ void gemv_512(int nb, const block_q4_Kx8 * b_ptr, const block_q8_K * a_ptr, floa
             iacc_min_b = _mm256_add_epi32(iacc_min_b, _mm256_madd_epi16(_mm256_shuffle_epi32(q8s, 0), mins_01));
             q8s = _mm256_bsrli_epi128(q8s, 4);
         }
-        const __m512i folded = _mm512_add_epi32(acc, _mm512_shuffle_epi32(acc, _MM_PERM_BADC));
-        const __m256i iacc_b = _mm512_castsi512_si256(_mm512_permutexvar_epi32(columns, folded));
+        const __m256i iacc_b = column_pairs_packed(acc);
         acc_row = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc_b), _mm256_mul_ps(col_scale, row_scale), acc_row);
         acc_min_rows = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc_min_b), _mm256_mul_ps(col_dmin, row_scale), acc_min_rows);
     }

@@ -80,5 +80,13 @@ inline __m512i broadcast_8_bytes_512(const void * p) {
 inline __m256i column_pairs(__m512i v) {
     return _mm512_cvtepi64_epi32(_mm512_add_epi32(v, _mm512_srli_epi64(v, 32)));
 }
+
+// 8 columns' sums from the layout the VNNI gemvs leave after vpackssdw + vpdpwssd (128-bit lane j: columns 2j, 2j + 1
+// of one sub-block, then of the other): the two added, columns in order
+inline __m256i column_pairs_packed(__m512i v) {
+    const __m512i folded = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
+    return _mm512_castsi512_si256(
+        _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0), folded));
+}
 #endif
 #endif

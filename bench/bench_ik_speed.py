@@ -9,6 +9,7 @@ mmap'd weights move with the disk. This runs the speed half alone, over files be
 
   python bench/bench_ik_speed.py --ik /path/to/ik_llama.cpp/build --kl-from bench/out/frontier-NAME.json \\
       [--presets cpu-fast --r 0,1,2 --ik-types Q3_K_M,Q4_K_M,Q5_K_M,Q6_K --reps 3]
+--ours-types TYPES adds our build on stock files alone (no sidecar: 'ours on Q3_K_M', its KL the stock type's).
 Without --ik it times ours alone, against --stock-types run by the stock build's llama-bench; --ab VAR adds each
 of our points with one of our kernel switches off (VAR=0), or set to another value (--ab VAR=VALUE, e.g.
 RAPIDMOE_GEMM=avx2: our AVX2 gemms on an AVX-512 VNNI CPU), for a kernel's end-to-end effect in the same passes.
@@ -53,7 +54,7 @@ import json, random, sys, time, numpy as np
 from rapidmoe import Llama
 from rapidmoe._runtime import llama_cpp as lc
 cfg = json.loads(sys.argv[1])
-llm = Llama(model_path=cfg["wq"], residual_path=cfg["wr"], n_critical=cfg["r"],
+llm = Llama(model_path=cfg["wq"], residual_path=cfg["wr"], n_critical=cfg["r"],  # wr None: a stock file alone
             n_ctx=max(cfg["pp"], cfg["depth"] + cfg["tg"] + 1) + 8,
             n_batch=cfg["pp"], n_ubatch=cfg["pp"], n_threads=2, n_threads_batch=2, logits_all=True, verbose=False,
             flash_attn=cfg["fa"])
@@ -91,10 +92,10 @@ print("RESULT " + json.dumps({"pp": pp, "tg": tg}))
 """
 
 
-def run_ours(wq: Path, wr: Path, r: int, pp: int, tg: int, env: dict[str, str] | None = None,
+def run_ours(wq: Path, wr: Path | None, r: int, pp: int, tg: int, env: dict[str, str] | None = None,
              fa: str = "auto", depth: int = 0, python_loop: bool = False) -> dict[str, float]:
-    cfg = {"wq": str(wq), "wr": str(wr), "r": r, "pp": pp, "tg": tg, "fa": fa, "depth": depth,
-           "python_loop": python_loop}
+    cfg = {"wq": str(wq), "wr": str(wr) if wr is not None else None, "r": r, "pp": pp, "tg": tg, "fa": fa,
+           "depth": depth, "python_loop": python_loop}
     out = subprocess.run([sys.executable, "-c", OURS, json.dumps(cfg)], capture_output=True, text=True, check=True,
                          env={**os.environ, **(env or {})})
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
@@ -127,10 +128,16 @@ def main() -> int:
                     help="also time each ik point with these llama-bench flags added (e.g. '-fmoe 0': ik's fused MoE "
                          "up/gate op off), for what one of ik's features is worth in the same passes; repeatable")
     ap.add_argument("--model-stem", default="synthetic-qwen3moe-bench")
+    ap.add_argument("--ours-types", default="",
+                    help="stock files (types, comma-separated) our build runs alone, no sidecar: 'ours on Q3_K_M'; "
+                         "with --ab RAPIDMOE_Q3_K_REPACK, our repacked Q3_K (patch 0021) against the plain layout")
     ap.add_argument("--presets", default="cpu-fast",
                     help="our pairs in bench/out/frontier-work, comma-separated: NAME, or NAME@MIXFILE for a preset "
                          "with a mix (common.pair_dir: <stem>.NAME+<mix file stem>)")
     ap.add_argument("--r", default="0,1,2")
+    ap.add_argument("--preset-r", action="append", default=[], metavar="PRESET=R,R",
+                    help="this preset's r values instead of --r (e.g. cpu-q8=1,2,3,4)")
+    ap.add_argument("--no-ik-wq", action="store_true", help="leave out ik on our presets' .wq.gguf alone")
     ap.add_argument("--ik-types", default="Q3_K_M,Q4_K_M,Q5_K_M,Q6_K")
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--tg", type=int, default=32)
@@ -150,6 +157,9 @@ def main() -> int:
     kl = ({row["variant"]: row["kl_mean"] for row in json.loads(args.kl_from.read_text())["rows"]}
           if args.kl_from is not None else {})
     points: dict[str, tuple[Any, ...]] = {}
+    if any("=" not in x for x in args.preset_r):
+        ap.error("--preset-r takes PRESET=R,R (e.g. cpu-q8=1,2,3,4)")
+    preset_r = dict(x.split("=", 1) for x in args.preset_r)
     ik_frontier: list[str] = []  # ik's stock types as shipped: its frontier
     for t in (t for t in args.ik_types.split(",") if t and ik is not None):
         points[f"ik {t} -rtr"] = (WORK / f"{args.model_stem}.{t}.gguf", f"stock {t}")
@@ -158,14 +168,20 @@ def main() -> int:
             points[f"ik {t} -rtr {extra}"] = (WORK / f"{args.model_stem}.{t}.gguf", f"stock {t}", extra.split())
     for t in (t for t in args.stock_types.split(",") if t):
         points[f"stock {t} (llama-bench)"] = (WORK / f"{args.model_stem}.{t}.gguf", f"stock {t}")
+    for t in (t for t in args.ours_types.split(",") if t):
+        stock_file = WORK / f"{args.model_stem}.{t}.gguf"
+        points[f"ours on {t}"] = (stock_file, None, 0, {})
+        for ab in args.ab:
+            env = _ab_env(ab)
+            points[f"ours on {t}, {'+'.join(f'{k}={v}' for k, v in env.items())}"] = (stock_file, None, 0, env)
     for p in (p for p in args.presets.split(",") if p):
         pair = pair_dir(WORK, args.model_stem, p)
         wq, wr = pair / f"{args.model_stem}.wq.gguf", pair / f"{args.model_stem}.wr.gguf"
-        if ik is not None:
+        if ik is not None and not args.no_ik_wq:
             points[f"ik {p} .wq.gguf -rtr"] = (wq, f"ours {p} r=0")
             for extra in args.ik_ab:
                 points[f"ik {p} .wq.gguf -rtr {extra}"] = (wq, f"ours {p} r=0", extra.split())
-        for r in (int(x) for x in args.r.split(",") if x):
+        for r in (int(x) for x in preset_r.get(p, args.r).split(",") if x):
             points[f"ours {p} r={r}"] = (wq, wr, r, {})
             if args.python_loop:
                 points[f"ours {p} r={r}{PYTHON_LOOP}"] = (wq, wr, r, {})
@@ -194,7 +210,9 @@ def main() -> int:
             print(f"rep {rep} {name}: pp {pp:.1f} tg {tg:.2f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     rows: list[dict[str, Any]] = []
     for name, spec in points.items():
-        kl_name = spec[1] if name.startswith(("ik ", "stock ")) else name.split(", ")[0].removesuffix(PYTHON_LOOP)
+        kl_name = (spec[1] if name.startswith(("ik ", "stock ")) else
+                   "stock " + name.split(", ")[0].removeprefix("ours on ") if name.startswith("ours on ") else
+                   name.split(", ")[0].removesuffix(PYTHON_LOOP))
         rows.append({"variant": name, "kl_mean": kl.get(str(kl_name)), "pp_tps": statistics.median(times[name]["pp"]),
                      "tg_tps": statistics.median(times[name]["tg"]), "pp_all": times[name]["pp"],
                      "tg_all": times[name]["tg"]})

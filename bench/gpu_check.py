@@ -467,9 +467,10 @@ def main() -> int:
 
     # cpu-q8's Q8_0 attention stays plain, as it was when the preset was chosen for this check ("one CPU kernel for
     # every placement"): patch 0016 repacks Q8_0 on x86 in CPU_REPACK buffers only (another summation order), and
-    # the exact --cpu checks of the cache modes then differ from the CPU path; Q6_K likewise (patch 0017)
+    # the exact --cpu checks of the cache modes then differ from the CPU path; Q6_K and Q3_K likewise (0017, 0021)
     os.environ.setdefault("RAPIDMOE_Q8_0_REPACK", "0")
     os.environ.setdefault("RAPIDMOE_Q6_K_REPACK", "0")
+    os.environ.setdefault("RAPIDMOE_Q3_K_REPACK", "0")
     package = use_package(args.site, need_cuda=not args.cpu)
 
     from common import ensure_synthetic  # noqa: PLC0415  (after use_package, for --site)

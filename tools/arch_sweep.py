@@ -168,9 +168,10 @@ def sweep_one(src: Path, work: Path, stock_bin: Path | None = None, timeout: flo
     # RAPIDMOE_REPACK_MMID_GEMM=0: our repacked MUL_MAT_ID keeps upstream's row order (bit-equal to stock);
     # RAPIDMOE_Q2_K_REPACK=0: Q2_K stays plain on an AVX2 CPU without AVX-512, as stock keeps it (patch 0006);
     # RAPIDMOE_GEMM=0: upstream's gemms for the prompt's dense rows (ours add in the gemv's order, patch 0008);
-    # RAPIDMOE_Q8_0_REPACK=0, RAPIDMOE_Q6_K_REPACK=0: Q8_0 and Q6_K stay plain on x86, as stock keeps them (0016, 0017)
+    # RAPIDMOE_Q8_0_REPACK=0, RAPIDMOE_Q6_K_REPACK=0, RAPIDMOE_Q3_K_REPACK=0: Q8_0, Q6_K and Q3_K stay plain on x86, as
+    # stock keeps them (0016, 0017, 0021)
     env = dict(os.environ, GGML_NO_BACKTRACE="1", RAPIDMOE_REPACK_MMID_GEMM="0", RAPIDMOE_Q2_K_REPACK="0",
-               RAPIDMOE_GEMM="0", RAPIDMOE_Q8_0_REPACK="0", RAPIDMOE_Q6_K_REPACK="0")
+               RAPIDMOE_GEMM="0", RAPIDMOE_Q8_0_REPACK="0", RAPIDMOE_Q6_K_REPACK="0", RAPIDMOE_Q3_K_REPACK="0")
     p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", str(src), "--work", str(work)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)

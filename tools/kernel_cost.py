@@ -31,7 +31,7 @@ from stock_llama import STOCK, build_stock
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "tools" / "kernel_cost.cpp"
-OUR_GEMMS = ("q2_K", "q4_K", "q8_0", "q6_K")  # the repacked types whose gemm is ours (patches 0008, 0016, 0017)
+OUR_GEMMS = ("q2_K", "q4_K", "q8_0", "q6_K", "q3_K")  # the repacked types whose gemm is ours (0008, 0016, 0017, 0021)
 sys.path.insert(0, str(ROOT / "tools"))
 
 

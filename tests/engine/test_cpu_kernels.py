@@ -24,7 +24,8 @@ def test_repacked_q2k_gemv_is_stocks_bit_for_bit(stock_bin: Path) -> None:
     gemms (patch 0008) must give the gemv's bits for the experts' rows, and the dense rows' outputs must equal the
     plain layout's to float rounding. Q8_0: stock keeps it plain on x86, our build repacks it (patch 0016) with our
     gemv and gemm: equal to the plain vec_dot (upstream's, unchanged) to float rounding, the gemm the gemv's bits.
-    Q6_K the same (patch 0017). The single-row matmuls ("experts": one input row for every slot, "dense") run
+    Q6_K the same (patch 0017), and Q3_K (patch 0021: our own layout, where the build has AVX-512 VNNI). The
+    single-row matmuls ("experts": one input row for every slot, "dense") run
     patch 0018's path in our build (no barrier inside the op) and the AVX-512 VNNI gemvs where the CPU has them."""
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_cost.py"), "--check",
                           "--types", "q2_K,q3_K,q4_K,q8_0,q6_K"], capture_output=True, text=True, timeout=600)
@@ -32,9 +33,12 @@ def test_repacked_q2k_gemv_is_stocks_bit_for_bit(stock_bin: Path) -> None:
     assert "bit-identical in ours and stock" in out.stdout
     info = _core.system_info()
     if "AVX2 = 1" in info:  # our gemm runs on AVX2 and AVX-512 CPUs; elsewhere upstream's repacked kernels run
-        assert ("gemm (batched rows) against gemv: bit-identical: experts x16 q2_K repacked; experts x16 q4_K repacked"
+        assert ("gemm (batched rows) against gemv: bit-identical: experts x16 q2_K repacked; experts x16 q3_K repacked"
+                "; experts x16 q4_K repacked; experts x16 q8_0 repacked; experts x16 q6_K repacked" in out.stdout
+                if "AVX512_VNNI = 1" in info else
+                "gemm (batched rows) against gemv: bit-identical: experts x16 q2_K repacked; experts x16 q4_K repacked"
                 "; experts x16 q8_0 repacked; experts x16 q6_K repacked" in out.stdout), out.stdout
-        for ty in ("q8_0", "q6_K"):
+        for ty in ("q8_0", "q6_K", "q3_K") if "AVX512_VNNI = 1" in info else ("q8_0", "q6_K"):
             for m in (f"experts {ty}", f"dense {ty}", f"experts x16 {ty}", f"dense x18 {ty}"):
                 assert f"{m} repacked: only in ours" in out.stdout, out.stdout
     if "AVX512 = 1" in info:  # stock llama.cpp repacks Q2_K on x86 only with AVX-512: both builds run it
@@ -47,21 +51,25 @@ def test_repacked_q2k_gemv_is_stocks_bit_for_bit(stock_bin: Path) -> None:
 def test_repacked_kernels_avx2_paths(stock_bin: Path) -> None:
     """RAPIDMOE_GEMM=avx2 runs our kernels' AVX2 code (256-bit, maddubs) on an AVX-512 CPU, the code every AVX2-only
     CPU runs: the Q2_K and Q4_K gemvs bit for bit with stock llama.cpp's (the AVX-512 VNNI gemvs are checked by the
-    test above), Q8_0 and Q6_K against the plain vec_dot to float rounding, and every gemm the gemv's bits."""
+    test above), Q8_0 and Q6_K against the plain vec_dot to float rounding, and every gemm the gemv's bits. Repacked
+    Q3_K (AVX-512 VNNI builds only) runs its portable C there: the same checks as its VNNI gemv."""
     del stock_bin  # kernel_cost --check builds against both; the fixture makes sure the stock build exists
     info = _core.system_info()
     if "AVX2 = 1" not in info:
         pytest.skip("no AVX2: these kernels are not built for this CPU")
     env = {**os.environ, "RAPIDMOE_GEMM": "avx2"}
+    q3k = "AVX512_VNNI = 1" in info  # our Q3_K layout exists
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_cost.py"), "--check", "--types",
-                          "q2_K,q4_K,q8_0,q6_K"], capture_output=True, text=True, timeout=600, env=env)
+                          "q2_K,q3_K,q4_K,q8_0,q6_K"], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "bit-identical in ours and stock" in out.stdout, out.stdout
     compared = out.stdout.split("\n")[0]
     if "AVX512 = 1" in info:  # stock repacks Q2_K only with AVX-512; Q4_K on every AVX2 CPU
         assert "experts q2_K repacked;" in compared, out.stdout
     assert "experts q4_K repacked;" in compared and "dense q4_K repacked;" in compared, out.stdout
-    assert ("gemm (batched rows) against gemv: bit-identical: experts x16 q2_K repacked; experts x16 q4_K repacked"
-            "; experts x16 q8_0 repacked; experts x16 q6_K repacked" in out.stdout), out.stdout
-    for ty in ("q8_0", "q6_K"):
+    assert ("gemm (batched rows) against gemv: bit-identical: experts x16 q2_K repacked; "
+            + ("experts x16 q3_K repacked; " if q3k else "")
+            + "experts x16 q4_K repacked; experts x16 q8_0 repacked; experts x16 q6_K repacked"
+            in out.stdout), out.stdout
+    for ty in ("q8_0", "q6_K", "q3_K") if q3k else ("q8_0", "q6_K"):
         assert f"dense {ty} repacked: only in ours" in out.stdout and "within float rounding" in out.stdout, out.stdout

@@ -109,3 +109,47 @@ def test_batched_rows_give_the_single_row_kernel_s_bits() -> None:
         for j in range(2):
             one = [_core.refine_dot(raw[ids[t, j], r], bits[ids[t, j], r], b[t, 0]) for r in range(n_out)]
             assert np.asarray(one, np.float32).tobytes() == got[t, j].tobytes(), (t, j)
+
+
+def _has_q3k_layout() -> bool:
+    return "AVX512_VNNI = 1" in _core.system_info()  # patch 0021 repacks Q3_K where our VNNI gemv is built
+
+
+@pytest.mark.parametrize("n_tok", [1, 21])
+def test_repacked_wq_gives_the_plain_layout_s_bits(n_tok: int) -> None:
+    """WQ in the CPU_REPACK buffer (our 8-row Q3_K layout, patch 0021): the op reads each row's bytes back from the
+    interleave, so every output is the plain layout's bit for bit, for a decode step (one token) and a prompt batch
+    (tokens sharing experts: up to 8 activations per weight block), across thread splits that cut groups of 8 rows
+    (3 threads over 40 rows), and extreme rows (ggml's Q3_K of spiky rows) among them; numpy agrees too."""
+    if not _has_q3k_layout():
+        pytest.skip("no repacked Q3_K layout in this build (needs AVX-512 VNNI)")
+    rng = np.random.default_rng(17)
+    n_as, n_out, n_in, k = 4, 40, 768, 3
+    raw, bits = _experts(rng, n_as, n_out, n_in)
+    spiky = np.r_[np.full(n_in - 1, 1e-3), 50.0].astype(np.float32)
+    raw[1, 5] = _core.quantize(spiky[None], Q3_K)[0]
+    raw[2, 9] = _core.quantize(np.zeros((1, n_in), np.float32), Q3_K)[0]
+    bits[3, 0] = 255
+    b = rng.standard_normal((n_tok, 1, n_in)).astype(np.float32)
+    ids = np.stack([rng.permutation(n_as)[:k] for _ in range(n_tok)]).astype(np.int32)
+    ids[0, -1] = -1
+    for threads in (1, 3):
+        plain = _core.refine_mul_mat_id(raw, bits, n_in, b, ids, n_threads=threads)
+        packed = _core.refine_mul_mat_id(raw, bits, n_in, b, ids, n_threads=threads, repacked=True)
+        assert packed.tobytes() == plain.tobytes(), threads
+    w, xq = refined(raw, bits, n_in), q8k_roundtrip(b)
+    for t in range(n_tok):
+        for j in range(k):
+            if ids[t, j] >= 0:
+                assert _rel(packed[t, j], w[ids[t, j]] @ xq[t, 0]) < 1e-5, (t, j)
+
+
+def test_repacked_wq_needs_rows_in_groups_of_8() -> None:
+    """Our layout takes 8 rows a group: a tensor of 12 rows has no repacked layout, and the op says so."""
+    if not _has_q3k_layout():
+        pytest.skip("no repacked Q3_K layout in this build (needs AVX-512 VNNI)")
+    rng = np.random.default_rng(1)
+    raw, bits = _experts(rng, 2, 12, 256)
+    with pytest.raises(ValueError, match="no repacked layout"):
+        _core.refine_mul_mat_id(raw, bits, 256, np.zeros((1, 1, 256), np.float32), np.zeros((1, 1), np.int32),
+                                repacked=True)

@@ -44,8 +44,8 @@ def test_r0_is_exactly_stock_on_the_wq_file(split_pair, stock_bin: Path, tmp_pat
     CPU without AVX-512 stock keeps Q2_K plain and our build repacks it (patch 0006): RAPIDMOE_Q2_K_REPACK=0 keeps
     it plain here too (tools/kernel_cost.py --check compares that repacked gemv with the plain kernel). Our Q2_K and
     Q4_K gemms (patch 0008) give the gemv's bits, where upstream's add in another order: RAPIDMOE_GEMM=0 keeps
-    upstream's for the prompt's dense rows. On x86 stock keeps Q8_0 and Q6_K plain: RAPIDMOE_Q8_0_REPACK=0 and
-    RAPIDMOE_Q6_K_REPACK=0 (patches 0016, 0017)."""
+    upstream's for the prompt's dense rows. On x86 stock keeps Q8_0, Q6_K and Q3_K plain: RAPIDMOE_Q8_0_REPACK=0,
+    RAPIDMOE_Q6_K_REPACK=0 and RAPIDMOE_Q3_K_REPACK=0 (patches 0016, 0017, 0021)."""
     for k, v in STOCK_ORDER_ENV.items():
         monkeypatch.setenv(k, v)
     _, wq, wr = split_pair

@@ -26,7 +26,7 @@ np.save(sys.argv[3], np.array(m.scores[:len(toks)], dtype=np.float64))
 
 # our kernels that sum in another order than stock's (or repack what stock keeps plain), off: bit-for-bit with stock
 STOCK_ORDER_ENV = {"RAPIDMOE_REPACK_MMID_GEMM": "0", "RAPIDMOE_Q2_K_REPACK": "0", "RAPIDMOE_GEMM": "0",
-                   "RAPIDMOE_Q8_0_REPACK": "0", "RAPIDMOE_Q6_K_REPACK": "0"}
+                   "RAPIDMOE_Q8_0_REPACK": "0", "RAPIDMOE_Q6_K_REPACK": "0", "RAPIDMOE_Q3_K_REPACK": "0"}
 
 
 def stock_logits(model: Path, toks: list[int], stock_bin: Path, tmp_path: Path) -> np.ndarray:

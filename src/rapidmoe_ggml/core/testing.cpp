@@ -11,6 +11,8 @@
 
 #include <cstdio>
 #include <cstring>
+#include <memory>
+#include <string>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -42,6 +44,41 @@ ggml_backend_buffer_type_t cpu_repack_buft() {
     return nullptr;
 }
 
+// A weight tensor's copy in a CPU_REPACK buffer (its bytes set through the buffer: repacked), for ops whose CPU
+// kernels then read the interleaved layout; `claims(w)` builds the op on the copy (in a no-alloc context) and the
+// CPU backend must accept it there (the extra buffer runs only the types, shapes and ops it has a layout for)
+struct RepackedWeights {
+    ggml_context * ctx = nullptr;
+    ggml_backend_buffer_t buf = nullptr;
+    ggml_tensor * w = nullptr;
+    template <typename Claims>
+    RepackedWeights(ggml_type type, int64_t n_in, int64_t n_out, int64_t n_as, const void * data, size_t nbytes,
+                    Claims claims, const char * what) {
+        ggml_backend_buffer_type_t buft = cpu_repack_buft();
+        ggml_init_params wp = { 16 * ggml_tensor_overhead(), nullptr, true };
+        ctx = ggml_init(wp);
+        w = ggml_new_tensor_3d(ctx, type, n_in, n_out, n_as);
+        buf = buft != nullptr ? ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft) : nullptr;
+        if (buf == nullptr ||
+            !ggml_backend_dev_supports_op(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU), claims(ctx, w))) {
+            release();
+            throw std::invalid_argument(std::string(what) + ": the CPU has no repacked layout for this type and shape");
+        }
+        ggml_backend_tensor_set(w, data, 0, nbytes);
+    }
+    void release() {
+        if (buf != nullptr) {
+            ggml_backend_buffer_free(buf);
+        }
+        ggml_free(ctx);
+        buf = nullptr;
+        ctx = nullptr;
+    }
+    ~RepackedWeights() { release(); }
+    RepackedWeights(const RepackedWeights &) = delete;
+    RepackedWeights & operator=(const RepackedWeights &) = delete;
+};
+
 nb::ndarray<nb::numpy, float, nb::ndim<3>> mul_mat_id(U8_3 as, int type_id, int64_t n_in, F32_3 b, I32_2 ids,
                                                       bool masked, int n_threads, bool repacked) {
     const auto type = (ggml_type) type_id;
@@ -59,31 +96,22 @@ nb::ndarray<nb::numpy, float, nb::ndim<3>> mul_mat_id(U8_3 as, int type_id, int6
     ggml_tensor * ti = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, T);
     std::memcpy(ta->data, as.data(), as.nbytes());
     // repacked: the weights in a CPU_REPACK buffer (its kernels run the node: the extra buffer claims the op)
-    ggml_context * ctx_w = nullptr;
-    ggml_backend_buffer_t buf_w = nullptr;
+    std::unique_ptr<RepackedWeights> rw;
     if (repacked) {
-        ggml_backend_buffer_type_t buft = cpu_repack_buft();
-        ggml_init_params wp = { 8 * ggml_tensor_overhead(), nullptr, true };
-        ctx_w = ggml_init(wp);
-        ggml_tensor * rw = ggml_new_tensor_3d(ctx_w, type, n_in, n_out, n_as);
-        buf_w = buft != nullptr ? ggml_backend_alloc_ctx_tensors_from_buft(ctx_w, buft) : nullptr;
-        bool ok = buf_w != nullptr;
-        if (ok) { // the extra buffer claims the node only for types and shapes it has a layout for
-            ggml_tensor * db = ggml_new_tensor_3d(ctx_w, GGML_TYPE_F32, n_in, n_b, T);
-            ggml_tensor * di = ggml_new_tensor_2d(ctx_w, GGML_TYPE_I32, k, T);
-            ggml_tensor * op = masked ? ggml_mul_mat_id_masked(ctx_w, rw, db, di) : ggml_mul_mat_id(ctx_w, rw, db, di);
-            ok = ggml_backend_dev_supports_op(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU), op);
-        }
-        if (!ok) {
-            if (buf_w != nullptr) {
-                ggml_backend_buffer_free(buf_w);
-            }
-            ggml_free(ctx_w);
+        try {
+            rw = std::make_unique<RepackedWeights>(
+                type, n_in, n_out, n_as, as.data(), as.nbytes(),
+                [&](ggml_context * c, ggml_tensor * w) {
+                    ggml_tensor * db = ggml_new_tensor_3d(c, GGML_TYPE_F32, n_in, n_b, T);
+                    ggml_tensor * di = ggml_new_tensor_2d(c, GGML_TYPE_I32, k, T);
+                    return masked ? ggml_mul_mat_id_masked(c, w, db, di) : ggml_mul_mat_id(c, w, db, di);
+                },
+                "mul_mat_id");
+        } catch (...) {
             ggml_free(ctx);
-            throw std::invalid_argument("mul_mat_id: the CPU has no repacked layout for this type and shape");
+            throw;
         }
-        ggml_backend_tensor_set(rw, as.data(), 0, as.nbytes());
-        ta = rw;
+        ta = rw->w;
     }
     std::memcpy(tb->data, b.data(), b.nbytes());
     std::memcpy(ti->data, ids.data(), ids.nbytes());
@@ -101,17 +129,13 @@ nb::ndarray<nb::numpy, float, nb::ndim<3>> mul_mat_id(U8_3 as, int type_id, int6
     auto * res = new float[(size_t) (T * k * n_out)];
     std::memcpy(res, out->data, ggml_nbytes(out));
     ggml_free(ctx);
-    if (buf_w != nullptr) {
-        ggml_backend_buffer_free(buf_w);
-        ggml_free(ctx_w);
-    }
     nb::capsule owner(res, [](void * p) noexcept { delete[] (float *) p; });
     return nb::ndarray<nb::numpy, float, nb::ndim<3>>(res, {(size_t) T, (size_t) k, (size_t) n_out}, owner);
 }
 
 // the refine codec's op: wq uint8 [n_as, n_out, n_in/256*110] (Q3_K), bits uint8 [n_as, n_out, n_in/8]
 nb::ndarray<nb::numpy, float, nb::ndim<3>> refine_mul_mat_id(U8_3 wq, U8_3 bits, int64_t n_in, F32_3 b, I32_2 ids,
-                                                             int n_threads) {
+                                                             int n_threads, bool repacked) {
     const int64_t n_as = wq.shape(0), n_out = wq.shape(1);
     const int64_t T = b.shape(0), n_b = b.shape(1), k = ids.shape(1);
     if (n_in % 256 != 0 || (int64_t) b.shape(2) != n_in || (int64_t) ids.shape(0) != T ||
@@ -127,6 +151,25 @@ nb::ndarray<nb::numpy, float, nb::ndim<3>> refine_mul_mat_id(U8_3 wq, U8_3 bits,
     ggml_tensor * tb = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, n_in, n_b, T);
     ggml_tensor * ti = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, T);
     std::memcpy(tw->data, wq.data(), wq.nbytes());
+    // repacked: wq in a CPU_REPACK buffer (our Q3_K layout, patch 0021), which the op reads row by row
+    std::unique_ptr<RepackedWeights> rw;
+    if (repacked) {
+        try {
+            rw = std::make_unique<RepackedWeights>(
+                GGML_TYPE_Q3_K, n_in, n_out, n_as, wq.data(), wq.nbytes(),
+                [&](ggml_context * c, ggml_tensor * w) {
+                    ggml_tensor * dr = ggml_new_tensor_3d(c, GGML_TYPE_I8, n_in / 8, n_out, n_as);
+                    ggml_tensor * db = ggml_new_tensor_3d(c, GGML_TYPE_F32, n_in, n_b, T);
+                    ggml_tensor * di = ggml_new_tensor_2d(c, GGML_TYPE_I32, k, T);
+                    return rapidmoe_llama_refine_mul_mat_id(c, w, dr, db, di);
+                },
+                "refine_mul_mat_id");
+        } catch (...) {
+            ggml_free(ctx);
+            throw;
+        }
+        tw = rw->w;
+    }
     std::memcpy(tr->data, bits.data(), bits.nbytes());
     std::memcpy(tb->data, b.data(), b.nbytes());
     std::memcpy(ti->data, ids.data(), ids.nbytes());
@@ -269,10 +312,13 @@ void bind_testing(nb::module_ & m) {
           "of ggml type `type`, b float32 [T, n_b, n_in], ids int32 [T, k]; returns float32 [T, k, n_out].\n"
           "repacked: the weights in the CPU_REPACK buffer (its kernels); ValueError where it has no layout.");
     m.def("refine_mul_mat_id", &refine_mul_mat_id, "wq"_a, "bits"_a, "n_in"_a, "b"_a, "ids"_a, "n_threads"_a = 2,
+          "repacked"_a = false,
           "Run the refine codec's op on the CPU: wq uint8 [n_as, n_out, row_bytes] (Q3_K), bits uint8 [n_as, n_out,\n"
-          "n_in/8], b float32 [T, n_b, n_in], ids int32 [T, k] (-1: a zero row); returns float32 [T, k, n_out].");
+          "n_in/8], b float32 [T, n_b, n_in], ids int32 [T, k] (-1: a zero row); returns float32 [T, k, n_out].\n"
+          "repacked: wq in the CPU_REPACK buffer (our Q3_K layout; ValueError where the CPU has none).");
     m.def("refine_dot", &refine_dot, "wq"_a, "bits"_a, "x"_a, "reference"_a = false,
-          "One refined row (Q3_K bytes, bit plane) dot x (quantized to Q8_K): the SIMD kernel or the scalar reference.");
+          "One refined row (Q3_K bytes, bit plane) dot x (quantized to Q8_K): the SIMD kernel or the scalar\n"
+          "reference.");
     m.def("cpu_buffer_vm_flags", &cpu_buffer_vm_flags, "nbytes"_a, "repack"_a = false,
           "Allocate a CPU (repack: CPU_REPACK) backend buffer of nbytes and return the VmFlags of /proc/self/smaps'\n"
           "mapping that holds its middle (\"\" if none): \"hg\" = huge pages advised. Frees the buffer.");

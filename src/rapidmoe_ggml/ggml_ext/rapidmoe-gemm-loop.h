@@ -1,10 +1,36 @@
-// The column loop RapidMoE's repacked gemms share (rapidmoe-gemm-q2k.cpp, -q4k.cpp): for each 8-column group and
+// What RapidMoE's repacked gemms share. rapidmoe_q8_Kx4_rows: a group of 4 interleaved activation rows as plain
+// Q8_K rows (the Q6_K and Q3_K gemms run their gemv code on those). rapidmoe_gemm_columns:
+// the column loop of the Q2_K and Q4_K gemms (rapidmoe-gemm-q2k.cpp, -q4k.cpp): for each 8-column group and
 // weight block, unpack the block once (Unpack), take every 4-row group's exact integer sums (Sums), and add them to
 // per-row float accumulators in the gemv's order (per block: acc += sums x (column scale x row scale), mins
 // likewise; at the end acc - mins), so the output is the repacked gemv's bit for bit.
 #pragma once
 
 #include "repack.h"
+
+#include <cstring>
+
+// row r (< 4) of nb interleaved activation blocks (block_q8_Kx4, as ggml_quantize_mat_q8_K_4x8 writes them: qs[32 k
+// + 8 r + i] is row r's value 8 k + i) as plain Q8_K blocks rows[r * nb .. r * nb + nb - 1], its 16-value sums
+// recomputed (exact, whatever order the interleaved bsums are in): for gemms that run a gemv on each row
+inline void rapidmoe_q8_Kx4_rows(const block_q8_Kx4 * a, int nb, block_q8_K * rows) {
+    for (int l = 0; l < nb; l++) {
+        for (int r = 0; r < 4; r++) {
+            block_q8_K & out = rows[(size_t) r * nb + l];
+            out.d = a[l].d[r];
+            for (int k = 0; k < QK_K / 8; k++) {
+                std::memcpy(out.qs + 8 * k, a[l].qs + 32 * k + 8 * r, 8);
+            }
+            for (int g = 0; g < QK_K / 16; g++) {
+                int sum = 0;
+                for (int i = 0; i < 16; i++) {
+                    sum += out.qs[16 * g + i];
+                }
+                out.bsums[g] = (int16_t) sum;
+            }
+        }
+    }
+}
 
 #if defined(__AVX2__)
 #include <immintrin.h>

@@ -23,7 +23,8 @@ inline bool rapidmoe_gemm_enabled() {
 }
 
 // RAPIDMOE_GEMM=avx2 runs our AVX2 kernels on a CPU whose build has AVX-512 VNNI ones (the gemms and gemvs of Q2_K
-// and Q4_K, the Q8_0 and Q6_K kernels): to time one against the other in one process, and to test the AVX2 code
+// and Q4_K, the Q8_0 and Q6_K kernels; repacked Q3_K, which has no AVX2 kernel, its portable C): to time one against
+// the other in one process, and to test the AVX2 code
 inline bool rapidmoe_gemm_avx2_only() {
     const char * env = std::getenv("RAPIDMOE_GEMM");
     return env != nullptr && std::strcmp(env, "avx2") == 0;

@@ -20,6 +20,7 @@
 #include "rapidmoe-gemv-q6k.h"
 
 #include "rapidmoe-gemm.h"
+#include "rapidmoe-gemm-loop.h"
 #include "rapidmoe-simd.h"
 #include "repack.h"
 #include "simd-mappings.h"
@@ -257,23 +258,7 @@ void rapidmoe_gemm_q6_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, c
     thread_local std::vector<block_q8_K> rows;
     rows.resize((size_t) 4 * nb);
     for (int y = 0; y < nr / 4; y++) {
-        const block_q8_Kx4 * a = (const block_q8_Kx4 *) vy + (int64_t) y * nb;
-        for (int l = 0; l < nb; l++) {  // qs[32 k + 8 r + i] is row r's value 8 k + i (ggml_quantize_mat_q8_K_4x8)
-            for (int r = 0; r < 4; r++) {
-                block_q8_K & out = rows[(size_t) r * nb + l];
-                out.d = a[l].d[r];
-                for (int k = 0; k < QK_K / 8; k++) {
-                    std::memcpy(out.qs + 8 * k, a[l].qs + 32 * k + 8 * r, 8);
-                }
-                for (int g = 0; g < QK_K / 16; g++) {  // exact, whatever order the interleaved bsums are in
-                    int sum = 0;
-                    for (int i = 0; i < 16; i++) {
-                        sum += out.qs[16 * g + i];
-                    }
-                    out.bsums[g] = (int16_t) sum;
-                }
-            }
-        }
+        rapidmoe_q8_Kx4_rows((const block_q8_Kx4 *) vy + (int64_t) y * nb, nb, rows.data());
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
         if (HAVE_512 && !rapidmoe_gemm_avx2_only()) {  // each weight chunk loaded once for the 4 rows
             const block_q8_K * ra[4];

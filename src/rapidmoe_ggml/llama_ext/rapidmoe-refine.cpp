@@ -1,6 +1,8 @@
-// The refine codec's matmul: kernels (a scalar reference and an AVX2 one) and the custom op (rapidmoe-refine.h).
+// The refine codec's matmul: kernels (a scalar reference and an AVX2 one, which reads a plain row or a row of our
+// repacked Q3_K layout) and the custom op (rapidmoe-refine.h).
 #include "rapidmoe-refine.h"
 
+#include "ggml-backend.h"
 #include "ggml-cpu.h"
 
 #include <algorithm>
@@ -13,8 +15,7 @@
 
 namespace {
 
-// offsets inside a Q3_K block (ggml's block_q3_K) and a Q8_K block (block_q8_K)
-constexpr size_t Q3K_HMASK = 0, Q3K_QS = 32, Q3K_SCALES = 96, Q3K_D = 108;
+// offsets inside a Q8_K block (block_q8_K; a Q3_K block's are rapidmoe-q3k-x8.h's)
 constexpr size_t Q8K_QS = 4, Q8K_BSUMS = 260;
 
 float half_to_float(const uint8_t * p) {
@@ -29,15 +30,6 @@ float half_to_float(const uint8_t * p) {
 #endif
 }
 
-// the 16 sub-block scales sc_j - 32 of a Q3_K block (ggml's 12-byte packing: low 4 bits, then 2 high bits)
-void q3k_scales(const uint8_t * s, int8_t out[16]) {
-    for (int j = 0; j < 16; ++j) {
-        const int low = j < 8 ? s[j] & 0xF : s[j - 8] >> 4;
-        const int high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
-        out[j] = (int8_t) ((low | (high << 4)) - 32);
-    }
-}
-
 float x_scale(const uint8_t * xb) {
     float d;
     std::memcpy(&d, xb, 4);
@@ -50,22 +42,20 @@ float rapidmoe_refine_dot_ref(int64_t n, const uint8_t * wq, const uint8_t * bit
     const auto * xb = (const uint8_t *) x;
     float sum = 0.0f;
     for (int64_t b = 0; b < n / 256; ++b, wq += RAPIDMOE_Q3K_BLOCK, bits += 32, xb += RAPIDMOE_Q8K_BLOCK) {
-        int8_t sc[16];
-        q3k_scales(wq + Q3K_SCALES, sc);
         const auto * xq = (const int8_t *) (xb + Q8K_QS);
         int32_t isum = 0;
         for (int j = 0; j < 16; ++j) {
             int32_t s = 0;
             for (int i = 16 * j; i < 16 * j + 16; ++i) {
-                const int low = (wq[Q3K_QS + (i / 128) * 32 + i % 32] >> (2 * ((i % 128) / 32))) & 3;
-                const int high = (wq[Q3K_HMASK + i % 32] >> (i / 32)) & 1;
+                const int low = (wq[RAPIDMOE_Q3K_QS + (i / 128) * 32 + i % 32] >> (2 * ((i % 128) / 32))) & 3;
+                const int high = (wq[RAPIDMOE_Q3K_HMASK + i % 32] >> (i / 32)) & 1;
                 const int t = (bits[i / 8] >> (i % 8)) & 1;
                 const int f = 2 * (low | (high << 2)) + t;
                 s += (2 * f - 17) * xq[i];
             }
-            isum += sc[j] * s;
+            isum += (rapidmoe_q3_K_scale(wq + RAPIDMOE_Q3K_SCALES, j) - 32) * s;
         }
-        sum += half_to_float(wq + Q3K_D) * x_scale(xb) * (float) isum;
+        sum += half_to_float(wq + RAPIDMOE_Q3K_D) * x_scale(xb) * (float) isum;
     }
     return 0.25f * sum;
 }
@@ -113,24 +103,79 @@ inline __m128i q3k_scales_simd(const uint8_t * s) {
 #define RAPIDMOE_PREFETCH 2048
 #endif
 
-void rapidmoe_refine_dot_multi(int64_t n, const uint8_t * wq, const uint8_t * bits, const void * const * xs, int nx,
-                               float * out) {
+namespace {
+
+// What the kernel reads of weight block b of one row: its hmask (32 bytes), qs (2 x 32), scales (16 x int16, minus
+// 32) and d. PlainRow: a row of plain block_q3_K. X8Row: row c of a run of repacked blocks (patch 0021's layout,
+// rapidmoe-q3k-x8.h): the same bytes, gathered from the 8-byte interleave, so the same bits.
+struct PlainRow {
+    const uint8_t * wq;
+    void prefetch(int64_t b) const {
+        // 2 KiB ahead (the next rows of the expert: its rows are contiguous), as our Q2_K gemv found best
+        _mm_prefetch((const char *) wq + b * RAPIDMOE_Q3K_BLOCK + RAPIDMOE_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *) wq + b * RAPIDMOE_Q3K_BLOCK + RAPIDMOE_PREFETCH + 64, _MM_HINT_T0);
+    }
+    void load(int64_t b, __m256i & sc16, __m256i & hm, __m256i qs[2], float & d) const {
+        const uint8_t * w = wq + b * RAPIDMOE_Q3K_BLOCK;
+        sc16 = _mm256_cvtepi8_epi16(q3k_scales_simd(w + RAPIDMOE_Q3K_SCALES));
+        hm = _mm256_loadu_si256((const __m256i *) (w + RAPIDMOE_Q3K_HMASK));
+        qs[0] = _mm256_loadu_si256((const __m256i *) (w + RAPIDMOE_Q3K_QS));
+        qs[1] = _mm256_loadu_si256((const __m256i *) (w + RAPIDMOE_Q3K_QS + 32));
+        d = half_to_float(w + RAPIDMOE_Q3K_D);
+    }
+};
+
+#if defined(__AVX512BW__)
+struct X8Row {
+    const rapidmoe_block_q3_Kx8 * x8;
+    int c;
+    void prefetch(int64_t b) const {
+        if (c == 0) { // the group's first row brings its blocks in; the other 7 rows find them in L1/L2
+            for (int i = 0; i < (int) sizeof(rapidmoe_block_q3_Kx8); i += 64) {
+                _mm_prefetch((const char *) (x8 + b) + RAPIDMOE_PREFETCH + i, _MM_HINT_T0);
+            }
+        }
+    }
+    static int64_t chunk(const uint8_t * p) {
+        int64_t v;
+        std::memcpy(&v, p, 8);
+        return v;
+    }
+    void load(int64_t b, __m256i & sc16, __m256i & hm, __m256i qs[2], float & d) const {
+        const rapidmoe_block_q3_Kx8 & x = x8[b];
+        alignas(64) uint8_t sc[128];
+        rapidmoe_q3_K_x8_scales_simd(x, sc);
+        // row c's scales are the 16-bit words 8 g + c (sub-blocks 2 g, 2 g + 1)
+        alignas(64) static const int16_t words_of_row0[32] = { 0, 8, 16, 24, 32, 40, 48, 56 };
+        const __m512i idx = _mm512_add_epi16(_mm512_load_si512(words_of_row0), _mm512_set1_epi16((short) c));
+        const __m512i words = _mm512_permutex2var_epi16(_mm512_load_si512(sc), idx, _mm512_load_si512(sc + 64));
+        sc16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm512_castsi512_si128(words)), _mm256_set1_epi16(32));
+        const uint8_t * h = x.hmask + 8 * c;
+        hm = _mm256_setr_epi64x(chunk(h), chunk(h + 64), chunk(h + 128), chunk(h + 192));
+        const uint8_t * q = x.qs + 8 * c;
+        qs[0] = _mm256_setr_epi64x(chunk(q), chunk(q + 64), chunk(q + 128), chunk(q + 192));
+        qs[1] = _mm256_setr_epi64x(chunk(q + 256), chunk(q + 320), chunk(q + 384), chunk(q + 448));
+        uint16_t dh = x.d[c];
+        d = half_to_float((const uint8_t *) &dh);
+    }
+};
+#endif
+
+template <class Row>
+void refine_dot_multi(int64_t n, const Row & row, const uint8_t * bits, const void * const * xs, int nx, float * out) {
     const __m256i m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
     // for 32 weights c (sub-blocks 2c, 2c + 1): int16 lanes 0-7 <- scale 2c, lanes 8-15 <- scale 2c + 1, from the
     // block's 16 int16 scales: a 32-bit word (scales 2c, 2c + 1) broadcast, then a byte shuffle per 128-bit half
     const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
     float sum[RAPIDMOE_REFINE_MAX_X] = {};
-    for (int64_t b = 0; b < n / 256; ++b, wq += RAPIDMOE_Q3K_BLOCK, bits += 32) {
-        // 2 KiB ahead (the next rows of the expert: its rows are contiguous), as our Q2_K gemv found best
-        _mm_prefetch((const char *) wq + RAPIDMOE_PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *) wq + RAPIDMOE_PREFETCH + 64, _MM_HINT_T0);
+    for (int64_t b = 0; b < n / 256; ++b, bits += 32) {
+        row.prefetch(b);
         _mm_prefetch((const char *) bits + RAPIDMOE_PREFETCH / 4, _MM_HINT_T0);
         // the block's weights once, for every activation: f = 2 * (low + 4 * high) + t in 0..15, and the scales
-        const __m256i sc16 = _mm256_cvtepi8_epi16(q3k_scales_simd(wq + Q3K_SCALES));
-        const __m256i hm = _mm256_loadu_si256((const __m256i *) (wq + Q3K_HMASK));
-        const __m256i qs[2] = { _mm256_loadu_si256((const __m256i *) (wq + Q3K_QS)),
-                                _mm256_loadu_si256((const __m256i *) (wq + Q3K_QS + 32)) };
+        __m256i sc16, hm, qs[2];
+        float dw;
+        row.load(b, sc16, hm, qs, dw);
         __m256i f[8], s[8];
         for (int c = 0; c < 8; ++c) { // 32 weights: sub-blocks 2c and 2c + 1
             const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs[c / 4], 2 * (c % 4)), m3);
@@ -141,7 +186,6 @@ void rapidmoe_refine_dot_multi(int64_t n, const uint8_t * wq, const uint8_t * bi
                                    bits_to_bytes(tb));
             s[c] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(c)), pick);
         }
-        const float dw = half_to_float(wq + Q3K_D);
         for (int i = 0; i < nx; ++i) {
             const auto * xb = (const uint8_t *) xs[i] + b * RAPIDMOE_Q8K_BLOCK;
             const auto * xq = (const int8_t *) (xb + Q8K_QS);
@@ -161,6 +205,14 @@ void rapidmoe_refine_dot_multi(int64_t n, const uint8_t * wq, const uint8_t * bi
         out[i] = 0.25f * sum[i];
     }
 }
+
+} // namespace
+
+void rapidmoe_refine_dot_multi(int64_t n, const uint8_t * wq, const uint8_t * bits, const void * const * xs, int nx,
+                               float * out) {
+    refine_dot_multi(n, PlainRow{ wq }, bits, xs, nx, out);
+}
+
 #else
 void rapidmoe_refine_dot_multi(int64_t n, const uint8_t * wq, const uint8_t * bits, const void * const * xs, int nx,
                                float * out) {
@@ -187,6 +239,26 @@ struct refine_slot {
     int64_t j, t;
 };
 
+// whether wq lives in the CPU's repacked buffer: Q3_K there is in rapidmoe_block_q3_Kx8 groups of 8 rows
+bool repacked(const ggml_tensor * wq) {
+    return wq->buffer != nullptr && wq->extra != nullptr &&
+           std::strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(wq->buffer)), "CPU_REPACK") == 0;
+}
+
+// dot products of row r of expert e of a repacked wq (patch 0021's layout) with nx activations: the plain row's bits
+void refine_dot_multi_repacked(const ggml_tensor * wq, int32_t e, int64_t r, const uint8_t * bits,
+                               const void * const * xs, int nx, float * out) {
+#if defined(__AVX2__) && defined(__AVX512BW__)
+    const char * rows = (const char *) wq->data + e * wq->nb[2] + r / 8 * 8 * wq->nb[1]; // its group of 8 rows
+    const auto * group = (const rapidmoe_block_q3_Kx8 *) rows;
+    refine_dot_multi(wq->ne[0], X8Row{ group, (int) (r % 8) }, bits, xs, nx, out);
+#else
+    // ggml-cpu repacks Q3_K only where it has AVX-512 VNNI, and this file is built for the same CPU (GGML_NATIVE)
+    (void) wq; (void) e; (void) r; (void) bits; (void) xs; (void) nx; (void) out;
+    GGML_ABORT("the refine op was built without AVX-512 but its Q3_K experts are repacked");
+#endif
+}
+
 void refine_mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) userdata;
     const ggml_tensor * wq = dst->src[0];
@@ -199,6 +271,7 @@ void refine_mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
 
     // this thread's output rows (every slot); the slots to compute, grouped by expert so that a block of weight rows
     // stays in cache across a batch's tokens
+    const bool x8 = repacked(wq);
     const int64_t r0 = n_out * ith / nth, r1 = n_out * (ith + 1) / nth;
     std::vector<refine_slot> slots;
     tl_row_of.assign((size_t) (n_b * T), -1);
@@ -253,10 +326,14 @@ void refine_mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
                     outs[i] = (float *) ((char *) dst->data + sl.j * dst->nb[1] + sl.t * dst->nb[2]);
                 }
                 for (int64_t r = rb; r < re; ++r) {
-                    const auto * w = (const uint8_t *) wq->data + r * wq->nb[1] + e * wq->nb[2];
                     const auto * tb = (const uint8_t *) bits->data + r * bits->nb[1] + e * bits->nb[2];
                     float res[RAPIDMOE_REFINE_MAX_X];
-                    rapidmoe_refine_dot_multi(n_in, w, tb, xs, nx, res);
+                    if (x8) {
+                        refine_dot_multi_repacked(wq, e, r, tb, xs, nx, res);
+                    } else {
+                        rapidmoe_refine_dot_multi(n_in, (const uint8_t *) wq->data + r * wq->nb[1] + e * wq->nb[2], tb,
+                                                  xs, nx, res);
+                    }
                     for (int i = 0; i < nx; ++i) {
                         outs[i][r] = res[i];
                     }
@@ -277,5 +354,6 @@ ggml_tensor * rapidmoe_refine_mul_mat_id(ggml_context * ctx, ggml_tensor * wq, g
     GGML_ASSERT(ids->type == GGML_TYPE_I32 && ids->ne[1] == b->ne[2]);
     ggml_tensor * args[4] = { wq, bits, b, ids };
     return ggml_custom_4d(ctx, GGML_TYPE_F32, wq->ne[1], ids->ne[0], ids->ne[1], 1, args, 4, refine_mul_mat_id_op,
-                          GGML_N_TASKS_MAX, nullptr);
+                          GGML_N_TASKS_MAX,
+                          RAPIDMOE_Q3K_X8_READER);  // it reads a repacked wq (CPU_REPACK: patch 0021)
 }

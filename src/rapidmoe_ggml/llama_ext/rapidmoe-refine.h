@@ -6,13 +6,14 @@
 // costs 4.4375 bits per weight read, and the split's non-critical slots run llama.cpp's own Q3_K matmul (masked).
 #pragma once
 
+#include "../ggml_ext/rapidmoe-q3k-x8.h"
 #include "ggml.h"
 
 #include <cstddef>
 #include <cstdint>
 
-// bytes of one Q3_K block (256 weights: hmask[32], qs[64], scales[12], d) and of one Q8_K block (d, qs[256], bsums[16])
-constexpr size_t RAPIDMOE_Q3K_BLOCK = 110;
+// bytes of one Q8_K block (d, qs[256], bsums[16]); a Q3_K block's layout (RAPIDMOE_Q3K_BLOCK bytes) is in
+// rapidmoe-q3k-x8.h, with the repacked one the op also reads
 constexpr size_t RAPIDMOE_Q8K_BLOCK = 292;
 
 // dot(refined row, x) for one row of n weights (n % 256 == 0): wq = the row's Q3_K blocks, bits = its n/8 bytes
@@ -27,7 +28,8 @@ void rapidmoe_refine_dot_multi(int64_t n, const uint8_t * wq, const uint8_t * bi
                                float * out);
 
 // dst [n_out, k, T] f32 = refined(wq)[ids[j, t]] @ b[:, j % b->ne[1], t] for slots with ids >= 0, zero rows elsewhere.
-// wq: Q3_K [n_in, n_out, n_expert] (plain layout, CPU memory); bits: I8 [n_in/8, n_out, n_expert]; b: f32
+// wq: Q3_K [n_in, n_out, n_expert] in CPU memory (plain, or repacked: patch 0021's 8-row layout, whose bytes the op
+// reads back per row, the same bits); bits: I8 [n_in/8, n_out, n_expert]; b: f32
 // [n_in, n_b, T]; ids: i32 [k, T]. A ggml custom op: the CPU computes it, on all its threads.
 ggml_tensor * rapidmoe_refine_mul_mat_id(ggml_context * ctx, ggml_tensor * wq, ggml_tensor * bits, ggml_tensor * b,
                                          ggml_tensor * ids);

@@ -79,7 +79,9 @@ std::string refine_plane_error(const ggml_tensor * base, const ggml_tensor * pla
         return "sidecar tensor " + name + " refines Q3_K experts, but the model's are " + ggml_type_name(base->type) +
                " (the sidecar belongs to another .wq.gguf)";
     }
-    if (base->buffer != nullptr && !ggml_backend_buffer_is_host(base->buffer)) {
+    // CPU memory: plain (host) or repacked (our Q3_K layout, which the op reads: patch 0021)
+    if (base->buffer != nullptr && !ggml_backend_buffer_is_host(base->buffer) &&
+        ggml_backend_buffer_get_type(base->buffer) != repack_buft()) {
         return "the refine codec computes on the CPU and reads the model's own experts: keep them in CPU memory "
                "(no --n-gpu-layers or -ot moving " + std::string(ggml_get_name(base)) + " to a device)";
     }

@@ -1,0 +1,255 @@
+// Q3_K x Q8_K gemv and gemm over our repacked 8-row layout (rapidmoe_block_q3_Kx8: rapidmoe-q3k-x8.h).
+//
+// Why: the refine codec's WQ experts are Q3_K (and llama-quantize's Q3_K_M mixture is mostly Q3_K), and the plain
+// Q3_K dot product, ours included (patch 0010), is compute-bound on this project's 2-core AVX-512 machine: 12-15 GB/s
+// of weights where the repacked Q2_K and Q4_K gemvs stream 25-35 (bench/results/speed-refine-q3k-zen5-avx512.md).
+// One row at a time, each 32 weights cost a dozen instructions: unpacking the 2 low bits, the high bit and the
+// sub-block scale, and folding the lanes. With 8 rows in one zmm the same instructions serve 8 rows:
+//  - the 2 low bits of 64 bytes (the same 8 positions of the 8 rows) by one shift and mask, as in our Q2_K gemv;
+//  - the high bit as a mask register (vptestmb against the hmask bytes, interleaved like qs) that adds 4 to the
+//    lanes that have it (one masked vpaddb): each value q = low + 4 high in 0..7, unsigned, as vpdpbusd wants;
+//  - vpdpbusd with the activation's 8 bytes broadcast, vpackssdw of two sub-blocks' sums (at most 8 x 7 x 128: 16
+//    bits), one vpdpwssd against their scales (6-bit, minus 32: 16-bit lanes by one pshufb of bytes the repack
+//    stored in this order);
+//  - the -4 of every value once a block: 4 x the sum over sub-blocks of (scale x the activation's 16-value sum);
+//  - the 128 scales of a block decoded by a few 256-bit operations (the repack split them into 4-bit and 2-bit
+//    fields that line up), the weights prefetched PREFETCH_BYTES ahead.
+// Every integer is exact, so each row's block sum is the plain vec_dot's; per block one fma (the sum times row d x
+// activation d) in block order, so the output is the plain path's to float rounding (tools/kernel_cost.py --check),
+// and the scalar version here (the path without AVX-512 VNNI, and what RAPIDMOE_GEMM=avx2 runs) gives the same bits.
+// The gemm de-interleaves each group of 4 activation rows and runs the gemv's code on the 4 (weights unpacked once):
+// the gemv's bits.
+#include "rapidmoe-gemv-q3k.h"
+
+#include "rapidmoe-gemm-loop.h"
+#include "rapidmoe-gemm.h"
+#include "rapidmoe-q3k-x8.h"
+#include "rapidmoe-simd.h"
+#include "ggml-impl.h"
+#include "repack.h"
+#include "simd-mappings.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RAPIDMOE_Q3_K_512 1
+#else
+#define RAPIDMOE_Q3_K_512 0
+#endif
+
+namespace {
+
+constexpr int PREFETCH_BYTES = 2048; // as the Q2_K gemv (about 2.3 blocks of 880 bytes ahead)
+
+// The scalar version: R activation rows against one run of nb x8 blocks, the SIMD path's integers and float ops
+template <int R>
+void gemv_scalar(int nb, const rapidmoe_block_q3_Kx8 * x, const block_q8_K * const a[R], float * const out[R]) {
+    float acc[R][8] = {};
+    for (int b = 0; b < nb; b++) {
+        uint8_t sc[128];
+        rapidmoe_q3_K_x8_scales(x[b], sc);
+        for (int c = 0; c < 8; c++) {
+            const float dc = GGML_CPU_FP16_TO_FP32(x[b].d[c]);
+            for (int r = 0; r < R; r++) {
+                const block_q8_K & y = a[r][b];
+                int32_t isum = 0;
+                for (int k = 0; k < 16; k++) {  // sub-block k: half h, 2-bit field t, l = 16 p .. 16 p + 15
+                    const int h = k / 8, t = (k % 8) / 2, p = k % 2;
+                    int32_t s = 0;
+                    for (int l = 16 * p; l < 16 * p + 16; l++) {
+                        const int q = 32 * h + l;  // the byte of row c's qs
+                        const int low = (x[b].qs[8 * (8 * (q / 8) + c) + q % 8] >> (2 * t)) & 3;
+                        const int high = (x[b].hmask[8 * (8 * (l / 8) + c) + l % 8] >> (4 * h + t)) & 1;
+                        s += (low + 4 * high) * y.qs[128 * h + 32 * t + l];
+                    }
+                    const int scale = sc[16 * (k / 2) + 2 * c + p] - 32;
+                    isum += scale * s - 4 * scale * y.bsums[k];
+                }
+                acc[r][c] = std::fma((float) isum, dc * y.d, acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        std::memcpy(out[r], acc[r], sizeof(acc[r]));
+    }
+}
+
+#if RAPIDMOE_Q3_K_512
+// R activation rows against one run of nb x8 blocks: all 8 weight rows in a zmm (row c's 8 bytes are 64-bit lane c,
+// its sums in 32-bit lanes 2c and 2c + 1). Per 2-bit field t of a half h: sub-blocks k = 8 h + 2 t + p (p = 0: qs
+// and hmask chunks 0, 1; p = 1: chunks 2, 3), two vpdpbusd each, vpackssdw of the pair, one vpdpwssd with the
+// scales in that order (128-bit lane j: rows 2j, 2j + 1 of sub-block p = 0, then of p = 1: Q2_K's order).
+template <int R>
+void gemv_512(int nb, const rapidmoe_block_q3_Kx8 * x, const block_q8_K * const a[R], float * const out[R]) {
+    const __m512i m3b = _mm512_set1_epi8(3);
+    const __m512i four = _mm512_set1_epi8(4);
+    const __m512i c32 = _mm512_set1_epi16(32);
+    // pshufb (within each 128-bit lane j, which holds a group's 16 scale bytes 2c + p): 16-bit lanes of rows 2j, 2j,
+    // 2j + 1, 2j + 1 for p = 0 (byte 4j, 4j + 2), then p = 1 (byte 4j + 1, 4j + 3), zero-extended
+    static const struct ScaleIndex {
+        __m512i v;
+        ScaleIndex() {
+            alignas(64) int8_t idx[64];
+            for (int j = 0; j < 4; j++) {
+                const int8_t order[8] = { 0, 0, 2, 2, 1, 1, 3, 3 };
+                for (int k = 0; k < 8; k++) {
+                    idx[16 * j + 2 * k] = (int8_t) (4 * j + order[k]);
+                    idx[16 * j + 2 * k + 1] = (int8_t) 0x80;
+                }
+            }
+            v = _mm512_load_si512(idx);
+        }
+    } scale_index;
+    __m256 acc_f[R];
+    for (int r = 0; r < R; r++) {
+        acc_f[r] = _mm256_setzero_ps();
+    }
+    for (int b = 0; b < nb; b++) {
+        for (int i = 0; i < (int) sizeof(rapidmoe_block_q3_Kx8); i += 64) {
+            _mm_prefetch((const char *) (x + b) + PREFETCH_BYTES + i, _MM_HINT_T0);
+        }
+        alignas(32) uint8_t sc[128];
+        rapidmoe_q3_K_x8_scales_simd(x[b], sc);
+        __m512i hraw[4];
+        for (int i = 0; i < 4; i++) {
+            hraw[i] = _mm512_loadu_si512((const void *) (x[b].hmask + 64 * i));
+        }
+        __m512i acc[R];
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm512_setzero_si512();
+        }
+        for (int h = 0; h < 2; h++) {
+            __m512i raw[4];
+            for (int i = 0; i < 4; i++) {
+                raw[i] = _mm512_loadu_si512((const void *) (x[b].qs + 256 * h + 64 * i));
+            }
+            for (int t = 0; t < 4; t++) {
+                const __m128i shift = _mm_cvtsi32_si128(2 * t);
+                const __m512i bit = _mm512_set1_epi8((char) (1 << (4 * h + t)));
+                __m512i w[4];  // chunk i's values q = low + 4 high
+                for (int i = 0; i < 4; i++) {
+                    const __m512i low = _mm512_and_si512(_mm512_srl_epi16(raw[i], shift), m3b);
+                    w[i] = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hraw[i], bit), low, four);
+                }
+                const __m128i group = _mm_load_si128((const __m128i *) (sc + 16 * (4 * h + t)));
+                const __m512i scales =
+                    _mm512_sub_epi16(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(group), scale_index.v), c32);
+                for (int r = 0; r < R; r++) {
+                    const int8_t * aq = a[r][b].qs + 128 * h + 32 * t;
+                    __m512i sums[2];
+                    for (int p = 0; p < 2; p++) {
+                        const __m512i a0 = broadcast_8_bytes_512(aq + 16 * p);
+                        const __m512i a1 = broadcast_8_bytes_512(aq + 16 * p + 8);
+                        sums[p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2 * p], a0),
+                                                      w[2 * p + 1], a1);
+                    }
+                    acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_packs_epi32(sums[0], sums[1]), scales);
+                }
+            }
+        }
+        // the -4 of every value: per row c, sum over sub-blocks 2g + p of (scale - 32) x bsum, 4 times
+        __m256i sc16[8];
+        for (int g = 0; g < 8; g++) {  // 16-bit lanes 2c + p: row c's scale of sub-block 2g + p
+            sc16[g] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_load_si128((const __m128i *) (sc + 16 * g))),
+                                       _mm256_set1_epi16(32));
+        }
+        const __m256 col_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) x[b].d));
+        for (int r = 0; r < R; r++) {
+            __m256i offs = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                int32_t pair;  // the activation's sums of sub-blocks 2g, 2g + 1
+                std::memcpy(&pair, a[r][b].bsums + 2 * g, sizeof(pair));
+                offs = _mm256_add_epi32(offs, _mm256_madd_epi16(sc16[g], _mm256_set1_epi32(pair)));
+            }
+            const __m256i isum = _mm256_sub_epi32(column_pairs_packed(acc[r]), _mm256_slli_epi32(offs, 2));
+            acc_f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(col_scale, _mm256_set1_ps(a[r][b].d)),
+                                       acc_f[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(out[r], acc_f[r]);
+    }
+}
+#endif
+
+// the kernel for R rows: the VNNI one unless the build lacks it or RAPIDMOE_GEMM=avx2 asks for the portable code
+template <int R>
+void gemv_rows(int nb, const rapidmoe_block_q3_Kx8 * x, const block_q8_K * const a[R], float * const out[R]) {
+#if RAPIDMOE_Q3_K_512
+    if (!rapidmoe_gemm_avx2_only()) {
+        gemv_512<R>(nb, x, a, out);
+        return;
+    }
+#endif
+    gemv_scalar<R>(nb, x, a, out);
+}
+
+}  // namespace
+
+bool rapidmoe_q3_K_repack() {
+    const char * env = std::getenv("RAPIDMOE_Q3_K_REPACK");
+    return RAPIDMOE_Q3_K_512 && (env == nullptr || env[0] != '0');
+}
+
+bool rapidmoe_q3_K_x8_reader(const ggml_tensor * op) {
+    if (op->op != GGML_OP_CUSTOM) {
+        return false;
+    }
+    ggml_custom_op_params params;
+    std::memcpy(&params, op->op_params, sizeof(params));
+    return params.userdata == RAPIDMOE_Q3K_X8_READER;
+}
+
+void rapidmoe_repack_q3_K_x8(void * dst, const void * data, int64_t nrow, int64_t n) {
+    const int64_t nb = n / QK_K;
+    const auto * src = (const uint8_t *) data;
+    auto * out = (rapidmoe_block_q3_Kx8 *) dst;
+    for (int64_t r0 = 0; r0 < nrow; r0 += 8) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t * rows[8];
+            for (int c = 0; c < 8; c++) {
+                rows[c] = src + ((r0 + c) * nb + b) * RAPIDMOE_Q3K_BLOCK;
+            }
+            rapidmoe_q3_K_x8_pack(rows, *out++);
+        }
+    }
+}
+
+void rapidmoe_gemv_q3_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc) {
+    const int nb = n / QK_K;
+    for (int y = 0; y < nr; y++) {
+        const block_q8_K * rows[1] = { (const block_q8_K *) vy + (int64_t) y * nb };
+        for (int x = 0; x < nc / 8; x++) {
+            float * out[1] = { s + (int64_t) y * bs + 8 * x };
+            gemv_rows<1>(nb, (const rapidmoe_block_q3_Kx8 *) vx + (int64_t) x * nb, rows, out);
+        }
+    }
+}
+
+void rapidmoe_gemm_q3_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc) {
+    const int nb = n / QK_K;
+    thread_local std::vector<block_q8_K> rows;
+    rows.resize((size_t) 4 * nb);
+    for (int y = 0; y < nr / 4; y++) {
+        rapidmoe_q8_Kx4_rows((const block_q8_Kx4 *) vy + (int64_t) y * nb, nb, rows.data());
+        const block_q8_K * ra[4];
+        for (int r = 0; r < 4; r++) {
+            ra[r] = rows.data() + (size_t) r * nb;
+        }
+        for (int x = 0; x < nc / 8; x++) {  // each weight block unpacked once for the 4 rows
+            float * out[4];
+            for (int r = 0; r < 4; r++) {
+                out[r] = s + (int64_t) (4 * y + r) * bs + 8 * x;
+            }
+            gemv_rows<4>(nb, (const rapidmoe_block_q3_Kx8 *) vx + (int64_t) x * nb, ra, out);
+        }
+    }
+}

@@ -63,22 +63,7 @@ inline __m256i half_block_mins(const uint8_t * sc, const int16_t * bsums) {
 void gemv_512(int nb, const block_q2_Kx8 * b_ptr, const block_q8_K * a_ptr, float * out) {
     const __m512i m3b = _mm512_set1_epi8(3);
     const __m512i m4b = _mm512_set1_epi8(0xF);
-    // pshufb (within each 128-bit lane j, which holds all 16 scale bytes): 16-bit lanes of the scales of columns
-    // 2j, 2j, 2j + 1, 2j + 1 for the even sub-block (byte 2c), then the odd one's (byte 2c + 1)
-    static const struct ScaleIndex {
-        __m512i v;
-        ScaleIndex() {
-            alignas(64) int8_t idx[64];
-            for (int j = 0; j < 4; j++) {
-                const int8_t order[8] = { 0, 0, 2, 2, 1, 1, 3, 3 };
-                for (int k = 0; k < 8; k++) {
-                    idx[16 * j + 2 * k] = (int8_t) (4 * j + order[k]);
-                    idx[16 * j + 2 * k + 1] = (int8_t) 0x80;
-                }
-            }
-            v = _mm512_load_si512(idx);
-        }
-    } scale_index;
+    const __m512i scale_index = packed_pair_scale_index();
     __m256 acc_row = _mm256_setzero_ps();
     __m256 acc_min_rows = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
@@ -111,7 +96,7 @@ void gemv_512(int nb, const block_q2_Kx8 * b_ptr, const block_q8_K * a_ptr, floa
                 }
                 const __m512i scales = _mm512_shuffle_epi8(
                     _mm512_and_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) (sc + 16 * t))), m4b),
-                    scale_index.v);
+                    scale_index);
                 acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(sums[0], sums[1]), scales);
             }
             iacc_min_b = _mm256_add_epi32(iacc_min_b, half_block_mins(sc, a_ptr[b].bsums + h * 8));

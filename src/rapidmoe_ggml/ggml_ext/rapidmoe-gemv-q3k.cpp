@@ -92,22 +92,7 @@ void gemv_512(int nb, const rapidmoe_block_q3_Kx8 * x, const block_q8_K * const 
     const __m512i m3b = _mm512_set1_epi8(3);
     const __m512i four = _mm512_set1_epi8(4);
     const __m512i c32 = _mm512_set1_epi16(32);
-    // pshufb (within each 128-bit lane j, which holds a group's 16 scale bytes 2c + p): 16-bit lanes of rows 2j, 2j,
-    // 2j + 1, 2j + 1 for p = 0 (byte 4j, 4j + 2), then p = 1 (byte 4j + 1, 4j + 3), zero-extended
-    static const struct ScaleIndex {
-        __m512i v;
-        ScaleIndex() {
-            alignas(64) int8_t idx[64];
-            for (int j = 0; j < 4; j++) {
-                const int8_t order[8] = { 0, 0, 2, 2, 1, 1, 3, 3 };
-                for (int k = 0; k < 8; k++) {
-                    idx[16 * j + 2 * k] = (int8_t) (4 * j + order[k]);
-                    idx[16 * j + 2 * k + 1] = (int8_t) 0x80;
-                }
-            }
-            v = _mm512_load_si512(idx);
-        }
-    } scale_index;
+    const __m512i scale_index = packed_pair_scale_index();
     __m256 acc_f[R];
     for (int r = 0; r < R; r++) {
         acc_f[r] = _mm256_setzero_ps();
@@ -141,7 +126,7 @@ void gemv_512(int nb, const rapidmoe_block_q3_Kx8 * x, const block_q8_K * const 
                 }
                 const __m128i group = _mm_load_si128((const __m128i *) (sc + 16 * (4 * h + t)));
                 const __m512i scales =
-                    _mm512_sub_epi16(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(group), scale_index.v), c32);
+                    _mm512_sub_epi16(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(group), scale_index), c32);
                 for (int r = 0; r < R; r++) {
                     const int8_t * aq = a[r][b].qs + 128 * h + 32 * t;
                     __m512i sums[2];

@@ -81,6 +81,27 @@ inline __m256i column_pairs(__m512i v) {
     return _mm512_cvtepi64_epi32(_mm512_add_epi32(v, _mm512_srli_epi64(v, 32)));
 }
 
+// The pshufb index that lines the scales up with that layout: within each 128-bit lane j, whose 16 bytes hold the
+// scales of one pair of sub-blocks p = 0, 1 of the 8 columns (byte 2c + p), 16-bit lanes (zero-extended) of
+// columns 2j, 2j, 2j + 1, 2j + 1 for p = 0 (bytes 4j, 4j + 2), then the same for p = 1 (bytes 4j + 1, 4j + 3)
+inline __m512i packed_pair_scale_index() {
+    static const struct Index {
+        __m512i v;
+        Index() {
+            alignas(64) int8_t idx[64];
+            for (int j = 0; j < 4; j++) {
+                const int8_t order[8] = { 0, 0, 2, 2, 1, 1, 3, 3 };
+                for (int k = 0; k < 8; k++) {
+                    idx[16 * j + 2 * k] = (int8_t) (4 * j + order[k]);
+                    idx[16 * j + 2 * k + 1] = (int8_t) 0x80;
+                }
+            }
+            v = _mm512_load_si512(idx);
+        }
+    } index;
+    return index.v;
+}
+
 // 8 columns' sums from the layout the VNNI gemvs leave after vpackssdw + vpdpwssd (128-bit lane j: columns 2j, 2j + 1
 // of one sub-block, then of the other): the two added, columns in order
 inline __m256i column_pairs_packed(__m512i v) {

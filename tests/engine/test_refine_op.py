@@ -7,6 +7,8 @@ float64 product to float rounding, not merely to quantization error.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from reference.refine import Q3_K, q8k_roundtrip, refined
@@ -115,14 +117,25 @@ def _has_q3k_layout() -> bool:
     return "AVX512_VNNI = 1" in _core.system_info()  # patch 0021 repacks Q3_K where our VNNI gemv is built
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return {w for line in f if line.startswith("flags") for w in line.split()}
+    except OSError:
+        return set()
+
+
 @pytest.mark.parametrize("n_tok", [1, 21])
 def test_repacked_wq_gives_the_plain_layout_s_bits(n_tok: int) -> None:
-    """WQ in the CPU_REPACK buffer (our 8-row Q3_K layout, patch 0021): the op reads each row's bytes back from the
-    interleave, so every output is the plain layout's bit for bit, for a decode step (one token) and a prompt batch
+    """WQ in the CPU_REPACK buffer (our 8-row Q3_K layout, patch 0021): the op runs its 8-row kernel there (AVX-512
+    BITALG: rapidmoe-refine-x8.cpp) or reads each row's bytes back from the interleave; either way every output is
+    the plain layout's bit for bit, for a decode step (one token) and a prompt batch
     (tokens sharing experts: up to 8 activations per weight block), across thread splits that cut groups of 8 rows
     (3 threads over 40 rows), and extreme rows (ggml's Q3_K of spiky rows) among them; numpy agrees too."""
     if not _has_q3k_layout():
         pytest.skip("no repacked Q3_K layout in this build (needs AVX-512 VNNI)")
+    if "avx512_bitalg" in _cpu_flags() and os.environ.get("RAPIDMOE_REFINE_X8", "1") != "0":
+        assert _core.refine_x8_enabled()  # a native build on this CPU: the 8-row kernel is what runs below
     rng = np.random.default_rng(17)
     n_as, n_out, n_in, k = 4, 40, 768, 3
     raw, bits = _experts(rng, n_as, n_out, n_in)

@@ -319,6 +319,9 @@ void bind_testing(nb::module_ & m) {
     m.def("refine_dot", &refine_dot, "wq"_a, "bits"_a, "x"_a, "reference"_a = false,
           "One refined row (Q3_K bytes, bit plane) dot x (quantized to Q8_K): the SIMD kernel or the scalar\n"
           "reference.");
+    m.def("refine_x8_enabled", &rapidmoe_llama_refine_x8_enabled,
+          "Whether the refine op runs its 8-row kernel on repacked WQ (AVX-512 VNNI and BITALG in this build,\n"
+          "RAPIDMOE_REFINE_X8 not \"0\"); else it reads repacked rows one at a time (the same bits).");
     m.def("cpu_buffer_vm_flags", &cpu_buffer_vm_flags, "nbytes"_a, "repack"_a = false,
           "Allocate a CPU (repack: CPU_REPACK) backend buffer of nbytes and return the VmFlags of /proc/self/smaps'\n"
           "mapping that holds its middle (\"\" if none): \"hg\" = huge pages advised. Frees the buffer.");

@@ -30,6 +30,9 @@ LLAMA_API struct ggml_tensor * rapidmoe_llama_refine_mul_mat_id(struct ggml_cont
                                                                 struct ggml_tensor * ids);
 LLAMA_API float rapidmoe_llama_refine_dot(int64_t n, const uint8_t * wq, const uint8_t * bits, const float * x,
                                           bool reference);
+// Whether the op runs its 8-row kernel on repacked WQ (llama_ext/rapidmoe-refine-x8.h: AVX-512 VNNI and BITALG in
+// this build, RAPIDMOE_REFINE_X8 not "0"); otherwise it reads repacked rows back one at a time (the same bits)
+LLAMA_API bool rapidmoe_llama_refine_x8_enabled(void);
 
 // Attach a residual sidecar (.wr.gguf) to a loaded model: its tensors are read into CPU memory and every
 // later graph of this model runs split expert routing. Returns 0, or -1 with the reason in err.

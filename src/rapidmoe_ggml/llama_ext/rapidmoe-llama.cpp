@@ -4,6 +4,7 @@
 
 #include "rapidmoe-expert-cache.h"
 #include "rapidmoe-export.h"
+#include "rapidmoe-refine-x8.h"
 #include "rapidmoe-refine.h"
 #include "rapidmoe-residual.h"
 
@@ -45,6 +46,10 @@ float rapidmoe_llama_refine_dot(int64_t n, const uint8_t * wq, const uint8_t * b
     std::vector<uint8_t> q8((size_t) (n / 256) * RAPIDMOE_Q8K_BLOCK);
     ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float(x, q8.data(), n);
     return reference ? rapidmoe_refine_dot_ref(n, wq, bits, q8.data()) : rapidmoe_refine_dot(n, wq, bits, q8.data());
+}
+
+bool rapidmoe_llama_refine_x8_enabled(void) {
+    return rapidmoe_refine_x8_enabled();
 }
 
 int32_t rapidmoe_llama_attach_residual(const llama_model * model, const char * path, char * err, size_t err_size) {

@@ -1,6 +1,9 @@
 // The refine codec's matmul: kernels (a scalar reference and an AVX2 one, which reads a plain row or a row of our
-// repacked Q3_K layout) and the custom op (rapidmoe-refine.h).
+// repacked Q3_K layout) and the custom op (rapidmoe-refine.h). On repacked WQ the op runs 8 rows at once where the
+// build has AVX-512 BITALG (rapidmoe-refine-x8.cpp), else this file's kernel on each row read back: the same bits.
 #include "rapidmoe-refine.h"
+
+#include "rapidmoe-refine-x8.h"
 
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
@@ -272,7 +275,9 @@ void refine_mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
     // this thread's output rows (every slot); the slots to compute, grouped by expert so that a block of weight rows
     // stays in cache across a batch's tokens
     const bool x8 = repacked(wq);
-    const int64_t r0 = n_out * ith / nth, r1 = n_out * (ith + 1) / nth;
+    const bool x8_kernel = x8 && rapidmoe_refine_x8_enabled();  // 8 rows at once: threads split whole groups
+    const int64_t unit = x8_kernel ? 8 : 1;
+    const int64_t r0 = n_out / unit * ith / nth * unit, r1 = n_out / unit * (ith + 1) / nth * unit;
     std::vector<refine_slot> slots;
     tl_row_of.assign((size_t) (n_b * T), -1);
     int32_t n_rows = 0;
@@ -324,6 +329,19 @@ void refine_mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
                     const refine_slot & sl = slots[g0 + i];
                     xs[i] = tl_q8.data() + (size_t) tl_row_of[(size_t) (sl.t * n_b + sl.j % n_b)] * q8_row;
                     outs[i] = (float *) ((char *) dst->data + sl.j * dst->nb[1] + sl.t * dst->nb[2]);
+                }
+                if (x8_kernel) {
+                    for (int64_t r = rb; r < re; r += 8) {  // rb, re: multiples of 8
+                        const auto * group = (const rapidmoe_block_q3_Kx8 *) ((const char *) wq->data +
+                                                                              e * wq->nb[2] + r * wq->nb[1]);
+                        const auto * tb = (const uint8_t *) bits->data + r * bits->nb[1] + e * bits->nb[2];
+                        float res[8 * RAPIDMOE_REFINE_MAX_X];
+                        rapidmoe_refine_dot_x8(n_in, group, tb, bits->nb[1], xs, nx, res);
+                        for (int i = 0; i < nx; ++i) {
+                            std::memcpy(outs[i] + r, res + 8 * i, 8 * sizeof(float));
+                        }
+                    }
+                    continue;
                 }
                 for (int64_t r = rb; r < re; ++r) {
                     const auto * tb = (const uint8_t *) bits->data + r * bits->nb[1] + e * bits->nb[2];

@@ -242,6 +242,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("refine", REFINE_WQ, REFINE_WR, "refine", other="Q4_K_M", token_embd="Q8_0", output="Q4_K",
            description="the refine codec: a stock-runnable Q3_K base fitted for one refinement bit per weight of "
                        "gate, up and down (4.44 bpw on the critical path); other tensors as cpu-fast"),
+    Preset("refine-hq", REFINE_WQ, REFINE_WR, "refine", other="Q4_K_M", token_embd="Q8_0",
+           description="the refine preset with llama.cpp Q4_K_M's Q6_K output head (as cpu against cpu-fast)"),
     Preset("refine-q8", REFINE_WQ, REFINE_WR, "refine",
            description="the refine preset with every non-expert matrix in Q8_0 (as cpu-q8)"),
 )}
@@ -253,10 +255,14 @@ def _bits(name: str) -> float:
 
 
 # `convert`'s preset when none is named: on a machine with a GPU the paper's (WQ small enough for the device), on
-# one without the preset that won the CPU frontier (bench/results/frontier-qwen3moe-bench-reps3.md; every stock
-# type: frontier-qwen3moe-bench.md)
+# one without the preset whose whole-model frontier lies below stock K-quants' at every r on both trained models,
+# r = 1 with lower KL than stock Q4_K_M at 0.81-0.83x its bytes (bench/results/frontier-tiny-moe-a-refine-hq.md,
+# frontier-tiny-moe-b-refine-hq.md); cpu-fast decodes faster but has 1.6-2.3x Q4_K_M's KL at r = 1 there
 GPU_DEFAULT = "paper"
-CPU_DEFAULT = "cpu-fast"
+CPU_DEFAULT = "refine-hq"
+# auto's CPU preset for a model the refine codec cannot take (merged gate_up experts, per-expert scales, rows that
+# are not whole Q3_K super-blocks: resplit.convert.refine_obstacle): the residual preset with the same Q6_K head
+CPU_FALLBACK = "cpu"
 
 
 def default_preset(has_gpu: bool) -> str:

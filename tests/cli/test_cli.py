@@ -1,6 +1,7 @@
 """rapidmoe-cli: help on every command, `run` and `make-model` on good and bad inputs (one-line errors)."""
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +11,8 @@ from typer.testing import CliRunner
 
 from rapidmoe.cli import budget
 from rapidmoe.cli.app import app
-from rapidmoe.resplit import read_sidecar_meta
-from rapidmoe.resplit.presets import CPU_DEFAULT, GPU_DEFAULT, default_preset
+from rapidmoe.resplit import presets, read_sidecar_meta
+from rapidmoe.resplit.presets import CPU_DEFAULT, CPU_FALLBACK, GPU_DEFAULT, default_preset
 
 runner = CliRunner()
 
@@ -114,6 +115,24 @@ def test_convert_picks_the_machines_preset(tiny_qwen: Path, tmp_path: Path, monk
     # the paper's IQ1_M needs an importance matrix: refused in one line, naming the preset auto chose
     assert f"preset auto: {GPU_DEFAULT} (GPU: CUDA0)" in res.output
     assert res.exit_code != 0 and "importance matrix" in res.output
+
+
+@pytest.mark.native
+def test_convert_auto_falls_back_where_the_refine_codec_cannot_go(tiny_qwen: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU default is a refine preset and the model is one the codec refuses (resplit.convert
+    .refine_obstacle: merged gate_up experts, per-expert scales, rows not whole Q3_K super-blocks; its cases are
+    tested in test_refine_codec.py), auto takes CPU_FALLBACK and says why, instead of failing the conversion."""
+    monkeypatch.setattr(budget, "gpu_devices", lambda: [])
+    monkeypatch.setattr(presets, "CPU_DEFAULT", "refine-hq")
+    converter = importlib.import_module("rapidmoe.resplit.convert")  # (the package's `convert` is the function)
+    monkeypatch.setattr(converter, "refine_obstacle", lambda model, preset: f"{preset} cannot: test reason")
+    res = runner.invoke(app, ["convert", str(tiny_qwen), "-o", str(tmp_path / "o"), "--name", "m"])
+    assert res.exit_code == 0, res.output
+    assert "preset auto: refine-hq (no GPU found)" in res.output
+    assert f"preset auto: {CPU_FALLBACK} instead, as the refine codec cannot take this model (refine-hq cannot: test " \
+           "reason)" in res.output
+    assert read_sidecar_meta(tmp_path / "o" / "m.wr.gguf")["preset.name"] == CPU_FALLBACK
 
 
 @pytest.mark.native

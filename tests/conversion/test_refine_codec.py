@@ -17,6 +17,7 @@ from testkit import ROOT
 from rapidmoe import ModelFileError
 from rapidmoe.ggufio import GGUFFile, copy_metadata, tensor_rows
 from rapidmoe.resplit import Preset, check_pair, convert, get_preset, read_sidecar_meta
+from rapidmoe.resplit.convert import refine_obstacle
 from rapidmoe.resplit.imatrix import Imatrix
 from rapidmoe.resplit.refine import (
     BLOCK_BYTES,
@@ -207,7 +208,7 @@ def test_presets_refuse_incomplete_refine() -> None:
         Preset("x", "Q3_K", "Q4_K", "refine")
     with pytest.raises(ValueError, match="WR type Q5_K not supported"):
         get_preset("dense", wr="Q5_K")
-    for name in ("refine", "refine-q8"):
+    for name in ("refine", "refine-hq", "refine-q8"):
         p = get_preset(name)
         assert p.bits() == {"wq": 3.4375, "wr_gate_up": 1.0, "down_sidecar": 1.0, "sidecar": 1.0,
                             "critical": 4.4375, "total_stored": 4.4375}
@@ -271,11 +272,16 @@ def test_convert_refuses_what_the_codec_does_not_take(micro: Path, tmp_path: Pat
                                              r"\(the refine codec\) needs rows that are whole Q3_K super-blocks"):
         convert(short, tmp_path / "o3", get_preset("refine-q8"), progress=False)
     assert not any((tmp_path / d).exists() and any((tmp_path / d).iterdir()) for d in ("o1", "o2", "o3"))
+    # convert --preset auto asks the same question first (its answer: the refusal's message, or None)
+    assert refine_obstacle(micro) is None
+    for bad, what in ((merged, "merged gate_up"), (scaled, "per-expert scales"), (short, "rows of 128 values")):
+        why = refine_obstacle(bad, "refine-hq")
+        assert why is not None and what in why and "preset refine-hq" in why
 
 
 # -- (d) conversion --------------------------------------------------------------------------------------------------
 @pytest.mark.native
-@pytest.mark.parametrize("preset", ["refine-q8", "refine"])
+@pytest.mark.parametrize("preset", ["refine-q8", "refine", "refine-hq"])
 def test_convert_writes_a_refine_pair(micro: Path, tmp_path: Path, preset: str) -> None:
     res = convert(micro, tmp_path, get_preset(preset), progress=False, report_experts=None)
     meta = check_pair(res.wq_path, res.wr_path)
@@ -315,6 +321,10 @@ def test_convert_writes_a_refine_pair(micro: Path, tmp_path: Path, preset: str) 
     assert table[0].split()[-3:] == ["Q3_K", "Q4_K", "Q8_0"] and "REFINE1 bits" in table[2]
     other = base.tensor("blk.0.attn_q.weight").tensor_type
     assert other == (GGMLQuantizationType.Q8_0 if preset == "refine-q8" else GGMLQuantizationType.Q4_K)
+    # the output head: refine's Q4_K (as cpu-fast), refine-hq's llama.cpp Q4_K_M choice (Q6_K, as cpu), refine-q8's
+    head = {"refine": GGMLQuantizationType.Q4_K, "refine-hq": GGMLQuantizationType.Q6_K,
+            "refine-q8": GGMLQuantizationType.Q8_0}
+    assert base.tensor("output.weight").tensor_type == head[preset]
 
 
 @pytest.mark.native

@@ -12,7 +12,7 @@ from ..errors import RapidMoEError
 def convert(
     model: Annotated[Path, typer.Argument(help="Full-precision MoE GGUF (F32/F16/BF16, or Q8_0).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Output folder.")] = Path("."),
-    preset: Annotated[str, typer.Option("--preset", help="auto (the machine's: see above), paper, paper-residual, iq2, cpu, cpu-fast, cpu-q8, dense, refine or refine-q8.")] = "auto",
+    preset: Annotated[str, typer.Option("--preset", help="auto (the machine's: see above), paper, paper-residual, iq2, cpu, cpu-fast, cpu-q8, dense, refine, refine-hq or refine-q8.")] = "auto",
     wq: Annotated[Optional[str], typer.Option("--wq", help="Override the WQ type (IQ1_M IQ2_XXS IQ2_XS Q2_K IQ3_XXS Q3_K).")] = None,
     wr: Annotated[Optional[str], typer.Option("--wr", help="Override the WR type (Q2_K Q3_K Q4_K; REFINE1 only with the refine presets).")] = None,
     down: Annotated[Optional[str], typer.Option("--down", help="Override down's sidecar form: copy or residual (refine with the refine presets).")] = None,
@@ -32,14 +32,15 @@ def convert(
 ) -> None:
     """Split every routed expert into WQ (low-bit, in NAME.wq.gguf, which stock llama.cpp runs) and the quantized residual WR (NAME.wr.gguf sidecar); print bits per weight and the reconstruction-error table.
 
-    --preset auto (the default) takes cpu-fast where llama.cpp sees no GPU: on the 8.1 GB bench model on 2 CPU cores it decoded 1.52x as fast as stock Q4_K_M at r = 1 with lower KL to F16 (0.063 vs 0.074) and pp512 1.02x; 1.65x at r = 0 (KL 0.133); cpu (Q6_K output head) at r = 2: KL 0.030 at 1.27x (bench/results/frontier-qwen3moe-bench-reps3.md). cpu-fast's KL stops near 0.050 whatever r (its Q4_K attention and head); below that take cpu-q8 (Q8_0 attention and head): r = 2 KL 0.017, r = 4 0.0095 (below stock Q6_K's 0.0117 with 0.86x its bytes), decoding 1.15-1.25x ik_llama.cpp's Q5_K_M-Q6_K frontier at the same KL (r = 2-4, two runs; Q8_0 repacked on x86, patch 0016) but slower than cpu-fast (bench/results/ik-frontier-hp-q8-zen5-avx512.md). On the trained tiny-moe-b every preset's points have lower KL than stock K-quants read at the same bytes per token (bench/results/frontier-tiny-moe-b.md). Where a GPU is found it takes paper (IQ1_M WQ, small enough for the device; needs --imatrix or --calib-text). For quality per byte take refine (a Q3_K base fitted for one refinement bit per weight): on the trained tiny-moe-a, experts only, every slot critical reaches stock Q4_K's KL at 4.44 bits (0.00201 vs 0.00211) and r = 1 half of stock's KL at equal bits; its Q3_K experts run repacked where the CPU has AVX-512 VNNI (patch 0021) and its critical slots 8 rows at once (AVX-512 BITALG): on the bench model r = 1 decodes 1.36x stock Q4_K_M at lower KL, still 0.84x cpu-fast r = 2 (bench/results/refine-vs-cpufast-stop43-zen5-avx512.md).
+    --preset auto (the default) takes refine-hq where llama.cpp sees no GPU (cpu where the refine codec cannot take the model: merged gate_up experts, per-expert scales, rows that are not whole Q3_K super-blocks; the output says which and why): a Q3_K base fitted for one refinement bit per weight, Q4_K_M's other tensors and Q6_K output head. On both trained models (tiny-moe-a, tiny-moe-b) its whole-model KL lies below stock K-quants' at the same bytes per token at every r (0.30-0.69x), and r = 1 has lower KL than stock Q4_K_M (0.90x, 0.76x) with 0.81-0.83x its bytes; on the 8.1 GB bench model on 2 CPU cores r = 1 decodes 1.14x stock Q4_K_M, prefill 1.57x (bench/results/refine-hq-stop43.md). For speed take cpu-fast (Q2_K experts with a Q2_K residual, Q4_K head): 1.70x stock Q4_K_M's decode at r = 1 on the bench model, but 1.6-2.3x stock Q4_K_M's KL at r = 1 on the trained models; refine (refine-hq with a Q4_K head) sits between (1.51x; 1.14-1.63x Q4_K_M's KL). The refine presets' Q3_K experts run repacked where the CPU has AVX-512 VNNI (patch 0021) and its critical slots 8 rows at once (AVX-512 BITALG). On the random-weight bench model cpu-fast's KL stops near 0.050 whatever r (its Q4_K attention and head); cpu-q8 (Q8_0 attention and head) reaches r = 2 KL 0.017, r = 4 0.0095 (below stock Q6_K's 0.0117 with 0.86x its bytes), decoding 1.15-1.25x ik_llama.cpp's Q5_K_M-Q6_K frontier at the same KL (r = 2-4, two runs; Q8_0 repacked on x86, patch 0016) (bench/results/ik-frontier-hp-q8-zen5-avx512.md). Where a GPU is found auto takes paper (IQ1_M WQ, small enough for the device; needs --imatrix or --calib-text). Experts only, on the trained tiny-moe-a, the refine codec with every slot critical reaches stock Q4_K's KL at 4.44 bits (0.00201 vs 0.00211) and r = 1 half of stock's KL at equal bits (docs/resplit.md).
 
     --mix-bits B --mix-text FILE gives each layer's gate, up and down its own WQ type (Q2_K, Q3_K or Q4_K by default), chosen by measuring on the text how much KL each tensor loses in each type and spending B mean bits per routed weight where they save most (one evaluation of the model per tensor and type: for models that run here); --mix writes such types by hand. On tiny-moe-a, experts only, cpu-q8 with --mix-bits 2.9 has 0.66x, 0.52x and 0.60x stock K-quants' KL at equal bits read for r = 0, 1, 2 (uniform cpu-q8: 1.00x, 0.55x, 0.72x); r = 2 reaches stock Q4_K's KL at 0.89x its bits (docs/resplit.md).
     """
     from ..calibration.imatrix import collect_imatrix  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit import convert as run_convert  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit import get_preset, read_imatrix, write_imatrix  # noqa: PLC0415  (lazy: keeps --help fast)
-    from ..resplit.presets import default_preset  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..resplit.convert import refine_obstacle  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..resplit.presets import CPU_FALLBACK, default_preset  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit.report import format_table  # noqa: PLC0415  (lazy: keeps --help fast)
     from .budget import gpu_devices  # noqa: PLC0415  (lazy: keeps --help fast)
 
@@ -47,6 +48,9 @@ def convert(
         gpus = gpu_devices()
         preset = default_preset(bool(gpus))
         typer.echo(f"preset auto: {preset} ({'GPU: ' + ', '.join(gpus) if gpus else 'no GPU found'})")
+        if get_preset(preset).is_refine and model.is_file() and (why := refine_obstacle(model, preset)) is not None:
+            preset = CPU_FALLBACK
+            typer.echo(f"preset auto: {preset} instead, as the refine codec cannot take this model ({why})")
     try:
         given = {"wq": wq, "wr": wr, "down_mode": down, "other": other, "mix": mix}
         p = get_preset(preset, **{k: v for k, v in given.items() if v is not None})

@@ -15,7 +15,7 @@ def plan(
                                                     show_default=False)] = None,
     shapes: Annotated[Optional[str], typer.Option("--shapes", help="Plan for a named shape set instead of a file: "
                                                   "deepseek-v3, deepseek-r1, qwen3-235b-a22b, qwen3-30b-a3b.")] = None,
-    preset: Annotated[str, typer.Option("--preset", help="RESplit preset: paper, paper-residual, iq2, cpu, cpu-fast, cpu-q8, dense, refine, refine-q8.")] = "paper",
+    preset: Annotated[str, typer.Option("--preset", help="RESplit preset: paper, paper-residual, iq2, cpu, cpu-fast, cpu-q8, dense, refine, refine-hq, refine-q8.")] = "paper",
     gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", help="GPU memory budget, e.g. 24GiB, 80GB, 0 "
                                                    "(default: unbounded, i.e. show what is needed); several "
                                                    "devices: one budget each, 24GiB,16GiB (in -ts order: --rpc "

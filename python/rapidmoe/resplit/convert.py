@@ -125,6 +125,34 @@ def _temp_outputs(paths: list[Path]) -> Iterator[list[Path]]:
             tmp.unlink(missing_ok=True)
 
 
+def _refine_obstacle(reader: GGUFFile, experts: list[Tensor], preset: str) -> str | None:
+    """What the refine codec does not take, as the message that refuses it: merged gate_up experts, per-expert
+    scales, rows that are not whole Q3_K super-blocks (it has no fallback type). None: the model is fine."""
+    for t in experts:
+        if t.name.endswith("ffn_gate_up_exps.weight"):
+            return (f"tensor {t.name}: preset {preset} (the refine codec) does not take merged gate_up experts (its "
+                    "kernels refine gate, up and down as separate tensors); use a residual preset (cpu, dense, ...) "
+                    "for this model")
+        n_in = int(t.shape[0])
+        if n_in % QK_K:
+            return (f"tensor {t.name} has rows of {n_in} values; preset {preset} (the refine codec) needs rows that "
+                    f"are whole {REFINE_WQ} super-blocks of {QK_K} and has no fallback type: use a residual preset, "
+                    "whose types fall back as llama-quantize's do")
+    scaled = [t.name for t in reader.tensors if EXPERT_SCALE_RE.match(t.name)]
+    if scaled:
+        return (f"tensor {scaled[0]}: preset {preset} (the refine codec) does not take routed experts with per-expert "
+                "scales (its kernels do not apply them to the refinement); use a residual preset (cpu, dense, ...) "
+                "for this model")
+    return None
+
+
+def refine_obstacle(src: Path, preset: str = "refine") -> str | None:
+    """Why the refine presets cannot convert the model at `src` (convert's refusal), or None where they can. `convert
+    --preset auto` asks before it picks one."""
+    reader = GGUFFile(src)
+    return _refine_obstacle(reader, [t for t in reader.tensors if EXPERT_RE.match(t.name)], preset)
+
+
 class _Converter:
     def __init__(self, src: Path, preset: Preset, imatrix: Imatrix | None, report_experts: int | None) -> None:
         self.src, self.preset, self.imatrix, self.report_experts = src, preset, imatrix, report_experts
@@ -198,25 +226,9 @@ class _Converter:
                        and m.group(2) == "gate_up"})
 
     def validate_refine(self, experts: list[Tensor]) -> None:
-        """What the refine codec does not take: merged gate_up experts, per-expert scales, rows that are not whole
-        Q3_K super-blocks (it has no fallback type)."""
-        p = self.preset
-        for t in experts:
-            if t.name.endswith("ffn_gate_up_exps.weight"):
-                raise ModelFileError(f"tensor {t.name}: preset {p.name} (the refine codec) does not take merged "
-                                     "gate_up experts (its kernels refine gate, up and down as separate tensors); "
-                                     "use a residual preset (cpu, dense, ...) for this model")
-            n_in = int(t.shape[0])
-            if n_in % QK_K:
-                raise ModelFileError(f"tensor {t.name} has rows of {n_in} values; preset {p.name} (the refine "
-                                     f"codec) needs rows that are whole {REFINE_WQ} super-blocks of {QK_K} and has "
-                                     "no fallback type: use a residual preset, whose types fall back as "
-                                     "llama-quantize's do")
-        scaled = [t.name for t in self.reader.tensors if EXPERT_SCALE_RE.match(t.name)]
-        if scaled:
-            raise ModelFileError(f"tensor {scaled[0]}: preset {p.name} (the refine codec) does not take routed experts "
-                                 "with per-expert scales (its kernels do not apply them to the refinement); use a "
-                                 "residual preset (cpu, dense, ...) for this model")
+        obstacle = _refine_obstacle(self.reader, experts, self.preset.name)
+        if obstacle is not None:
+            raise ModelFileError(obstacle)
 
     def fallbacks(self) -> list[str]:
         return [d for pl in self.plans.values() for d in pl.describe_fallbacks()]

@@ -71,6 +71,44 @@ inline void rapidmoe_q3_K_x8_scales_simd(const rapidmoe_block_q3_Kx8 & x, uint8_
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "rapidmoe-simd.h"
+
+// The VNNI kernels' shared steps (our Q3_K gemv, the refine op's 8-row kernel): all 8 rows in a zmm, row c's 8
+// bytes of a chunk in 64-bit lane c. acc += one 2-bit field's two sub-blocks (w: 4 chunks of unsigned values, 8 per
+// row) against the activation's 32 bytes aq, each sub-block's pair sums (16 bits) times its scales (vpdpwssd)
+inline __m512i rapidmoe_q3_K_x8_field_dot(__m512i acc, const __m512i w[4], const int8_t * aq, __m512i scales) {
+    __m512i sums[2];
+    for (int p = 0; p < 2; p++) {
+        const __m512i a0 = broadcast_8_bytes_512(aq + 16 * p);
+        const __m512i a1 = broadcast_8_bytes_512(aq + 16 * p + 8);
+        sums[p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2 * p], a0), w[2 * p + 1], a1);
+    }
+    return _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(sums[0], sums[1]), scales);
+}
+
+// the block's scales minus 32 from its decoded 128 (layout order): sc16[g] 16-bit lane 2c + p = row c's scale of
+// sub-block 2g + p
+inline void rapidmoe_q3_K_x8_scales16(const uint8_t * sc, __m256i sc16[8]) {
+    for (int g = 0; g < 8; g++) {
+        sc16[g] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *) (sc + 16 * g))),
+                                   _mm256_set1_epi16(32));
+    }
+}
+
+// per row c (int32 lane c): the sum over sub-blocks of (scale - 32) x the activation's 16-value sum (bsums: Q8_K's
+// 16 int16)
+inline __m256i rapidmoe_q3_K_x8_scaled_bsums(const __m256i sc16[8], const void * bsums) {
+    __m256i offs = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) {
+        int32_t pair;  // the sums of sub-blocks 2g, 2g + 1
+        std::memcpy(&pair, (const uint8_t *) bsums + 4 * g, sizeof(pair));
+        offs = _mm256_add_epi32(offs, _mm256_madd_epi16(sc16[g], _mm256_set1_epi32(pair)));
+    }
+    return offs;
+}
+#endif
+
 // 8 plain Q3_K blocks (rows[c]: row c's block, 110 bytes) -> one x8 block
 inline void rapidmoe_q3_K_x8_pack(const uint8_t * const rows[8], rapidmoe_block_q3_Kx8 & out) {
     uint8_t sc[128];

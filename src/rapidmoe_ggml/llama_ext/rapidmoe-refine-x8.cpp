@@ -119,33 +119,18 @@ void dot_x8(int64_t nb, const rapidmoe_block_q3_Kx8 * x, const uint8_t * bits, s
                 const __m512i scales =
                     _mm512_sub_epi16(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(pair), scale_index), c32);
                 for (int r = 0; r < R; r++) {
-                    const uint8_t * aq = a[r] + b * RAPIDMOE_Q8K_BLOCK + Q8K_QS + 128 * h + 32 * t;
-                    __m512i sums[2];
-                    for (int p = 0; p < 2; p++) {
-                        const __m512i a0 = broadcast_8_bytes_512(aq + 16 * p);
-                        const __m512i a1 = broadcast_8_bytes_512(aq + 16 * p + 8);
-                        sums[p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), f[2 * p], a0),
-                                                      f[2 * p + 1], a1);
-                    }
-                    acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_packs_epi32(sums[0], sums[1]), scales);
+                    const auto * aq = (const int8_t *) (a[r] + b * RAPIDMOE_Q8K_BLOCK + Q8K_QS + 128 * h + 32 * t);
+                    acc[r] = rapidmoe_q3_K_x8_field_dot(acc[r], f, aq, scales);
                 }
             }
         }
         // the -17 of every 2f - 17: per row c, sum over sub-blocks 2g + p of (scale - 32) x bsum
         __m256i sc16[8];
-        for (int g = 0; g < 8; g++) {  // 16-bit lanes 2c + p: row c's scale of sub-block 2g + p
-            sc16[g] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_load_si128((const __m128i *) (sc + 16 * g))),
-                                       _mm256_set1_epi16(32));
-        }
+        rapidmoe_q3_K_x8_scales16(sc, sc16);
         const __m256 row_d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) x[b].d));
         for (int r = 0; r < R; r++) {
             const uint8_t * xb = a[r] + b * RAPIDMOE_Q8K_BLOCK;
-            __m256i offs = _mm256_setzero_si256();
-            for (int g = 0; g < 8; g++) {
-                int32_t bsum_pair;  // the activation's sums of sub-blocks 2g, 2g + 1
-                std::memcpy(&bsum_pair, xb + Q8K_BSUMS + 4 * g, sizeof(bsum_pair));
-                offs = _mm256_add_epi32(offs, _mm256_madd_epi16(sc16[g], _mm256_set1_epi32(bsum_pair)));
-            }
+            const __m256i offs = rapidmoe_q3_K_x8_scaled_bsums(sc16, xb + Q8K_BSUMS);
             const __m256i fx = column_pairs_packed(acc[r]);
             const __m256i isum = _mm256_sub_epi32(_mm256_add_epi32(fx, fx), _mm256_mullo_epi32(offs, _mm256_set1_epi32(17)));
             float dx;

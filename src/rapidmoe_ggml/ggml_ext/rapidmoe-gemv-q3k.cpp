@@ -13,7 +13,7 @@
 //    stored in this order);
 //  - the -4 of every value once a block: 4 x the sum over sub-blocks of (scale x the activation's 16-value sum);
 //  - the 128 scales of a block decoded by a few 256-bit operations (the repack split them into 4-bit and 2-bit
-//    fields that line up), the weights prefetched PREFETCH_BYTES ahead.
+//    fields that line up); each block's cache lines prefetched as its work starts (all its misses issued at once).
 // Every integer is exact, so each row's block sum is the plain vec_dot's; per block one fma (the sum times row d x
 // activation d) in block order, so the output is the plain path's to float rounding (tools/kernel_cost.py --check),
 // and the scalar version here (the path without AVX-512 VNNI, and what RAPIDMOE_GEMM=avx2 runs) gives the same bits.
@@ -47,7 +47,9 @@
 
 namespace {
 
-constexpr int PREFETCH_BYTES = 2048; // as the Q2_K gemv (about 2.3 blocks of 880 bytes ahead)
+// 0: the block about to be used. On Zen 5 (2 threads) that streamed the weights at 24-32 GB/s where 2 KiB ahead
+// (the Q2_K gemv's distance) gave 20-25 (tools/kernel_cost.py; bench/results/prefetch-q3k-q6k-stop44-zen5-avx512.md)
+constexpr int PREFETCH_BYTES = 0;
 
 // The scalar version: R activation rows against one run of nb x8 blocks, the SIMD path's integers and float ops
 template <int R>

@@ -37,7 +37,7 @@
 
 namespace {
 
-// 0: the block about to be used. On Zen 5 (2 threads) that took the head (128 MB of Q6_K) from 25 GB/s to 34-37;
+// 0: the block about to be used. On Zen 5 (2 threads) that took the head (128 MB of Q6_K) from 25 GB/s to 32-37;
 // 0.5-4 KiB ahead, or no software prefetch at all, left the kernel 34-97 % slower than a plain read of the same bytes
 // (tools/kernel_cost.py; bench/results/prefetch-q3k-q6k-stop44-zen5-avx512.md)
 constexpr int PREFETCH_BYTES = 0;

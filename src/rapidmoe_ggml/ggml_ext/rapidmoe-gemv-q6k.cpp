@@ -13,7 +13,7 @@
 //  - per group of 16 values the activation's bsum x 32 is taken off lane 2c (q - 32 is the signed value), the group
 //    sum times its int8 scale added in int32 (at most 16 x 32 x 128 x 128 x 16 < 2^31), and once a super-block one
 //    float conversion and one FMA with (column d x activation d);
-//  - each block's 27 cache lines are prefetched as its work starts: all its misses issued at once, in address order,
+//  - each block's cache lines are prefetched as its work starts: all its misses issued at once, in address order,
 //    before the loads that stride through ql and qh.
 // The exact integer sum of each super-block is the plain vec_dot's; only the float accumulation order differs
 // (tolerance-equal: tools/kernel_cost.py --check). The gemm de-interleaves each group of 4 activation rows
@@ -38,8 +38,8 @@
 namespace {
 
 // 0: the block about to be used. On Zen 5 (2 threads) that took the head (128 MB of Q6_K) from 25 GB/s to 32-37;
-// 0.5-4 KiB ahead, or no software prefetch at all, left the kernel 34-97 % slower than a plain read of the same bytes
-// (tools/kernel_cost.py; bench/results/prefetch-q3k-q6k-stop44-zen5-avx512.md)
+// (tools/kernel_cost.py); 0.5-4 KiB ahead, or no software prefetch at all, left the AVX-512 kernel 34-97 % slower than
+// a plain read of the same bytes (a standalone sweep: bench/results/prefetch-q3k-q6k-stop44-zen5-avx512.md)
 constexpr int PREFETCH_BYTES = 0;
 
 #if defined(__AVX2__)

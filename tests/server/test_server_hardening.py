@@ -374,6 +374,20 @@ def test_every_503_carries_retry_after_once() -> None:
             assert head.count(b"\r\nRetry-After: 1") == (code == 503), out
 
 
+def test_every_501_says_do_not_retry() -> None:
+    """However a 501 is written (a route's reply, http.server's send_error for an unknown method, a raw answer) it
+    carries `x-should-retry: false` once, the header the openai SDK obeys before retrying a 5xx; others do not."""
+    for code in (501, 500, 503):
+        h = _handler()
+        h._send(routes.Reply(code, b"{}"))
+        h2 = _handler()
+        h2.send_error(code, "x")
+        for out in (h.wfile.getvalue(), h2.wfile.getvalue(), app._raw_reply(ApiError(code, "t", "x"))):
+            head = out.partition(b"\r\n\r\n")[0]
+            assert head.startswith(b"HTTP/1.1 %d " % code), out
+            assert head.count(b"\r\nx-should-retry: false") == (code == 501), out
+
+
 def test_error_mid_stream_ends_the_stream_without_a_second_status_line() -> None:
     def chunks() -> Iterator[bytes]:
         yield b"data: {}\n\n"

@@ -2,8 +2,8 @@
 
 Here: binding, a cap on open connections, deadlines for a request's headers and for its body, a keep-alive idle
 timeout, body size limit, JSON errors for malformed requests (never http.server's HTML page), `Retry-After` on
-every 503, API key (constant-time), 503 while loading, CORS, chunked SSE writes, disconnect detection, one log line
-per request. Endpoint logic is in routes.py; inference in engine.py.
+every 503 and `x-should-retry: false` on every 501, API key (constant-time), 503 while loading, CORS, chunked SSE
+writes, disconnect detection, one log line per request. Endpoint logic is in routes.py; inference in engine.py.
 """
 from __future__ import annotations
 
@@ -41,8 +41,14 @@ RETRY_AFTER = "1"  # seconds, on every 503 (busy, loading, shutting down)
 
 
 def status_headers(code: int) -> list[tuple[str, str]]:
-    """Headers every answer with this status carries, however it is written: `Retry-After` on every 503."""
-    return [("Retry-After", RETRY_AFTER)] if code == 503 else []
+    """Headers every answer with this status carries, however it is written: `Retry-After` on every 503;
+    `x-should-retry: false` on every 501 (a feature this server lacks or has switched off: the openai SDK retries
+    every 5xx unless this header says false, and a retry gets the same answer)."""
+    if code == 503:
+        return [("Retry-After", RETRY_AFTER)]
+    if code == 501:
+        return [("x-should-retry", "false")]
+    return []
 
 
 def _is_localhost(origin: str) -> bool:

@@ -1,5 +1,6 @@
-"""HTTP basics of `rapidmoe-cli serve`: `x-should-retry: false` on every 501, so that the openai SDK does not retry
-a switched-off feature.
+"""HTTP basics of `rapidmoe-cli serve`, on raw sockets where the framing matters: HEAD answered as GET without the
+body, the CORS preflight listing only the methods there are, and `x-should-retry: false` on every 501 so that the
+openai SDK does not retry a switched-off feature.
 """
 from __future__ import annotations
 
@@ -67,6 +68,44 @@ def _chunked(path: str, chunks: list[bytes], extra: bytes = b"") -> bytes:
 def _still_serves(srv: ServerProc) -> None:
     status, r = srv.request("POST", "/tokenize", {"content": "Hello"})
     assert status == 200 and r["tokens"], r
+
+
+# ---- HEAD ----
+
+HEAD_ERRORS = {"/v1/stream": 501, "/completion": 405, "/nowhere": 404}
+HEAD_PATHS = ["/health", "/", "/static/app.js", "/v1/models", "/props", "/slots", *HEAD_ERRORS]
+
+
+@pytest.mark.parametrize("path", HEAD_PATHS)
+def test_head_is_get_without_the_body(srv: ServerProc, path: str) -> None:
+    """HEAD gets GET's status and headers (Content-Length that of GET's body) and no body: the next answer on
+    the connection starts right after its head. Also for GET's errors (501, 405, 404)."""
+    get = _exchange(srv.port, b"GET %b HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path.encode())
+    status, headers, body = _parse(get)
+    both = _exchange(srv.port, b"HEAD %b HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n"
+                     b"Connection: close\r\n\r\n" % path.encode())
+    h_status, h_headers, rest = _parse(both)
+    assert h_status == status == (HEAD_ERRORS.get(path) or 200), both
+    drop = {"date", "connection"}  # the time, and GET's "close" asked for by this test
+    assert {k: v for k, v in h_headers.items() if k not in drop} == {
+        k: v for k, v in headers.items() if k not in drop}
+    assert int(h_headers["content-length"]) == len(body) > 0
+    assert rest.startswith(b"HTTP/1.1 200 "), rest[:80]  # /health's answer: nothing of a body came before it
+
+
+# ---- CORS preflight ----
+
+def test_cors_preflight_lists_only_the_methods_there_are(srv: ServerProc) -> None:
+    status, headers, _ = _parse(_exchange(srv.port, b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                          b"Origin: http://example.com\r\nConnection: close\r\n\r\n"))
+    methods = [m.strip() for m in headers["access-control-allow-methods"].split(",")]
+    assert status == 200 and methods == ["GET", "HEAD", "POST", "OPTIONS"], headers
+    for method, status in zip(methods, [200, 200, 405, 200], strict=True):  # each has a handler (POST: not here)
+        got = _exchange(srv.port, b"%b /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % method.encode())
+        assert _parse(got)[0] == status, got
+    for method in ("DELETE", "PUT", "PATCH"):  # not listed: none has a route
+        got = _exchange(srv.port, b"%b /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % method.encode())
+        assert _parse(got)[0] == 501, got
 
 
 # ---- 501 ----

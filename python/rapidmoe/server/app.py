@@ -1,9 +1,9 @@
 """The HTTP layer: stdlib ThreadingHTTPServer, one thread per connection, talking to the one engine thread.
 
 Here: binding, a cap on open connections, deadlines for a request's headers and for its body, a keep-alive idle
-timeout, body size limit, JSON errors for malformed requests (never http.server's HTML page), `Retry-After` on
-every 503 and `x-should-retry: false` on every 501, API key (constant-time), 503 while loading, CORS, chunked SSE
-writes, disconnect detection, one log line per request. Endpoint logic is in routes.py; inference in engine.py.
+timeout, body size limit, HEAD answered as GET without the body, JSON errors for malformed requests (never
+http.server's HTML page), `Retry-After` on every 503 and `x-should-retry: false` on every 501, API key
+(constant-time), 503 while loading, CORS, chunked SSE writes, disconnect detection, one log line per request. Endpoint logic is in routes.py; inference in engine.py.
 """
 from __future__ import annotations
 
@@ -172,13 +172,16 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # http.server's naming
         self._handle("GET")
 
+    def do_HEAD(self) -> None:  # GET's status and headers, without the body
+        self._handle("HEAD")
+
     def do_POST(self) -> None:
         self._handle("POST")
 
     def do_OPTIONS(self) -> None:  # CORS preflight, answered without auth like llama-server
         self.send_response(200)
         self._cors()
-        self.send_header("Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS")
+        self.send_header("Access-Control-Allow-Methods", "GET, HEAD, POST, OPTIONS")  # the methods there are
         self.send_header("Access-Control-Allow-Headers", "*")
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -305,7 +308,7 @@ class Handler(BaseHTTPRequestHandler):
             log.info("%s %s %d %d tokens %.1f ms", method, path, status, n_tokens, 1e3 * (time.perf_counter() - t0))
 
     def _dispatch(self, method: str, path: str, st: routes.AppState) -> routes.Reply | routes.Stream:
-        body = self._read_body(st) if method == "POST" else b""
+        body = self._read_body(st)  # any method's: a body left unread would be taken for the next request
         if st.closing:
             self.close_connection = True
             raise unavailable("server shutting down")
@@ -316,6 +319,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.headers.get("X-Conversation-Id") is not None:  # llama-server's resumable streams
             raise ApiError(501, "not_supported_error", "resumable streams (the X-Conversation-Id header, /v1/stream) "
                            "are not supported by this server")
+        if method == "HEAD":  # GET's answer without the body (_send; no GET route streams)
+            method = "GET"
         table = routes.GET if method == "GET" else routes.POST
         handler = table.get(path)
         if handler is None:
@@ -419,7 +424,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
         self.end_headers()
         self._sent = True
-        self.wfile.write(r.body)
+        if self.command != "HEAD":
+            self.wfile.write(r.body)
         self.wfile.flush()
 
     def _send_stream(self, s: routes.Stream) -> int:

@@ -1,11 +1,13 @@
 """HTTP basics of `rapidmoe-cli serve`, on raw sockets where the framing matters: HEAD answered as GET without the
-body, the CORS preflight listing only the methods there are, and `x-should-retry: false` on every 501 so that the
-openai SDK does not retry a switched-off feature.
+body, the CORS preflight listing only the methods there are, chunked request bodies (decoded as Content-Length
+ones are read, under the same --max-body and --body-timeout; malformed framing a JSON 400 that closes the
+connection), and `x-should-retry: false` on every 501 so that the openai SDK does not retry a switched-off feature.
 """
 from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -106,6 +108,144 @@ def test_cors_preflight_lists_only_the_methods_there_are(srv: ServerProc) -> Non
     for method in ("DELETE", "PUT", "PATCH"):  # not listed: none has a route
         got = _exchange(srv.port, b"%b /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % method.encode())
         assert _parse(got)[0] == 501, got
+
+
+# ---- chunked request bodies ----
+
+def test_chunked_body_is_read_as_a_content_length_one(srv: ServerProc) -> None:
+    """A chunked body (chunk extensions, uppercase hex, trailers) gets the answer of the same body sent with
+    Content-Length; two of them on one keep-alive connection, then a GET, are all answered in order."""
+    body = json.dumps({"prompt": "Once upon a time", "n_predict": 4, "temperature": 0}).encode()
+    status, ref = srv.request("POST", "/completion", raw=body)
+    assert status == 200, ref
+    pieces = [body[:5], body[5:6], body[6:]]
+    framed = (b"%X;name=value\r\n%b\r\n" % (len(pieces[0]), pieces[0]) + b"%x \t;ext\r\n%b\r\n" % (1, pieces[1])
+              + b"%x\r\n%b\r\n" % (len(pieces[2]), pieces[2]) + b"0\r\nX-Checksum: 1\r\nX-Other: 2\r\n\r\n")
+    request = (b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+               b"Content-Type: application/json\r\n\r\n" + framed)
+    data = _exchange(srv.port, request * 2 + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    for _ in range(2):
+        status, headers, rest = _parse(data)
+        n = int(headers["content-length"])
+        answer, data = json.loads(rest[:n]), rest[n:]
+        assert status == 200 and answer["content"] == ref["content"] and answer["tokens_predicted"] == 4, answer
+        assert headers.get("connection") != "close"
+    assert _parse(data)[0] == 200
+
+
+def test_chunked_body_limit_is_max_body(srv: ServerProc) -> None:
+    """--max-body bytes in chunks are read (the framing does not count); one byte more is the 413 a Content-Length
+    body over it gets, answered before the chunk that crosses the limit is sent."""
+    body = json.dumps({"content": "Hello"}).encode()
+    body += b" " * (MAX_BODY - len(body))
+    status, _, r = _answer(srv.port, _chunked("/tokenize", [body[:1000], body[1000:]]))
+    assert status == 200 and r["tokens"], r
+    over = _answer(srv.port, b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY + 1))
+    assert over[0] == 413
+    status, headers, r = _answer(srv.port, b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                 b"%x\r\n%b\r\n%x\r\n" % (MAX_BODY, body, 1))  # the byte over is never sent
+    assert (status, r) == (413, over[2]) and headers["connection"] == "close", r
+    status, _, r = _answer(srv.port, _chunked("/tokenize", [])[:-5] + b"f" * 40 + b"\r\n")  # 2^160 bytes
+    assert (status, r) == (413, over[2])
+    _still_serves(srv)
+
+
+BAD_CHUNKS = [
+    ("not hex", b"zz\r\nab\r\n0\r\n\r\n", "chunk size b'zz' is not a hexadecimal number"),
+    ("0x prefix", b"0x2\r\nab\r\n0\r\n\r\n", "chunk size b'0x2' is not a hexadecimal number"),
+    ("sign", b"+2\r\nab\r\n0\r\n\r\n", "chunk size b'+2' is not a hexadecimal number"),
+    ("negative", b"-2\r\nab\r\n0\r\n\r\n", "chunk size b'-2' is not a hexadecimal number"),
+    ("leading space", b" 2\r\nab\r\n0\r\n\r\n", "chunk size b' 2' is not a hexadecimal number"),
+    ("underscore", b"1_0\r\n" + b"a" * 16 + b"\r\n0\r\n\r\n", "chunk size b'1_0' is not a hexadecimal number"),
+    ("empty size", b"\r\nab\r\n0\r\n\r\n", "chunk size b'' is not a hexadecimal number"),
+    ("data longer than its size", b"2\r\nabc\r\n0\r\n\r\n", "a chunk of 2 bytes is not followed by CRLF"),
+    ("no CRLF after the data", b"2\r\nab0\r\n\r\n", "a chunk of 2 bytes is not followed by CRLF"),
+    ("size line too long", b"2;" + b"e" * 5000 + b"\r\nab\r\n0\r\n\r\n", "a chunk size line over 4096 bytes"),
+    ("trailer without a colon", b"2\r\nab\r\n0\r\nnot a field\r\n\r\n", "trailer line b'not a field' is not"),
+    ("trailers too long", b"2\r\nab\r\n0\r\n" + b"X-A: b\r\n" * 2000 + b"\r\n", "trailers over 8192 bytes"),
+    ("ends inside a chunk", b"10\r\nab", "the connection ended inside a chunk (2 bytes read)"),
+    ("ends inside a size line", b"1", "the connection ended inside a chunk size line"),
+    ("ends before the trailers end", b"2\r\nab\r\n0\r\n", "the connection ended inside a trailer line"),
+]
+
+
+@pytest.mark.parametrize("framed,message", [b[1:] for b in BAD_CHUNKS], ids=[b[0] for b in BAD_CHUNKS])
+def test_malformed_chunked_body_is_400_and_closes(srv: ServerProc, framed: bytes, message: str) -> None:
+    """Each a JSON 400 naming what is wrong, then the connection is closed (where the next request would start
+    is lost); the server goes on serving."""
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + framed)
+        sock.shutdown(socket.SHUT_WR)  # what the "ends inside" cases need; the others are answered before
+        sock.settimeout(10)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    status, headers, rest = _parse(data)
+    r = json.loads(rest)
+    assert status == 400 and headers["connection"] == "close", data
+    assert r["error"]["message"].startswith("bad chunked request body: " + message), r
+    _still_serves(srv)
+
+
+TRANSFER_CODINGS = [
+    (b"Transfer-Encoding: gzip, chunked\r\n", 501, "Transfer-Encoding 'gzip, chunked': only chunked"),
+    (b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n", 501, "Transfer-Encoding 'gzip, chunked'"),
+    (b"Transfer-Encoding: gzip\r\n", 400, "Transfer-Encoding 'gzip': the body's length cannot be known"),
+    (b"Transfer-Encoding: chunked, identity\r\n", 400, "Transfer-Encoding 'chunked, identity': the body's length"),
+    (b"Transfer-Encoding: \r\n", 400, "Transfer-Encoding '': the body's length cannot be known"),
+    (b"Transfer-Encoding: chunked\r\nContent-Length: 9\r\n", 400, "a request with both Transfer-Encoding and"),
+]
+
+
+@pytest.mark.parametrize("head,status,message", TRANSFER_CODINGS, ids=[str(i) for i in range(len(TRANSFER_CODINGS))])
+def test_transfer_codings_other_than_chunked_are_refused(srv: ServerProc, head: bytes, status: int,
+                                                         message: str) -> None:
+    """RFC 9112: chunked not last leaves the body's length unknown (400), a coding this server does not decode is
+    a 501, and Content-Length beside Transfer-Encoding is refused (400)."""
+    got, headers, r = _answer(srv.port, b"POST /tokenize HTTP/1.1\r\nHost: x\r\n%b\r\n2\r\n{}\r\n0\r\n\r\n" % head)
+    assert (got, headers["connection"]) == (status, "close") and r["error"]["message"].startswith(message), r
+    _still_serves(srv)
+
+
+def _trickle(port: int, head: bytes, piece: bytes, every: float = 0.3) -> tuple[bytes, float]:
+    """Sends `head`, then `piece` every `every` seconds until the server answers; (answer, seconds until it)."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(head)
+        t0 = time.monotonic()
+        sock.settimeout(every)
+        data = b""
+        while time.monotonic() - t0 < 15:
+            try:
+                sock.sendall(piece)
+                data += sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if data:
+                break
+        elapsed = time.monotonic() - t0
+        sock.settimeout(2)
+        try:
+            while chunk := sock.recv(65536):
+                data += chunk
+        except OSError:
+            pass
+    return data, elapsed
+
+
+@pytest.mark.parametrize("where", ["chunks", "size line", "trailers"])
+def test_slow_chunked_sender_gets_408_at_the_body_deadline(srv: ServerProc, where: str) -> None:
+    """A sender trickling its chunked body (1-byte chunks, or one line a byte at a time, so a timeout each read
+    resets would never fire) gets a JSON 408 at --body-timeout (2 s) after its headers, as a Content-Length body."""
+    head = b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    start, piece = {"chunks": (b"", b"1\r\n \r\n"), "size line": (b"1", b"0"),
+                    "trailers": (b"0\r\nX-A: ", b"b")}[where]
+    data, elapsed = _trickle(srv.port, head + start, piece)
+    status, headers, rest = _parse(data)
+    assert status == 408 and headers["connection"] == "close" and 1.9 < elapsed < 3.5, (data, elapsed)
+    assert json.loads(rest)["error"]["message"].startswith("timed out reading the chunked request body (")
+    _still_serves(srv)
 
 
 # ---- 501 ----

@@ -1,13 +1,15 @@
 """The HTTP layer: stdlib ThreadingHTTPServer, one thread per connection, talking to the one engine thread.
 
 Here: binding, a cap on open connections, deadlines for a request's headers and for its body, a keep-alive idle
-timeout, body size limit, HEAD answered as GET without the body, JSON errors for malformed requests (never
-http.server's HTML page), `Retry-After` on every 503 and `x-should-retry: false` on every 501, API key
-(constant-time), 503 while loading, CORS, chunked SSE writes, disconnect detection, one log line per request. Endpoint logic is in routes.py; inference in engine.py.
+timeout, body size limit, Content-Length or chunked request bodies (read in body.py), HEAD answered as GET without
+the body, JSON errors for malformed requests (never http.server's HTML page), `Retry-After` on every 503 and
+`x-should-retry: false` on every 501, API key (constant-time), 503 while loading, CORS, chunked SSE writes,
+disconnect detection, one log line per request. Endpoint logic is in routes.py; inference in engine.py.
 """
 from __future__ import annotations
 
 import hmac
+import io
 import logging
 import os
 import select
@@ -25,6 +27,7 @@ from ..llama import Llama
 from ..modelfile import require_moe
 from ..umia import load_policy
 from . import anthropic, legacy_chat, routes, sse
+from .body import BodyReader
 from .chat import CHATML, ChatTemplate
 from .config import ServerConfig
 from .engine import Engine
@@ -165,6 +168,7 @@ class Handler(BaseHTTPRequestHandler):
     server: _Server
     raw_requestline: bytes  # set by http.server before parse_request
     connection: socket.socket  # the accepted TCP socket (typeshed types socketserver's attribute Any)
+    rfile: io.BufferedReader  # socketserver's makefile("rb", -1): buffered, with peek (typeshed: BufferedIOBase)
     server_version = "rapidmoe"
     sys_version = ""
     _reading_headers = False  # the header deadline is armed (from the request's start until its headers are in)
@@ -332,47 +336,42 @@ class Handler(BaseHTTPRequestHandler):
                                                            else ""), body, self._gone))
 
     def _read_body(self, st: routes.AppState) -> bytes:
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            self.close_connection = True
-            raise ApiError(411, "invalid_request_error",
-                           "chunked request bodies are not supported; send Content-Length")
-        raw = self.headers.get("Content-Length", "0")
+        """The body as its headers frame it: chunked, Content-Length or none; within --body-timeout and --max-body
+        (body.py). Any error closes the connection: the unread rest must not be taken for the next request."""
         try:
-            n = int(raw)
-        except ValueError:
+            reader = BodyReader(self.rfile, self.connection, st.config.body_timeout, st.config.max_body)
+            codings = [c.strip().lower() for v in self.headers.get_all("Transfer-Encoding") or () for c in v.split(",")]
+            if codings:
+                self._check_codings(codings)
+                return reader.chunked()
+            raw = self.headers.get("Content-Length", "0")
+            try:
+                n = int(raw)
+            except ValueError:
+                raise invalid_request(f"bad Content-Length: {raw!r}") from None
+            if n < 0:
+                raise invalid_request(f"bad Content-Length: {raw!r}")
+            if n > st.config.max_body:
+                raise payload_too_large(st.config.max_body)
+            return reader.exactly(n)
+        except ApiError:
             self.close_connection = True
-            raise invalid_request(f"bad Content-Length: {raw!r}") from None
-        if n < 0:
-            self.close_connection = True
-            raise invalid_request(f"bad Content-Length: {raw!r}")
-        if n > st.config.max_body:
-            self.close_connection = True  # the unread body must not be taken for the next request
-            raise payload_too_large(st.config.max_body)
-        return self._read_exactly(n, st.config.body_timeout)
+            raise
+        finally:
+            self.connection.settimeout(self.timeout)
 
-    def _read_exactly(self, n: int, seconds: float) -> bytes:
-        """The body, which must arrive whole within `seconds` (a deadline, not a timeout each read resets: a
-        client trickling bytes cannot hold the connection); 408 and close otherwise, 400 if it ends early."""
-        deadline = time.monotonic() + seconds
-        parts, got = [], 0
-        try:
-            while got < n:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                self.connection.settimeout(left)
-                data = self.rfile.read1(min(n - got, 1 << 16))
-                if not data:
-                    self.close_connection = True
-                    raise invalid_request(f"request body shorter than Content-Length ({got} of {n} bytes)")
-                parts.append(data)
-                got += len(data)
-        except TimeoutError:
-            self.close_connection = True
-            raise ApiError(408, "invalid_request_error",
-                           f"timed out reading the request body ({got} of {n} bytes in {seconds:g} s)") from None
-        self.connection.settimeout(self.timeout)
-        return b"".join(parts)
+    def _check_codings(self, codings: list[str]) -> None:
+        """Transfer-Encoding must be `chunked` alone (RFC 9112 §6.1/§6.3): chunked not last leaves the body's end
+        unknown (400), a coding before it is one this server does not decode (501), and Content-Length beside it
+        is a conflict (400: proxies disagree on which wins)."""
+        if codings[-1] != "chunked":
+            raise invalid_request(f"Transfer-Encoding {', '.join(codings)!r}: the body's length cannot be known "
+                                  "(chunked must be the last transfer coding)")
+        if len(codings) > 1:
+            raise ApiError(501, "not_supported_error", f"Transfer-Encoding {', '.join(codings)!r}: only chunked "
+                           "request bodies are supported (no other transfer coding)")
+        if self.headers.get("Content-Length") is not None:
+            raise invalid_request("a request with both Transfer-Encoding and Content-Length")
 
     def _check_key(self, keys: tuple[str, ...]) -> None:
         given = self.headers.get("Authorization") or self.headers.get("X-Api-Key") or ""

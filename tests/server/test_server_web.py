@@ -1,7 +1,8 @@
 """The chat page at `/`, in a real headless Chromium (Debian's `chromium` + `chromium-driver`, driven by selenium;
 .ci/run installs them): load it, send a message, see the streamed answer equal the API's greedy answer, stop a long
 one, keep a conversation going after a failed turn (context size, wrong key) without sending the failure back, retry
-an earlier failed turn in place, leave cleared fields out of the request, edit/regenerate/delete messages, never
+an earlier failed turn in place, keep roles alternating after an answer without content (under a template that
+refuses anything else), leave cleared fields out of the request, edit/regenerate/delete messages, never
 start a second generation while one streams, render markdown (in linear time) while HTML in the model's output
 stays text, read the split-routing panel of a RESplit model, and check a screenshot is not blank.
 """
@@ -256,6 +257,64 @@ def test_error_messages_stored_by_an_older_page_are_not_sent(srv: ServerProc, br
     _answer(browser)
     assert _bodies(browser)[-1]["messages"] == [{"role": "user", "content": "Hello"}]
     assert browser.find_element("css selector", ".msg.assistant.failed .error").text == "Invalid API Key"
+
+
+# Gemma's rule (Mistral's is the same after an optional system message) with a generation prompt that opens <think>,
+# as Qwen3's and DeepSeek-R1's do: the answer starts as reasoning.
+ALTERNATING = """{%- for message in messages -%}
+{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}
+{%- endif -%}
+{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>\\n' -}}{%- endif -%}
+"""
+
+
+def test_an_answer_without_content_keeps_roles_alternating(tiny_qwen: Path, tmp_path: Path, browser: Any) -> None:
+    """Under a template that fails on two user turns in a row, an answer that is all reasoning (4 tokens inside
+    <think>), and then one that streamed nothing, are sent with the next turn as empty assistant messages, and
+    each next turn succeeds; a deleted user message leaves an empty one in its place."""
+    template = tmp_path / "alternating.jinja"
+    template.write_text(ALTERNATING)
+    s = ServerProc(tiny_qwen, "--chat-template-file", str(template), "-t", "1", "-c", "1024",
+                   log_path=tmp_path / "alternating.log")
+    try:
+        two_users = [{"role": "user", "content": "Hello"}, {"role": "user", "content": "Again"}]
+        status, r = s.request("POST", "/v1/chat/completions", {"messages": two_users, "max_tokens": 1})
+        assert status == 400 and "roles must alternate" in r["error"]["message"], r
+        browser.get(s.url + "/")
+        browser.execute_script("localStorage.clear()")
+        browser.get(s.url + "/")
+        _set(browser, "temperature", "0")
+        _set(browser, "max_tokens", "4")
+        browser.execute_script(RECORD_REQUESTS)
+        _type(browser, "Hello")
+        content, reasoning = _answer(browser)
+        assert content == "" and reasoning, (content, reasoning)
+        _type(browser, "Again")
+        _answer(browser)
+        assert _bodies(browser)[-1]["messages"] == [two_users[0], {"role": "assistant", "content": ""}, two_users[1]]
+        _fake_stream(browser, "")  # an answer with nothing in it
+        _type(browser, "Once more")
+        _idle(browser)
+        assert _chat(browser)[-1] == {"role": "assistant", "content": "", "reasoning": ""}
+        browser.get(s.url + "/")  # the page's own fetch again
+        browser.execute_script(RECORD_REQUESTS)
+        _type(browser, "Last")
+        _answer(browser)
+        messages = _bodies(browser)[-1]["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant"] * 3 + ["user"], messages
+        assert messages[4:] == [{"role": "user", "content": "Once more"}, {"role": "assistant", "content": ""},
+                                {"role": "user", "content": "Last"}]
+        _click(browser, 2, "delete")  # "Again": two answers in a row, an empty user message goes between
+        _type(browser, "End")
+        _answer(browser)
+        messages = _bodies(browser)[-1]["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant"] * 4 + ["user"], messages
+        assert messages[2] == {"role": "user", "content": ""} and messages[-1]["content"] == "End"
+    finally:
+        s.stop()
 
 
 def test_cleared_fields_are_left_out_of_the_request(srv: ServerProc, browser: Any) -> None:

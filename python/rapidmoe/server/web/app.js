@@ -1,7 +1,8 @@
 // RapidMoE chat page: conversations in localStorage, streaming /v1/chat/completions (SSE over fetch), stop, edit,
 // regenerate and delete, answers rendered as markdown (markdown.js), sampling settings, live tokens/s, and for a
 // RESplit model the split-routing statistics of /rapidmoe/stats. A failed turn is shown with its error but never
-// sent to the model again: the request history holds only user and assistant messages of turns that succeeded.
+// sent to the model again: the request history holds only user and assistant messages of turns that succeeded, in
+// turns that alternate (an answer without content is sent empty), as templates like Mistral's and Gemma's require.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -40,7 +41,9 @@ function headers() {
 }
 
 /** What the model is sent: user and assistant messages, without failed turns (the answer that failed and the user
- * message right before it) and without empty answers (stopped before the first token). */
+ * message right before it), starting with a user message and alternating, as chat templates that enforce it
+ * (Mistral's, Gemma's) require: an answer without content (reasoning only, or stopped before its first token) is
+ * sent as an empty assistant message, and an empty message of the other role stands where one was deleted. */
 function history(messages) {
   const out = [];
   messages.forEach((m, i) => {
@@ -49,8 +52,9 @@ function history(messages) {
       if (i > 0 && messages[i - 1].role === "user" && out.length && out[out.length - 1].from === i - 1) out.pop();
       return;
     }
-    if (m.role === "assistant" && !m.content) return;
-    out.push({ from: i, role: m.role, content: m.content });
+    const turn = out.length % 2 ? "assistant" : "user";
+    if (m.role !== turn) out.push({ from: -1, role: turn, content: "" });
+    out.push({ from: i, role: m.role, content: m.content || "" });
   });
   const system = $("system").value.trim();
   const msgs = out.map(({ role, content }) => ({ role, content }));

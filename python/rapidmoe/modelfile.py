@@ -66,12 +66,9 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
     arch = reader.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFileError(f"{p} has no general.architecture: not a llama.cpp model")
-    twice = duplicate_token(reader)
-    if twice is not None:  # llama.cpp's vocab loader asserts on it (llama-vocab.cpp): the process would abort
-        first, second = twice
-        token = reader.get("tokenizer.ggml.tokens")[second]
-        raise ModelFileError(f"{p} is damaged: its tokenizer lists the token {token!r} twice (ids {first} and "
-                             f"{second}); llama.cpp cannot load such a vocabulary")
+    bad_vocab = vocab_problem(reader)
+    if bad_vocab is not None:  # llama.cpp's vocab loader asserts on it (llama-vocab.cpp): the process would abort
+        raise ModelFileError(f"{p} is damaged: {bad_vocab}; llama.cpp cannot load such a vocabulary")
 
     bad = hparams_problem(reader, arch)
     if bad is not None:
@@ -172,16 +169,54 @@ def _head_problem(reader: GGUFFile, arch: str, num: Callable[[str], int | None])
             f"differ (absent ones are n_embd / n_head = {default}); llama.cpp's {arch} graph needs them equal")
 
 
-def duplicate_token(reader: GGUFFile) -> tuple[int, int] | None:
-    """The first two ids of a token the tokenizer lists twice, or None (also for a file without a tokenizer)."""
-    tokens = reader.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or len(set(tokens)) == len(tokens):
-        return None
-    seen: dict[object, int] = {}
+# llama_token_type's LLAMA_TOKEN_TYPE_BYTE (include/llama.h)
+TOKEN_TYPE_BYTE = 6
+
+
+def token_as_read(token: str, token_id: int) -> str:
+    """A token's text as llama.cpp's vocab loader keys it (llama_vocab::impl::load): up to its first NUL byte, as
+    gguf_get_arr_str returns a C string, and an empty one named `[EMPTY_<id>]`."""
+    text = token.split("\0", 1)[0]
+    return text or f"[EMPTY_{token_id}]"
+
+
+def duplicate_token(tokens: list[str]) -> tuple[int, int] | None:
+    """The first two ids of tokens llama.cpp reads as the same text (token_as_read), or None."""
+    distinct = set(tokens)
+    if len(distinct) == len(tokens) and "" not in distinct and "\0" not in "".join(tokens):
+        return None  # each read as stored, none twice (the common case, without a loop in Python)
+    seen: dict[str, int] = {}
     for i, tok in enumerate(tokens):
-        if tok in seen:
-            return seen[tok], i
-        seen[tok] = i
+        key = token_as_read(tok, i)
+        if key in seen:
+            return seen[key], i
+        seen[key] = i
+    return None
+
+
+def vocab_problem(reader: GGUFFile) -> str | None:
+    """What in the tokenizer's token list llama.cpp's vocab loader asserts on, or None (also for a file without one,
+    or one llama.cpp does not read: tokenizer.ggml.model "no_vocab"/"none"): two tokens it reads as one (its
+    id_to_token.size() == token_to_id.size() assert), a byte token in a WordPiece ("bert") vocabulary (llama.cpp
+    builds its piece cache at load, and token_to_byte aborts for that type)."""
+    tokens = reader.get("tokenizer.ggml.tokens")
+    model = reader.get("tokenizer.ggml.model")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens) or model in ("no_vocab", "none"):
+        return None
+    twice = duplicate_token(tokens)
+    if twice is not None:
+        first, second = twice
+        read = [(tokens[i], token_as_read(tokens[i], i)) for i in twice]
+        notes = [f"{raw!r} as {as_read!r}" for raw, as_read in read if raw != as_read]
+        why = (f"; llama.cpp reads {' and '.join(notes)}: a token ends at its first NUL byte, an empty one is named "
+               "[EMPTY_<id>]") if notes else ""
+        return f"its tokenizer lists the token {read[0][1]!r} twice (ids {first} and {second}{why})"
+    types = reader.get("tokenizer.ggml.token_type")
+    if model == "bert" and isinstance(types, list):
+        byte = next((i for i, ty in enumerate(types[:len(tokens)]) if ty == TOKEN_TYPE_BYTE), None)
+        if byte is not None:
+            return (f"token {byte} ({tokens[byte]!r}) of its WordPiece (bert) tokenizer has the byte type, which "
+                    "llama.cpp has no byte value for")
     return None
 
 

@@ -5,6 +5,7 @@ Writing stays with gguf-py's GGUFWriter; (de)quantization goes through ggml (rap
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import struct
@@ -15,6 +16,7 @@ from typing import Any, BinaryIO
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
+from .errors import ModelFileError
 from .ggml_types import block_bytes, block_size
 
 _SCALAR = {
@@ -28,8 +30,9 @@ _NP = {GGUFValueType.UINT8: np.uint8, GGUFValueType.INT8: np.int8, GGUFValueType
        GGUFValueType.INT64: np.int64, GGUFValueType.FLOAT64: np.float64}
 
 
-class GGUFFormatError(ValueError):
-    """The bytes are not a well-formed GGUF (truncated or corrupt header)."""
+class GGUFFormatError(ModelFileError):
+    """The bytes are not a well-formed GGUF (truncated or corrupt header): a problem with the user's file, so a
+    reader that does not name the file in its own message still ends as one error line."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,15 @@ def copy_metadata(reader: GGUFFile, writer: GGUFWriter, *, skip_prefixes: tuple[
         if f.vtype == GGUFValueType.ARRAY and len(f.value) == 0:
             continue
         writer.add_key_value(key, f.value, f.vtype, f.sub_type)
+
+
+def abandon_writer(writer: GGUFWriter) -> None:
+    """Close the files of a writer whose output is given up (after a failed write): the bytes it still buffers are
+    dropped, where flushing them would fail again (a full disk) when the file object is collected, and print."""
+    for f in writer.fout or []:
+        with contextlib.suppress(OSError):
+            f.close()
+    writer.fout = None
 
 
 def n_rows(t: Tensor) -> int:

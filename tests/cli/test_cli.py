@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import importlib
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,6 +135,78 @@ def test_convert_auto_falls_back_where_the_refine_codec_cannot_go(tiny_qwen: Pat
     assert f"preset auto: {CPU_FALLBACK} instead, as the refine codec cannot take this model (refine-hq cannot: test " \
            "reason)" in res.output
     assert read_sidecar_meta(tmp_path / "o" / "m.wr.gguf")["preset.name"] == CPU_FALLBACK
+
+
+def _only_error_line(res: subprocess.CompletedProcess[str]) -> str:
+    """The one line a failed command printed on stderr (asserted: exit 1, nothing else there, no traceback)."""
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip() and not ln.startswith(("\r", "resplit:"))]
+    assert res.returncode == 1 and len(lines) == 1 and lines[0].startswith("rapidmoe-cli: error: "), res.stderr
+    return lines[0]
+
+
+@pytest.mark.native
+def test_convert_unusable_inputs_are_one_line(tiny_qwen: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the default preset (auto, here without a GPU: a refine preset, which inspects the model before it
+    picks) and with a named one, every input the conversion cannot use ends as one error line and writes nothing."""
+    monkeypatch.setattr(budget, "gpu_devices", lambda: [])
+    (tmp_path / "x.gguf").write_text("hello\n")
+    (tmp_path / "cut.gguf").write_bytes(tiny_qwen.read_bytes()[:5000])  # inside the tokenizer's strings
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "out"
+    cases = [
+        ([str(tmp_path / "x.gguf")], "x.gguf is not a GGUF file"),
+        ([str(tmp_path / "cut.gguf")], "cut.gguf is a corrupt or truncated GGUF"),
+        ([str(tmp_path / "nope.gguf")], "model file not found"),
+        ([str(tmp_path)], "not a file"),
+        ([str(tiny_qwen), "--imatrix", str(tmp_path)], "imatrix file not found"),
+        ([str(tiny_qwen), "--calib-text", str(tmp_path / "nope.txt")], "calibration text not found"),
+    ]
+    for args, message in cases:
+        for preset in ([], ["--preset", "cpu-fast"]):
+            res = runner.invoke(app, ["convert", *args, "-o", str(out), *preset])
+            assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (args, preset, res.output)
+            assert "rapidmoe-cli: error: " in res.output and message in res.output, (args, preset, res.output)
+            assert not out.exists(), (args, preset)
+    res = runner.invoke(app, ["convert", str(tiny_qwen), "-o", str(tmp_path / "file" / "o")])
+    assert res.exit_code == 1 and "cannot make the output folder" in res.output and "Not a directory" in res.output
+
+
+def _limited_file_size(limit: int) -> None:
+    import resource  # noqa: PLC0415 - POSIX only
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("preset", [[], ["--preset", "cpu-fast"]])
+def test_convert_write_failure_is_one_line_and_leaves_nothing(tiny_qwen: Path, tmp_path: Path,
+                                                              preset: list[str]) -> None:
+    """A write that fails (here a 4 MB file size limit, `ulimit -f`; a full disk alike) is one error line naming the
+    outputs, and none of them is left."""
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-m", "rapidmoe.cli", "convert", str(tiny_qwen), "-o", str(out), *preset],
+                         capture_output=True, text=True, timeout=300, preexec_fn=lambda: _limited_file_size(4 << 20))
+    line = _only_error_line(res)
+    assert "cannot write" in line and "tiny-qwen3moe-f16.wq.gguf" in line and "nothing was kept" in line, line
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.native
+def test_convert_ended_by_a_signal_leaves_nothing(tiny_qwen: Path, tmp_path: Path) -> None:
+    """SIGTERM in the middle of a conversion (kill, a job scheduler's limit) ends it by that signal and removes the
+    temporary .wq.gguf.tmp / .wr.gguf.tmp it was writing (tests/conversion/test_outputs.py: the other signals)."""
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-m", "rapidmoe.cli", "convert", str(tiny_qwen), "-o", str(out)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(out.glob("*.tmp")) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert p.poll() is None, "the conversion ended before it was signalled"
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGTERM, err
+    assert list(out.iterdir()) == []
 
 
 @pytest.mark.native

@@ -36,6 +36,7 @@ def convert(
 
     --mix-bits B --mix-text FILE gives each layer's gate, up and down its own WQ type (Q2_K, Q3_K or Q4_K by default), chosen by measuring on the text how much KL each tensor loses in each type and spending B mean bits per routed weight where they save most (one evaluation of the model per tensor and type: for models that run here); --mix writes such types by hand. On tiny-moe-a, experts only, cpu-q8 with --mix-bits 2.9 has 0.66x, 0.52x and 0.60x stock K-quants' KL at equal bits read for r = 0, 1, 2 (uniform cpu-q8: 1.00x, 0.55x, 0.72x); r = 2 reaches stock Q4_K's KL at 0.89x its bits (docs/resplit.md).
     """
+    from ..atomic import make_dir  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..calibration.imatrix import collect_imatrix  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit import convert as run_convert  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit import get_preset, read_imatrix, write_imatrix  # noqa: PLC0415  (lazy: keeps --help fast)
@@ -48,7 +49,8 @@ def convert(
         gpus = gpu_devices()
         preset = default_preset(bool(gpus))
         typer.echo(f"preset auto: {preset} ({'GPU: ' + ', '.join(gpus) if gpus else 'no GPU found'})")
-        if get_preset(preset).is_refine and model.is_file() and (why := refine_obstacle(model, preset)) is not None:
+        # refine_obstacle checks the file as the conversion would first: an unusable one is refused in one line
+        if get_preset(preset).is_refine and (why := refine_obstacle(model, preset)) is not None:
             preset = CPU_FALLBACK
             typer.echo(f"preset auto: {preset} instead, as the refine codec cannot take this model ({why})")
     try:
@@ -65,12 +67,9 @@ def convert(
         raise RapidMoEError("--mix-text is the calibration text of --mix-bits: give --mix-bits too")
     im = read_imatrix(imatrix) if imatrix is not None else None
     if calib_text is not None:
-        if not calib_text.is_file():
-            raise RapidMoEError(f"calibration text not found: {calib_text}")
-        im = collect_imatrix(model, calib_text.read_text(errors="replace"), n_ctx=calib_ctx, max_chunks=calib_chunks,
-                             dataset=calib_text.name)
-        output.mkdir(parents=True, exist_ok=True)
-        saved = write_imatrix(im, output / f"{name or model.name.removesuffix('.gguf')}.imatrix.gguf")
+        im = collect_imatrix(model, _read_text(calib_text, "calibration text"), n_ctx=calib_ctx,
+                             max_chunks=calib_chunks, dataset=calib_text.name)
+        saved = write_imatrix(im, make_dir(output) / f"{name or model.name.removesuffix('.gguf')}.imatrix.gguf")
         typer.echo(f"importance matrix: {saved}")
     res = run_convert(model, output, p, imatrix=im, name=name, force=force,
                       report_experts=None if report_experts == 0 else report_experts)
@@ -104,21 +103,28 @@ def _measured_mix(model: Path, output: Path, name: Optional[str], p: Any, mix: O
     import dataclasses  # noqa: PLC0415
     import json  # noqa: PLC0415
 
-    from ..atomic import write_text  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..atomic import make_dir, write_text  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..calibration.mix import choose_mix  # noqa: PLC0415  (lazy: keeps --help fast)
 
     if mix is not None:
         raise RapidMoEError("give either --mix (the types) or --mix-bits (measure and choose them), not both")
     if mix_text is None:
         raise RapidMoEError("--mix-bits needs --mix-text FILE: the calibration text the mix is measured on")
-    if not mix_text.is_file():
-        raise RapidMoEError(f"mix calibration text not found: {mix_text}")
     types = [t for t in mix_types.split(",") if t]
-    mixed, sens = choose_mix(model, mix_text.read_text(errors="replace"), p, mix_bits, types, n_ctx=n_ctx,
+    mixed, sens = choose_mix(model, _read_text(mix_text, "mix calibration text"), p, mix_bits, types, n_ctx=n_ctx,
                              chunks=chunks)
-    output.mkdir(parents=True, exist_ok=True)
-    path = output / f"{name or model.name.removesuffix('.gguf')}.mix.json"
+    path = make_dir(output) / f"{name or model.name.removesuffix('.gguf')}.mix.json"
     write_text(path, json.dumps({"mix": mixed.mix, "budget_bits": mix_bits, "text": str(mix_text),
                                         "sensitivity": [dataclasses.asdict(x) for x in sens]}, indent=1))
     typer.echo(f"mix measurements: {path}")
     return mixed
+
+
+def _read_text(path: Path, what: str) -> str:
+    """A text input, or one error line saying why it cannot be read."""
+    if not path.is_file():
+        raise RapidMoEError(f"{what} not found: {path}")
+    try:
+        return path.read_text(errors="replace")
+    except OSError as e:
+        raise RapidMoEError(f"cannot read the {what} {path}: {e.strerror or e}") from e

@@ -15,8 +15,6 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -24,9 +22,10 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 from tqdm import tqdm
 
+from ..atomic import make_dir, outputs
 from ..errors import ModelFileError, RapidMoEError
 from ..ggml_types import fits_rows, ggml_type
-from ..ggufio import GGUFFile, Tensor, copy_metadata, n_rows, tensor_rows
+from ..ggufio import GGUFFile, Tensor, abandon_writer, copy_metadata, n_rows, tensor_rows
 from ..modelfile import require_moe
 from . import sidecar
 from .fingerprint import sample_digests
@@ -112,19 +111,6 @@ def _imatrix_digest(im: Imatrix | None) -> str:
     return h.hexdigest()
 
 
-@contextmanager
-def _temp_outputs(paths: list[Path]) -> Iterator[list[Path]]:
-    """Temporary names for the outputs; renamed only when the body succeeds, removed otherwise."""
-    tmps = [p.with_name(p.name + ".tmp") for p in paths]
-    try:
-        yield tmps
-        for tmp, final in zip(tmps, paths, strict=True):
-            os.replace(tmp, final)
-    finally:
-        for tmp in tmps:
-            tmp.unlink(missing_ok=True)
-
-
 def _refine_obstacle(reader: GGUFFile, experts: list[Tensor], preset: str) -> str | None:
     """What the refine codec does not take, as the message that refuses it: merged gate_up experts, per-expert
     scales, rows that are not whole Q3_K super-blocks (it has no fallback type). None: the model is fine."""
@@ -148,9 +134,43 @@ def _refine_obstacle(reader: GGUFFile, experts: list[Tensor], preset: str) -> st
 
 def refine_obstacle(src: Path, preset: str = "refine") -> str | None:
     """Why the refine presets cannot convert the model at `src` (convert's refusal), or None where they can. `convert
-    --preset auto` asks before it picks one."""
+    --preset auto` asks before it picks one, so the file is checked as convert checks it first (ModelFileError: not
+    a readable MoE GGUF, or routed experts RESplit cannot split)."""
+    require_moe(src)
     reader = GGUFFile(src)
-    return _refine_obstacle(reader, [t for t in reader.tensors if EXPERT_RE.match(t.name)], preset)
+    layers = expert_layers(reader, src)
+    return _refine_obstacle(reader, [t for roles in layers.values() for t in roles.values()], preset)
+
+
+def expert_layers(reader: GGUFFile, src: Path) -> dict[int, dict[str, Tensor]]:
+    """The routed-expert tensors by layer and role, checked to be what RESplit splits (ModelFileError otherwise):
+    stacked [n_in, n_out, n_expert] in a full-precision type, gate+up+down or gate_up+down in every MoE layer, one
+    expert count per layer."""
+    experts = [t for t in reader.tensors if EXPERT_RE.match(t.name)]
+    if not experts:
+        raise ModelFileError(f"{src} has no routed-expert tensors (blk.N.ffn_{{gate,up,down}}_exps.weight or "
+                             "ffn_gate_up_exps.weight): nothing for RESplit to split")
+    layers: dict[int, dict[str, Tensor]] = {}
+    for t in experts:
+        m = EXPERT_RE.match(t.name)
+        assert m is not None
+        layers.setdefault(int(m.group(1)), {})[m.group(2)] = t
+        if GGMLQuantizationType(int(t.tensor_type)) not in INPUT_TYPES:
+            raise ModelFileError(f"tensor {t.name} is {t.tensor_type.name}; RESplit needs F32/F16/BF16/Q8_0 "
+                                 "input (convert from the original weights, not from a low-bit quantization)")
+        if len(t.shape) != 3:
+            raise ModelFileError(f"tensor {t.name} has shape {[int(x) for x in t.shape]}; RESplit splits stacked "
+                                 "experts [n_in, n_out, n_expert]")
+    for il, roles in sorted(layers.items()):
+        if frozenset(roles) not in LAYER_ROLE_SETS:
+            first = next(iter(roles.values())).name
+            raise ModelFileError(f"tensor {first}: layer {il} has routed experts {'/'.join(sorted(roles))}; "
+                                 "RESplit splits gate+up+down or merged gate_up+down (llama.cpp's gated layout)")
+        counts = {int(t.shape[2]) for t in roles.values()}
+        if len(counts) != 1:
+            raise ModelFileError(f"tensor {roles['down'].name}: layer {il}'s expert tensors disagree on the "
+                                 f"number of experts ({sorted(counts)})")
+    return layers
 
 
 class _Converter:
@@ -170,30 +190,8 @@ class _Converter:
         return sorted({int(m.group(1)) for t in self.expert_tensors() if (m := EXPERT_RE.match(t.name))})
 
     def validate(self) -> None:
+        layers = expert_layers(self.reader, self.src)
         experts = self.expert_tensors()
-        if not experts:
-            raise ModelFileError(f"{self.src} has no routed-expert tensors (blk.N.ffn_{{gate,up,down}}_exps.weight or "
-                                 "ffn_gate_up_exps.weight): nothing for RESplit to split")
-        layers: dict[int, dict[str, Tensor]] = {}
-        for t in experts:
-            m = EXPERT_RE.match(t.name)
-            assert m is not None
-            layers.setdefault(int(m.group(1)), {})[m.group(2)] = t
-            if GGMLQuantizationType(int(t.tensor_type)) not in INPUT_TYPES:
-                raise ModelFileError(f"tensor {t.name} is {t.tensor_type.name}; RESplit needs F32/F16/BF16/Q8_0 "
-                                     "input (convert from the original weights, not from a low-bit quantization)")
-            if len(t.shape) != 3:
-                raise ModelFileError(f"tensor {t.name} has shape {[int(x) for x in t.shape]}; RESplit splits stacked "
-                                     "experts [n_in, n_out, n_expert]")
-        for il, roles in sorted(layers.items()):
-            if frozenset(roles) not in LAYER_ROLE_SETS:
-                first = next(iter(roles.values())).name
-                raise ModelFileError(f"tensor {first}: layer {il} has routed experts {'/'.join(sorted(roles))}; "
-                                     "RESplit splits gate+up+down or merged gate_up+down (llama.cpp's gated layout)")
-            counts = {int(t.shape[2]) for t in roles.values()}
-            if len(counts) != 1:
-                raise ModelFileError(f"tensor {roles['down'].name}: layer {il}'s expert tensors disagree on the "
-                                     f"number of experts ({sorted(counts)})")
         if self.preset.is_refine:
             self.validate_refine(experts)
         if self.preset.mix:
@@ -313,16 +311,26 @@ class _Converter:
 
     # -- the whole file -----------------------------------------------------------------------------------
     def run(self, wq_tmp: Path, wr_tmp: Path, pair_id: str, progress: bool) -> None:
+        wq = GGUFWriter(wq_tmp, arch=self.arch)
+        wr = GGUFWriter(wr_tmp, arch=sidecar.SIDECAR_ARCH)
+        try:
+            self.write(wq, wr, pair_id, progress)
+            wq.close()
+            wr.close()
+        except BaseException:
+            for w in (wq, wr):
+                abandon_writer(w)
+            raise
+
+    def write(self, wq: GGUFWriter, wr: GGUFWriter, pair_id: str, progress: bool) -> None:
         from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
 
         p = self.preset
-        wq = GGUFWriter(wq_tmp, arch=self.arch)
         copy_metadata(self.reader, wq, skip_prefixes=("rapidmoe.resplit.",))
         wq.add_string("rapidmoe.resplit.role", "wq")
         wq.add_string("rapidmoe.resplit.pair_id", pair_id)
         wq.add_string("rapidmoe.resplit.preset", p.name)
         wq.add_string("rapidmoe.resplit.wq_type", p.wq)
-        wr = GGUFWriter(wr_tmp, arch=sidecar.SIDECAR_ARCH)
         sidecar.add_metadata(wr, preset=p, pair_id=pair_id, base_arch=self.arch,
                              n_layer=int(self.reader.get(f"{self.arch}.block_count", 0)),
                              n_expert=int(self.reader.get(f"{self.arch}.expert_count", 0)),
@@ -381,8 +389,6 @@ class _Converter:
                         data = _core.quantize(rows, int(target)).reshape(_byte_shape(t, target))
                     wq.write_tensor_data(data)
                 bar.update(int(t.n_bytes))
-        wq.close()
-        wr.close()
 
 
 def _ranges(xs: list[int]) -> str:
@@ -419,15 +425,16 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise RapidMoEError(f"output {out} exists and is not a folder")
-    out.mkdir(parents=True, exist_ok=True)
     base = name or src_p.name.removesuffix(".gguf")
     wq_path, wr_path, report_path = output_paths(out, base)
     check_outputs([wq_path, wr_path, report_path], force)
     conv = _Converter(src_p, preset, imatrix, report_experts)
     conv.validate()
     pair_id = _pair_id(conv.reader, src_p, preset, _imatrix_digest(imatrix))
+    make_dir(out)
     t0 = time.perf_counter()
-    with _temp_outputs([wq_path, wr_path, report_path]) as (wq_tmp, wr_tmp, rep_tmp):
+    # outputs(): complete or absent, also on a write error (one line) and on a signal that ends the process
+    with outputs([wq_path, wr_path, report_path]) as (wq_tmp, wr_tmp, rep_tmp):
         conv.run(wq_tmp, wr_tmp, pair_id, progress)
         sidecar.stamp(wr_tmp, wq_tmp)
         seconds = time.perf_counter() - t0

@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
+from ..atomic import outputs
 from ..errors import ModelFileError
-from ..ggufio import GGUFFile, GGUFFormatError
+from ..ggufio import GGUFFile, GGUFFormatError, abandon_writer
 
 
 @dataclass
@@ -51,9 +52,12 @@ def read_imatrix(path: str | os.PathLike[str]) -> Imatrix:
     p = Path(path)
     if not p.is_file():
         raise ModelFileError(f"imatrix file not found: {p}")
-    with p.open("rb") as f:
-        magic = f.read(4)
-    return _read_gguf(p) if magic == b"GGUF" else _read_legacy(p)
+    try:
+        with p.open("rb") as f:
+            magic = f.read(4)
+        return _read_gguf(p) if magic == b"GGUF" else _read_legacy(p)
+    except OSError as e:  # unreadable (permissions, an I/O error): the user's to fix
+        raise ModelFileError(f"cannot read the imatrix {p}: {e.strerror or e}") from e
 
 
 def _read_gguf(p: Path) -> Imatrix:
@@ -122,9 +126,14 @@ def _read_legacy(p: Path) -> Imatrix:
 
 
 def write_imatrix(im: Imatrix, path: str | os.PathLike[str]) -> Path:
-    """Write llama.cpp's GGUF imatrix layout (temporary name, then rename)."""
+    """Write llama.cpp's GGUF imatrix layout (complete or absent: atomic.outputs)."""
     p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
+    with outputs([p]) as (tmp,):
+        _write_gguf(im, tmp)
+    return p
+
+
+def _write_gguf(im: Imatrix, tmp: Path) -> None:
     w = GGUFWriter(tmp, arch="imatrix")
     w.add_string("general.type", "imatrix")
     w.add_array("imatrix.datasets", im.datasets or ["unknown"])
@@ -138,7 +147,6 @@ def write_imatrix(im: Imatrix, path: str | os.PathLike[str]) -> Path:
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        os.replace(tmp, p)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return p
+    except BaseException:
+        abandon_writer(w)
+        raise

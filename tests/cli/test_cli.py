@@ -210,6 +210,26 @@ def test_convert_ended_by_a_signal_leaves_nothing(tiny_qwen: Path, tmp_path: Pat
 
 
 @pytest.mark.native
+def test_convert_other_type_sets_the_head_too(tiny_qwen: Path, tmp_path: Path) -> None:
+    """--other-type sets every non-expert matrix: refine's Q4_K output head and Q8_0 token embedding give way to it
+    (issue 48: the head stayed Q4_K); the routers it leaves F32 are named, with why (tests/conversion/
+    test_type_flags.py: every preset and flag)."""
+    from rapidmoe.ggufio import GGUFFile  # noqa: PLC0415
+
+    res = runner.invoke(app, ["convert", str(tiny_qwen), "-o", str(tmp_path), "--name", "m", "--preset", "refine",
+                              "--other-type", "F16"])
+    assert res.exit_code == 0, res.output
+    types = {t.name: t.tensor_type.name for t in GGUFFile(tmp_path / "m.wq.gguf").tensors}
+    matrices = [n for n, t in ((t.name, t) for t in GGUFFile(tmp_path / "m.wq.gguf").tensors)
+                if "_exps." not in n and len(t.shape) >= 2]
+    assert types["output.weight"] == types["token_embd.weight"] == "F16"
+    routers = sorted(n for n in matrices if "ffn_gate_inp" in n)
+    assert {n for n in matrices if types[n] != "F16"} == set(routers) and routers
+    assert (f"--other-type F16 leaves {len(routers)} of {len(matrices)} non-expert matrices at F32 (routers "
+            f"(ffn_gate_inp), norms and biases stay F32, as in llama-quantize): {routers[0]}") in res.output
+
+
+@pytest.mark.native
 def test_run_and_serve_pass_flash_attention_like_llama_cpp(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """-fa / --flash-attn reaches the engine: `run` defaults to "auto" (llama-cli's and llama-server's default; the
     Python API keeps llama_cpp.Llama's False), "off" and "on" pass through, anything else is a usage error; `serve`'s

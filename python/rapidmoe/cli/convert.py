@@ -16,8 +16,8 @@ def convert(
     wq: Annotated[Optional[str], typer.Option("--wq", help="Override the WQ type (IQ1_M IQ2_XXS IQ2_XS Q2_K IQ3_XXS Q3_K).")] = None,
     wr: Annotated[Optional[str], typer.Option("--wr", help="Override the WR type (Q2_K Q3_K Q4_K; REFINE1 only with the refine presets).")] = None,
     down: Annotated[Optional[str], typer.Option("--down", help="Override down's sidecar form: copy or residual (refine with the refine presets).")] = None,
-    other: Annotated[Optional[str], typer.Option("--other-type", help="Type for non-expert matrices (Q8_0 F16 F32).")] = None,
-    imatrix: Annotated[Optional[Path], typer.Option("--imatrix", help="llama.cpp importance matrix (GGUF or legacy .dat).")] = None,
+    other: Annotated[Optional[str], typer.Option("--other-type", help="Type for every non-expert matrix, the output head and token embedding included over the preset's own types (Q8_0 F16 F32, or a llama-quantize mixture: Q4_K_M ...); routers stay F32 as in llama-quantize, and a matrix whose rows are not whole blocks of the type takes F16: the output names such tensors.")] = None,
+    imatrix: Annotated[Optional[Path], typer.Option("--imatrix", help="llama.cpp importance matrix (GGUF or legacy .dat), for the routed experts' quantization.")] = None,
     calib_text: Annotated[Optional[Path], typer.Option("--calib-text", help="Text to compute an importance matrix from with our build.")] = None,
     calib_ctx: Annotated[int, typer.Option("--calib-ctx", help="Tokens per calibration chunk.", min=16)] = 512,
     calib_chunks: Annotated[int, typer.Option("--calib-chunks", help="At most this many chunks.", min=1)] = 16,
@@ -42,7 +42,7 @@ def convert(
     from ..resplit import get_preset, read_imatrix, write_imatrix  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit.convert import refine_obstacle  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit.presets import CPU_FALLBACK, default_preset  # noqa: PLC0415  (lazy: keeps --help fast)
-    from ..resplit.report import format_table  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..resplit.report import flag_exceptions, format_table  # noqa: PLC0415  (lazy: keeps --help fast)
     from .budget import gpu_devices  # noqa: PLC0415  (lazy: keeps --help fast)
 
     if preset == "auto":
@@ -82,6 +82,8 @@ def convert(
                f"down {hi_t} {p.down_mode} {b['down_sidecar']:.3f} bpw | critical path {b['critical']:.3f} bpw | "
                f"total stored {b['total_stored']:.3f} bpw (routed experts)")
     typer.echo(format_table(res.report))
+    for line in flag_exceptions(res.report, {"--wq": wq, "--wr": wr, "--other-type": other}):
+        typer.echo(line)
     f = report["files"]
     typer.echo(f"wrote {res.wq_path} ({f['wq_bytes'] / 1e6:.1f} MB), {res.wr_path} ({f['wr_bytes'] / 1e6:.1f} MB), "
                f"{res.report_path} in {res.seconds:.1f} s")

@@ -33,7 +33,7 @@ from .imatrix import Imatrix
 from .presets import NEEDS_IMATRIX, REFINE_WQ, Preset, parse_mix
 from .refine import QK_K, decode_refine, encode_refine
 from .report import ErrorAccumulator, TensorReport
-from .typechoice import EXPERT_RE, ExpertPlan, check_expert_plan, exact_mixture, plan_expert, tensor_type
+from .typechoice import EXPERT_RE, ExpertPlan, check_expert_plan, exact_mixture, plan_expert, tensor_choice
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +68,12 @@ def _mixture_types(src: Path, ftype: int) -> dict[str, GGMLQuantizationType]:
 
 
 def _target_type(t: Tensor, preset: Preset, mixture: dict[str, GGMLQuantizationType] | None = None,
-                 overrides: dict[str, str] | None = None) -> GGMLQuantizationType:
-    """Type of a non-expert tensor in the WQ file (typechoice.tensor_type; `mixture`: llama.cpp's plan)."""
+                 overrides: dict[str, str] | None = None) -> tuple[GGMLQuantizationType, str]:
+    """Type of a non-expert tensor in the WQ file and the rule that chose it (typechoice.tensor_choice; `mixture`:
+    llama.cpp's plan)."""
     rule = exact_mixture({k: v.name for k, v in mixture.items()}) if mixture is not None else None
-    return ggml_type(tensor_type(t.name, tuple(int(x) for x in t.shape), t.tensor_type.name, preset,
-                                 overrides or {}, rule))
+    ty, why = tensor_choice(t.name, tuple(int(x) for x in t.shape), t.tensor_type.name, preset, overrides or {}, rule)
+    return ggml_type(ty), why
 
 
 def _byte_shape(t: Tensor, qt: GGMLQuantizationType) -> tuple[int, ...]:
@@ -181,6 +182,7 @@ class _Converter:
         self.reports: list[TensorReport] = []
         self.plans: dict[str, ExpertPlan] = {}
         self.totals = ErrorAccumulator()
+        self.others: dict[str, dict[str, object]] = {}  # non-expert tensor -> its type, dims and the rule's words
 
     # -- validation -------------------------------------------------------------------------------------
     def expert_tensors(self) -> list[Tensor]:
@@ -355,7 +357,8 @@ class _Converter:
                     _add_quant_info(wr, side_name, _byte_shape(t, hi), hi)
                 plan.append((t, None))
             else:
-                qt = _target_type(t, p, mixture, overrides)
+                qt, why = _target_type(t, p, mixture, overrides)
+                self.others[t.name] = {"type": qt.name, "dims": len(t.shape), "rule": why}
                 if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                     dt = np.dtype(np.float32 if qt == GGMLQuantizationType.F32 else np.float16)
                     shape = tuple(int(x) for x in reversed(t.shape))
@@ -447,6 +450,7 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset
                       "source_bytes": src_p.stat().st_size},
             "total": conv.totals.summary(), "tensors": [r.summary() for r in conv.reports],
             "type_fallbacks": conv.fallbacks(),
+            "other_tensors": conv.others,
         }
         rep_tmp.write_text(json.dumps(report, indent=1))
     for line in conv.fallbacks():

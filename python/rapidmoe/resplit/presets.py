@@ -270,12 +270,16 @@ def default_preset(has_gpu: bool) -> str:
     return GPU_DEFAULT if has_gpu else CPU_DEFAULT
 
 
-def get_preset(name: str, **overrides: str) -> Preset:
-    """A named preset, optionally with some of its types replaced (e.g. wq='IQ2_XS')."""
+def get_preset(name: str, **overrides: str | None) -> Preset:
+    """A named preset, optionally with some of its types replaced (e.g. wq='IQ2_XS'). A new `other` is the type of
+    every non-expert matrix: it replaces the preset's own token-embedding and output-head types too, unless those
+    are given as well."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     base = PRESETS[name]
-    fields = {k: v for k, v in overrides.items() if v is not None}
+    fields: dict[str, str | None] = {k: v for k, v in overrides.items() if v is not None}
     if not fields:
         return base
+    if "other" in fields:
+        fields = {"token_embd": None, "output": None, **fields}
     return Preset(**{**base.__dict__, **fields, "name": f"{name}+custom"})

@@ -1,17 +1,19 @@
 """Reconstruction-error bookkeeping for RESplit: ||W - What|| / ||W|| per tensor and in total, for WQ alone,
 the critical path (deq WQ + deq WR, the down copy, or the refine codec's refined weights), and plain Q4_K / Q8_0
-of the same weights (and Q3_K with the refine codec: its base's stock counterpart).
+of the same weights (and Q3_K with the refine codec: its base's stock counterpart); from the finished report, the
+lines that name the tensors a type flag did not set, and why.
 
 Pure numpy; sums of squares are accumulated in float64 so totals are exact aggregates, not averages of ratios.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .presets import REFINE_WR
+from .presets import OTHER_TYPES, REFINE_WR
 
 
 def _sq(x: np.ndarray) -> float:
@@ -100,3 +102,39 @@ def format_table(report: dict[str, Any]) -> str:
                      "asked type's block):")
         lines.extend(f"  {line}" for line in fallbacks)
     return "\n".join(lines)
+
+
+def _names(names: list[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def flag_exceptions(report: dict[str, Any], given: Mapping[str, str | None]) -> list[str]:
+    """One line per type flag and reason naming the tensors the flag names but did not set (none where it set them
+    all): `given` maps --wq, --wr and --other-type to the value given (None: not given). --wq and --wr name the
+    routed experts' base and sidecar parts (--wr: not down's copy), left by a --mix entry or llama-quantize's
+    row-size fallback; --other-type (a single type; a mixture is llama.cpp's choice per tensor) names every
+    non-expert matrix, left by the rules of typechoice.tensor_choice (routers kept F32, rows no block divides)."""
+    fallen = {line.split(" ")[0] + " " + line.split(" ")[1] for line in report.get("type_fallbacks") or []}
+    out: list[str] = []
+    for flag, key, part in (("--wq", "wq_type", "wq"), ("--wr", "sidecar_type", "sidecar")):
+        want = given.get(flag)
+        if want is None:
+            continue
+        left: dict[str, list[str]] = {}
+        for t in report["tensors"]:
+            if (flag == "--wr" and t["sidecar_is_copy"]) or t[key] == want.upper():
+                continue
+            why = "llama-quantize's fallback: rows not whole blocks" if f"{t['name']} {part}" in fallen else \
+                "the mix's entry"
+            left.setdefault(f"{t[key]} ({why})", []).append(t["name"])
+        out.extend(f"{flag} {want} leaves {_names(names)} at {what}" for what, names in left.items())
+    other = given.get("--other-type")
+    if other is not None and other.upper() in OTHER_TYPES:
+        matrices = {n: t for n, t in (report.get("other_tensors") or {}).items() if t["dims"] >= 2}
+        by_rule: dict[str, list[str]] = {}
+        for n, t in matrices.items():
+            if t["type"] != other.upper():
+                by_rule.setdefault(f"{t['type']} ({t['rule']})", []).append(n)
+        out.extend(f"--other-type {other} leaves {len(names)} of {len(matrices)} non-expert matrices at {what}: "
+                   f"{_names(names)}" for what, names in by_rule.items())
+    return out

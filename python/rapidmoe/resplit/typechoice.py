@@ -81,22 +81,30 @@ def tensor_type(name: str, shape: tuple[int, ...], stored: str, preset: Preset, 
                 mixture: MixtureRule | None = None) -> str:
     """Type name of a non-expert tensor in the WQ file. `overrides` are Preset.tensor_types of the file's names;
     `mixture` gives llama-quantize's type of each tensor when the preset's `other` is a mixture (required then)."""
+    return tensor_choice(name, shape, stored, preset, overrides, mixture)[0]
+
+
+def tensor_choice(name: str, shape: tuple[int, ...], stored: str, preset: Preset, overrides: Mapping[str, str],
+                  mixture: MixtureRule | None = None) -> tuple[str, str]:
+    """tensor_type, and the rule that chose it: "other" where the tensor took preset.other itself, else why not
+    (the words `convert` prints for a tensor its --other-type leaves)."""
     if mixture is None and preset.other_mixture is not None:
         raise ValueError(f"preset {preset.name}: other = {preset.other} needs llama.cpp's per-tensor plan (mixture)")
     fixed = overrides.get(name)
     if fixed is not None and fits_rows(fixed, int(shape[0])):
-        return fixed.upper()
+        return fixed.upper(), f"the preset's own type for {name.removesuffix('.weight')}"
     if mixture is not None:
         ty = mixture(name, shape, stored)
         # a norm weight multiplies activations elementwise, which ggml's CPU does not do from a quantized type:
         # the pinned llama-quantize quantizes 2-D norms it does not recognize (qwen4exp's ple_norm_*: its own Q4_K_M
         # of that model aborts in binary_op); they stay as stored
         if NORM_RE.search(name) and ty not in FLOAT_TYPES:
-            return stored
-        return ty
+            return stored, "a norm, kept as stored: ggml's CPU multiplies by norms only in float types"
+        return ty, "other"
     if len(shape) == 1 or KEEP_F32_RE.search(name):
-        return "F32"
+        return "F32", ("a vector" if len(shape) == 1 else
+                       "routers (ffn_gate_inp), norms and biases stay F32, as in llama-quantize")
     other = preset.other.upper()
     if not fits_rows(other, int(shape[0])):
-        return "F16" if other != "F32" else other
-    return other
+        return ("F16" if other != "F32" else other), f"rows of {int(shape[0])} values are not whole {other} blocks"
+    return other, "other"

@@ -19,16 +19,20 @@ pytestmark = pytest.mark.native
 
 SEED = 24
 # Each count covers every mutator kind its target draws with this seed, with margin (measured on this seed: the
-# model target's 25 operators and its 6 case kinds by input 41, the sidecar's 22 operators by input 70, the policy
-# target's 12 JSON/text operators by input 18, imatrix/frequency/trace theirs by inputs 141/171/156). A model input
-# runs the model (about a second each on two busy cores), a reader input about a tenth of that.
+# model target's 26 operators by input 47 and its 5 commands by input 16, the sidecar's 22 operators by input 70,
+# the policy target's 12 JSON/text operators by input 18, imatrix/frequency/trace theirs by inputs 141/171/156). A
+# model input runs the model (about a second each on two busy cores), a reader input about a tenth of that.
 # An operator change that leaves one out of the model run fails the ops assertion below by name: raise the count.
 PLAN = [("model", 80), ("sidecar", 70), ("imatrix", 200), ("frequency", 200), ("policy", 50), ("trace", 200)]
+# the model inputs that run `convert` (9 with the default preset, 2 with cpu-fast on this seed: most are refused in
+# one line at once, one that converts takes a few seconds); the default preset inspects the file before it picks one
+CONVERT_SHARE = 0.15
+MODEL_COMMANDS = {"run", "run --trace", "inspect", "convert", "convert cpu-fast"}
 N_HTTP = 150
 
 
 def test_short_fuzz_run(fuzz_bases: Bases, tmp_path: Path) -> None:
-    s = run_campaign(fuzz_bases, PLAN, seed=SEED, out=tmp_path, jobs=2, env=base_env(), convert_share=0.01)
+    s = run_campaign(fuzz_bases, PLAN, seed=SEED, out=tmp_path, jobs=2, env=base_env(), convert_share=CONVERT_SHARE)
     report = json.dumps({"counts": s.to_json()["counts"], "findings": s.findings}, indent=1)[:20000]
     assert not s.findings, f"fuzz findings (replay: python tools/fuzz_run.py --replay RECORD):\n{report}"
     for target, n in PLAN:
@@ -38,6 +42,7 @@ def test_short_fuzz_run(fuzz_bases: Bases, tmp_path: Path) -> None:
     assert "llama.cpp could not load" in errors["model"], errors["model"]  # mutants got past our checks
     assert "cannot attach" in errors["sidecar"], errors["sidecar"]  # re-signed sidecars reached the C++ loader
     assert set(s.ops["model"]) == set(MODEL_OPS), set(MODEL_OPS) - set(s.ops["model"])
+    assert set(s.kinds["model"]) == MODEL_COMMANDS, s.kinds["model"]  # every command, `convert` with both presets
     assert {"side_rename", "side_type", "side_shape", "side_meta"} <= set(s.ops["sidecar"]) <= set(SIDECAR_OPS)
 
 

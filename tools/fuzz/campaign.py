@@ -23,6 +23,7 @@ BASE_TIMEOUT = 60.0  # seconds for one `run` of the tiny model; scaled per case 
 class Summary:
     counts: dict[str, Counter[str]] = field(default_factory=dict)  # target -> outcome -> n
     ops: dict[str, Counter[str]] = field(default_factory=dict)  # target -> operator -> n (what the inputs exercised)
+    kinds: dict[str, Counter[str]] = field(default_factory=dict)  # target -> command kind (Case.kind) -> n
     errors: dict[str, Counter[str]] = field(default_factory=dict)  # target -> first words of the error line -> n
     findings: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
@@ -31,6 +32,8 @@ class Summary:
         self.counts.setdefault(case.target, Counter())[verdict.outcome.value] += 1
         for op in case.recipe.get("ops", []):
             self.ops.setdefault(case.target, Counter())[op] += 1
+        if case.kind:
+            self.kinds.setdefault(case.target, Counter())[case.kind] += 1
         if verdict.outcome == Outcome.clean_error:
             words = " ".join(w for w in verdict.detail.split()[:6] if "/" not in w)
             self.errors.setdefault(case.target, Counter())[words] += 1
@@ -40,6 +43,7 @@ class Summary:
                 "counts": {t: dict(c) for t, c in self.counts.items()},
                 "findings": self.findings,
                 "ops": {t: dict(c) for t, c in self.ops.items()},
+                "kinds": {t: dict(c) for t, c in self.kinds.items()},
                 "errors": {t: dict(c.most_common(40)) for t, c in self.errors.items()}}
 
     @property

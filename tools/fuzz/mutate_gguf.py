@@ -209,6 +209,29 @@ def tok_edit(c: Ctx) -> list[Edit]:
     return [replace_string(kv.items[j], new)]
 
 
+def tok_nul(c: Ctx) -> list[Edit]:
+    """NUL bytes in token strings. llama.cpp reads a token up to its first NUL (gguf_get_arr_str's C string), so
+    another token's text followed by NULs is that token twice (its vocab loader asserts), a token cut at a NUL
+    inside is a shorter one, and a token that starts with one is empty: named `[EMPTY_<id>]`, two of them are fine,
+    one beside a token spelled that way is a duplicate again."""
+    kv = _tokens(c)
+    if kv is None or len(kv.items) < 2:
+        return []
+    i, j = c.rng.sample(range(len(kv.items)), 2)
+    a, b = kv.items[i].text, kv.items[j].text
+    which = c.rng.randrange(4)
+    if which == 0:  # token j read as token i (`Ġso\0\0e` as `Ġso`): as long as j's text where it was longer
+        return [replace_string(kv.items[j], a + b"\0" * max(1, len(b) - len(a)))]
+    if which == 1:  # a NUL inserted between two characters (UTF-8 stays valid)
+        s = b.decode("utf-8", "surrogateescape")
+        k = c.rng.randrange(len(s) + 1)
+        new = s[:k].encode("utf-8", "surrogateescape") + b"\0" + s[k:].encode("utf-8", "surrogateescape")
+        return [replace_string(kv.items[j], new)]
+    if which == 2:  # two tokens empty as read: one all NULs, one of no bytes
+        return [replace_string(kv.items[j], b"\0" * len(b)), replace_string(kv.items[i], b"")]
+    return [replace_string(kv.items[i], b"\0"), replace_string(kv.items[j], f"[EMPTY_{i}]".encode())]
+
+
 def tok_special(c: Ctx) -> list[Edit]:
     """A special-token id out of the vocabulary (set, or added where the file lacks it)."""
     tokens = _tokens(c)
@@ -403,11 +426,11 @@ MODEL_OPS: dict[str, tuple[Op, float]] = {
     "header": (header, 1), "kv_type": (kv_type, 2), "kv_strlen": (kv_strlen, 2), "kv_array_count": (kv_array_count, 2),
     "kv_array_subtype": (kv_array_subtype, 1), "kv_scalar": (kv_scalar, 6), "kv_array_item": (kv_array_item, 2),
     "kv_key": (kv_key, 2), "kv_drop": (kv_drop, 3), "kv_insert": (kv_insert, 3), "tok_dup": (tok_dup, 1),
-    "tok_edit": (tok_edit, 2), "tok_special": (tok_special, 2), "tensor_name": (tensor_name, 3),
-    "tensor_ndims": (tensor_ndims, 2), "tensor_dim": (tensor_dim, 3), "tensor_dims_swap": (tensor_dims_swap, 3),
-    "tensor_type": (tensor_type, 3), "tensor_offset": (tensor_offset, 3), "alignment": (alignment, 1),
-    "truncate": (truncate, 2), "zero_span": (zero_span, 2), "data_bytes": (data_bytes, 2), "append": (append, 1),
-    "havoc": (havoc, 1),
+    "tok_edit": (tok_edit, 2), "tok_nul": (tok_nul, 2), "tok_special": (tok_special, 2),
+    "tensor_name": (tensor_name, 3), "tensor_ndims": (tensor_ndims, 2), "tensor_dim": (tensor_dim, 3),
+    "tensor_dims_swap": (tensor_dims_swap, 3), "tensor_type": (tensor_type, 3), "tensor_offset": (tensor_offset, 3),
+    "alignment": (alignment, 1), "truncate": (truncate, 2), "zero_span": (zero_span, 2), "data_bytes": (data_bytes, 2),
+    "append": (append, 1), "havoc": (havoc, 1),
 }
 SIDECAR_OPS: dict[str, tuple[Op, float]] = {
     **{k: v for k, v in MODEL_OPS.items() if not k.startswith("tok_")},

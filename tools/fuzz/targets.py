@@ -2,7 +2,8 @@
 (seed, target, index); and the checks of a command's output files.
 
 model    the default model (F16) or its .wq.gguf (k-quants), mutated by structure; `run` (some with --trace),
-         `inspect`, and a few `convert` (whose output directory must hold nothing after a failure)
+         `inspect`, and a few `convert`, half with the default preset (whose output directory must hold nothing
+         after a failure)
 sidecar  the .wr.gguf of the default model's cpu-fast conversion, mutated by structure and, three times in four,
          re-signed (its sampled digests and header hash recomputed) so that the pairing checks pass and the C++
          loader sees the damage; `run --residual` and `inspect --residual`
@@ -92,6 +93,7 @@ class Case:
     recipe: dict[str, Any]
     timeout_scale: float = 1.0  # convert takes longer than run
     check: Callable[[Path, int], str | None] | None = None  # (workdir, exit status) -> problem with outputs
+    kind: str = ""  # the command it runs, for the counts (model: run, run --trace, inspect, convert [cpu-fast])
 
 
 def _blob(b: bytes) -> str:
@@ -197,15 +199,17 @@ def model_case(bases: Bases, seed: int, index: int, convert_share: float = 0.02,
     if upstream:
         return Case("upstream", index, ["--reader", "llama-load", "mutant.gguf"], recipe)
     r = rng.random()
-    if r < convert_share:
-        argv = ["convert", "mutant.gguf", "-o", "out", "--preset", "cpu-fast"]
-        return Case("model", index, argv, recipe, 4.0, _check_convert)
+    if r < convert_share:  # half with the default preset (auto), which inspects the file before it converts
+        preset = ["--preset", "cpu-fast"] if r < convert_share / 2 else []
+        argv = ["convert", "mutant.gguf", "-o", "out", *preset]
+        return Case("model", index, argv, recipe, 4.0, _check_convert, "convert" + (" cpu-fast" if preset else ""))
+    r = (r - convert_share) / (1 - convert_share)  # the other cases, spread alike whatever the convert share
     if r < 0.15:
-        return Case("model", index, ["inspect", "mutant.gguf"], recipe)
+        return Case("model", index, ["inspect", "mutant.gguf"], recipe, kind="inspect")
     if r < 0.25:
         return Case("model", index, ["run", "mutant.gguf", *RUN_ARGS, "--trace", "trace.bin"], recipe,
-                    check=_check_trace)
-    return Case("model", index, ["run", "mutant.gguf", *RUN_ARGS], recipe)
+                    check=_check_trace, kind="run --trace")
+    return Case("model", index, ["run", "mutant.gguf", *RUN_ARGS], recipe, kind="run")
 
 
 def sidecar_case(bases: Bases, seed: int, index: int) -> Case:

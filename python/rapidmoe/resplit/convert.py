@@ -67,13 +67,19 @@ def _mixture_types(src: Path, ftype: int) -> dict[str, GGMLQuantizationType]:
         raise ModelFileError(f"{src}: llama.cpp cannot plan this quantization mixture ({e})") from None
 
 
-def _target_type(t: Tensor, preset: Preset, mixture: dict[str, GGMLQuantizationType] | None = None,
-                 overrides: dict[str, str] | None = None) -> tuple[GGMLQuantizationType, str]:
+def _target_choice(t: Tensor, preset: Preset, mixture: dict[str, GGMLQuantizationType] | None = None,
+                   overrides: dict[str, str] | None = None) -> tuple[GGMLQuantizationType, str]:
     """Type of a non-expert tensor in the WQ file and the rule that chose it (typechoice.tensor_choice; `mixture`:
     llama.cpp's plan)."""
     rule = exact_mixture({k: v.name for k, v in mixture.items()}) if mixture is not None else None
     ty, why = tensor_choice(t.name, tuple(int(x) for x in t.shape), t.tensor_type.name, preset, overrides or {}, rule)
     return ggml_type(ty), why
+
+
+def _target_type(t: Tensor, preset: Preset, mixture: dict[str, GGMLQuantizationType] | None = None,
+                 overrides: dict[str, str] | None = None) -> GGMLQuantizationType:
+    """Type of a non-expert tensor in the WQ file (_target_choice's type)."""
+    return _target_choice(t, preset, mixture, overrides)[0]
 
 
 def _byte_shape(t: Tensor, qt: GGMLQuantizationType) -> tuple[int, ...]:
@@ -357,7 +363,7 @@ class _Converter:
                     _add_quant_info(wr, side_name, _byte_shape(t, hi), hi)
                 plan.append((t, None))
             else:
-                qt, why = _target_type(t, p, mixture, overrides)
+                qt, why = _target_choice(t, p, mixture, overrides)
                 self.others[t.name] = {"type": qt.name, "dims": len(t.shape), "rule": why}
                 if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                     dt = np.dtype(np.float32 if qt == GGMLQuantizationType.F32 else np.float16)

@@ -93,6 +93,22 @@ class ServerProc:
         self._log.close()
 
 
+def stock_server_bin() -> Path:
+    """Stock llama-server's folder: it runs where llama-server is built already (tools/stock_llama.py
+    llama-server, as bench/bench_server.py builds it) or with RAPIDMOE_STOCK_SERVER=1 (builds it: ~70 more
+    compile steps than the stock libllama other tests build, 10+ minutes on 2 cores); else the test skips."""
+    import pytest  # noqa: PLC0415 - only the tests that compare with stock need it
+    from stock_llama import STOCK, build_stock  # noqa: PLC0415 - tools/ is on sys.path through conftest
+
+    if os.environ.get("RAPIDMOE_STOCK_SERVER") == "1":
+        return build_stock(["llama-server"])
+    built = STOCK / "build" / "bin" / "llama-server"
+    if not built.exists():
+        pytest.skip("stock llama-server not built (python tools/stock_llama.py llama-server, or "
+                    "RAPIDMOE_STOCK_SERVER=1)")
+    return built.parent
+
+
 def sse_json(events: Iterator[bytes]) -> list[Any]:
     """Parse `data: {json}` events; `[DONE]` comes back as the string "[DONE]"."""
     out: list[Any] = []

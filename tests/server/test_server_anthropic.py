@@ -51,7 +51,7 @@ def _with_template(model: Path, template: str, out: Path) -> Path:
 def qwen3(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     d = tmp_path_factory.mktemp("anthropic")
     path = _with_template(tiny_qwen, "Qwen-Qwen3-0.6B.jinja", d / "qwen3.gguf")
-    s = ServerProc(path, "--parallel", "2", "-c", "4096", "-t", "1", "--any-model", log_path=d / "qwen3.log")
+    s = ServerProc(path, "--parallel", "2", "-c", "4096", "-t", "1", log_path=d / "qwen3.log")
     yield s
     s.stop()
 
@@ -59,7 +59,7 @@ def qwen3(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 @pytest.fixture(scope="module")
 def r1(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     d = tmp_path_factory.mktemp("anthropic")
-    s = ServerProc(tiny_qwen, "--parallel", "2", "-c", "4096", "-t", "1", log_path=d / "r1.log")
+    s = ServerProc(tiny_qwen, "--parallel", "2", "-c", "4096", "-t", "1", "--strict-model", log_path=d / "r1.log")
     yield s
     s.stop()
 
@@ -308,7 +308,8 @@ def test_count_tokens_equals_the_rendered_prompt(qwen3: ServerProc) -> None:
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
 REFUSED = [
     ({"container": "c1"}, "\"container\""),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "\"thinking\""),
+    ({"thinking": {"type": "adaptive"}}, "\"thinking.type\": \"adaptive\""),
+    ({"thinking": {"type": "enabled", "budget_tokens": -1}}, "\"thinking.budget_tokens\""),
     ({"service_tier": "auto"}, "\"service_tier\""),
     ({"frequency_penalty": 0.5}, "\"frequency_penalty\""),
     ({"messages": [{"role": "user", "content": [IMAGE]}]}, "messages[0].content[0].type\": \"image\""),
@@ -355,10 +356,10 @@ def test_refusals_through_the_client(qwen3: ServerProc) -> None:
     with pytest.raises(anthropic.BadRequestError) as e:
         client(qwen3).messages.create(model="tiny", max_tokens=4, messages=MSGS, service_tier="auto")
     assert "\"service_tier\"" in e.value.message and e.value.body["error"]["type"] == "invalid_request_error"
-    with pytest.raises(anthropic.BadRequestError) as e:
-        client(qwen3).messages.count_tokens(model="tiny", messages=MSGS, thinking={"type": "enabled",
-                                                                                   "budget_tokens": 2048})
-    assert "\"thinking\"" in e.value.message
+    # `thinking` changes how the answer is sampled, not the prompt: the count is the same with it
+    counted = client(qwen3).messages.count_tokens(model="tiny", messages=MSGS,
+                                                  thinking={"type": "enabled", "budget_tokens": 2048})
+    assert counted.input_tokens == client(qwen3).messages.count_tokens(model="tiny", messages=MSGS).input_tokens
     status, r = qwen3.request("POST", "/v1/messages/count_tokens", {"model": "tiny", "messages": MSGS,
                                                                     "max_tokens": 3})
     assert status == 400 and "\"max_tokens\"" in r["error"]["message"]  # not a count_tokens field
@@ -369,7 +370,7 @@ def test_http_layer_errors_in_anthropic_shape(qwen3: ServerProc, r1: ServerProc)
     assert status == 405 and r["type"] == "error" and r["error"]["type"] == "invalid_request_error", r
     status, r = qwen3.request("POST", "/v1/messages", raw=b"{not json")
     assert status == 400 and r["type"] == "error", r
-    with pytest.raises(anthropic.NotFoundError) as e:  # r1 runs without --any-model
+    with pytest.raises(anthropic.NotFoundError) as e:  # r1 runs with --strict-model
         client(r1).messages.create(model="no-such-model", max_tokens=4, messages=MSGS)
     assert e.value.body["error"]["type"] == "not_found_error"
     status, r = qwen3.request("POST", "/v1/messages", {"model": "tiny", "max_tokens": 4,

@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 @pytest.fixture(scope="module")
 def srv(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     log = tmp_path_factory.mktemp("server") / "cache.log"
-    s = ServerProc(tiny_qwen, "--parallel", "2", "-c", "4096", "-t", "1", "--any-model", "--chat-template", CHATML,
+    s = ServerProc(tiny_qwen, "--parallel", "2", "-c", "4096", "-t", "1", "--chat-template", CHATML,
                    log_path=log)
     yield s
     s.stop()

@@ -1,5 +1,5 @@
 """Server-wide chat flags as llama-server has them: `--no-jinja` (llama.cpp's built-in formats), `--reasoning`,
-`--reasoning-format`, `--chat-template-kwargs`, and the refusals of what is not implemented (`--reasoning-budget`).
+`--reasoning-format`, `--chat-template-kwargs`, and the refusals of flags that cannot work together.
 
 References: the formats as llama.cpp's src/llama-chat.cpp writes them (DeepSeek-3 for the tiny model's
 DeepSeek-R1 template, Command-R for the built-in name; the latter string is the one llama.cpp's own server test
@@ -30,7 +30,7 @@ def servers(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
     def get(*flags: str) -> ServerProc:
         if flags not in started:
-            started[flags] = ServerProc(tiny_qwen, "--parallel", "1", "-c", "1024", "-t", "1", "--any-model", *flags,
+            started[flags] = ServerProc(tiny_qwen, "--parallel", "1", "-c", "1024", "-t", "1", *flags,
                                         log_path=logs / f"modes{len(started)}.log")
         return started[flags]
 
@@ -130,7 +130,7 @@ def test_reasoning_format_none_leaves_thoughts_in_content(servers: Callable[...,
 
 
 @pytest.mark.parametrize("flags,msg", [
-    (["--reasoning-budget", "16"], "reasoning budgets are not implemented"),
+    (["--strict-model", "--any-model"], "contradict"),
     (["--reasoning-format", "deepseek-legacy"], "deepseek-legacy"),
     (["--reasoning", "maybe"], "expected on, off or auto"),
     (["--chat-template-kwargs", "[1]"], "must be a JSON object"),

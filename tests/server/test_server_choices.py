@@ -7,7 +7,6 @@ choice is documented to use: seed + j), so a merged prompt or a wrong index cann
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_proc import ServerProc, sse_json
+from server_proc import ServerProc, sse_json, stock_server_bin
 from testkit import GREEDY, ROOT
 
 openai = pytest.importorskip("openai")
@@ -36,7 +35,7 @@ MSGS = [{"role": "user", "content": "Tell me a story"}]
 @pytest.fixture(scope="module")
 def srv(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     log = tmp_path_factory.mktemp("server") / "choices.log"
-    s = ServerProc(tiny_qwen, "--parallel", "3", "-c", "3072", "-t", "1", "--any-model", log_path=log)
+    s = ServerProc(tiny_qwen, "--parallel", "3", "-c", "3072", "-t", "1", log_path=log)
     yield s
     s.stop()
 
@@ -352,7 +351,7 @@ BAD = [
     ({"prompt": ["a", 5.5]}, 400, '"prompt[1]"'),
     ({"prompt": ["a", []]}, 400, '"prompt[1]"'),
     ({"prompt": ["a", {"text": "b"}]}, 400, "prompt_string"),
-    ({"prompt": [{"prompt_string": "a", "multimodal_data": ["AAAA"]}]}, 501, "multimodal"),
+    ({"prompt": [{"prompt_string": "a", "multimodal_data": ["AAAA"]}]}, 400, "multimodal"),
     ({"prompt": ["a"] * 300, "n": 4}, 400, "at most 1024 per request"),
     ({"prompt": ["a", "word " * 2000]}, 400, "exceeds the available context size"),
 ]
@@ -368,24 +367,9 @@ def test_bad_prompts_and_n_are_refused(srv: ServerProc, body: dict[str, Any], st
 
 # ---- the same requests to stock llama-server of the same pin ----
 
-def _stock_bin() -> Path:
-    """Stock llama-server's folder: it runs where llama-server is built already (tools/stock_llama.py
-    llama-server, as bench/bench_server.py builds it) or with RAPIDMOE_STOCK_SERVER=1 (builds it: ~70 more
-    compile steps than the stock libllama other tests build, 10+ minutes on 2 cores)."""
-    from stock_llama import STOCK, build_stock  # noqa: PLC0415 - tools/ is on sys.path through conftest
-
-    if os.environ.get("RAPIDMOE_STOCK_SERVER") == "1":
-        return build_stock(["llama-server"])
-    built = STOCK / "build" / "bin" / "llama-server"
-    if not built.exists():
-        pytest.skip("stock llama-server not built (python tools/stock_llama.py llama-server, or "
-                    "RAPIDMOE_STOCK_SERVER=1)")
-    return built.parent
-
-
 @pytest.fixture(scope="module")
 def stock(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    bin_dir = _stock_bin()
+    bin_dir = stock_server_bin()
     s = ServerProc(tiny_qwen, "-m", str(tiny_qwen), "--parallel", "3", "-c", "3072", "-t", "1", "-tb", "1",
                    "--no-ui", "--cache-ram", "0", cmd=[str(bin_dir / "llama-server")],
                    log_path=tmp_path_factory.mktemp("server") / "stock.log", ready_timeout=120)

@@ -39,7 +39,7 @@ def servers(f32: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cal
 
     def get(*flags: str) -> ServerProc:
         if flags not in started:
-            started[flags] = ServerProc(f32, "--parallel", "2", "-c", "1024", "-b", "64", "-t", "1", "--any-model",
+            started[flags] = ServerProc(f32, "--parallel", "2", "-c", "1024", "-b", "64", "-t", "1",
                                         *flags, log_path=logs / f"embd{len(started)}.log")
         return started[flags]
 

@@ -69,7 +69,7 @@ def test_missing_fim_tokens_are_named() -> None:
 @pytest.fixture(scope="module")
 def srv(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     d = tmp_path_factory.mktemp("infill")  # slots of 2048 tokens and a batch of 2048, as stock's above
-    s = ServerProc(tiny_qwen, "-c", "4096", "--parallel", "2", "--batch-size", "2048", "-t", "1", "--any-model",
+    s = ServerProc(tiny_qwen, "-c", "4096", "--parallel", "2", "--batch-size", "2048", "-t", "1",
                    log_path=d / "server.log")
     yield s
     s.stop()

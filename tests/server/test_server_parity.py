@@ -24,7 +24,7 @@ TEMPLATES = ROOT / "vendor" / "llama.cpp" / "models" / "templates"  # llama.cpp'
 @pytest.fixture(scope="module")
 def srv(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     log = tmp_path_factory.mktemp("server") / "parity.log"
-    s = ServerProc(tiny_qwen, "--parallel", "1", "-c", "1024", "-t", "1", "--any-model", "--metrics", log_path=log)
+    s = ServerProc(tiny_qwen, "--parallel", "1", "-c", "1024", "-t", "1", "--metrics", log_path=log)
     yield s
     s.stop()
 

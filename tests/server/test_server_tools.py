@@ -47,7 +47,7 @@ def _with_template(model: Path, template: str, out: Path) -> Path:
 def qwen3(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     d = tmp_path_factory.mktemp("tools")
     path = _with_template(tiny_qwen, "Qwen-Qwen3-0.6B.jinja", d / "qwen3.gguf")
-    s = ServerProc(path, "--parallel", "2", "-c", "4096", "-t", "1", "--any-model", log_path=d / "qwen3.log")
+    s = ServerProc(path, "--parallel", "2", "-c", "4096", "-t", "1", log_path=d / "qwen3.log")
     yield s
     s.stop()
 
@@ -56,7 +56,7 @@ def qwen3(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def r1(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     """The tiny model as make-model writes it (the default model's spec): tools and reasoning out of the box."""
     d = tmp_path_factory.mktemp("tools")
-    s = ServerProc(tiny_qwen, "--parallel", "2", "-c", "4096", "-t", "1", "--any-model", log_path=d / "r1.log")
+    s = ServerProc(tiny_qwen, "--parallel", "2", "-c", "4096", "-t", "1", log_path=d / "r1.log")
     yield s
     s.stop()
 
@@ -191,7 +191,7 @@ def test_tools_need_a_template_that_writes_them(vocab_dir: Path, tmp_path: Path)
     s = ServerProc(plain, "-t", "1", "-c", "1024", log_path=tmp_path / "plain.log")
     try:
         status, r = s.request("POST", "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS, "max_tokens": 2})
-        assert status == 501 and '"tools"' in r["error"]["message"], r
+        assert status == 400 and '"tools"' in r["error"]["message"], r
         status, r = s.request("POST", "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS, "max_tokens": 2,
                                                                "tool_choice": "none"})
         assert status == 200 and r["choices"][0]["finish_reason"] == "length", r  # rendered, nothing parsed

@@ -98,7 +98,7 @@ def served(request: pytest.FixtureRequest, tiny_qwen: Path, tmp_path_factory: py
            ) -> Iterator[tuple[str, ServerProc]]:
     d = tmp_path_factory.mktemp("formats")
     s = ServerProc(tiny_qwen, "--chat-template-file", str(TEMPLATES / f"{request.param}.jinja"), "-c", "4096", "-t",
-                   "1", "--any-model", log_path=d / "server.log")
+                   "1", log_path=d / "server.log")
     yield request.param, s
     s.stop()
 

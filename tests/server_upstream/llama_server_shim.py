@@ -28,7 +28,7 @@ IGNORED_FLAG = {"--offline", "--no-mmproj", "--cont-batching", "--kv-unified", "
 def main(argv: list[str]) -> int:
     model = os.environ["RAPIDMOE_UPSTREAM_MODEL"]
     # llama-server's defaults where ours differ: /metrics off unless --metrics
-    out = [sys.executable, "-m", "rapidmoe.cli", "serve", model, "--any-model", "--threads", "1", "--no-metrics"]
+    out = [sys.executable, "-m", "rapidmoe.cli", "serve", model, "--threads", "1", "--no-metrics"]
     i = 0
     while i < len(argv):
         a = argv[i]

@@ -31,7 +31,8 @@ def serve(
     port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free port).", min=0, max=65535)] = 8080,
     alias: Annotated[Optional[str], typer.Option("--alias", "-a", help="Model names for the API, comma-separated (the alphabetically first is the id, as in llama-server).")] = None,
     tags: Annotated[Optional[str], typer.Option("--tags", help="Model tags, comma-separated (informational, in /v1/models).")] = None,
-    any_model: Annotated[bool, typer.Option("--any-model", help="Accept any \"model\" in requests, as llama-server does with one model (default: unknown names get 404).")] = False,
+    strict_model: Annotated[bool, typer.Option("--strict-model", help="Answer 404 to a request whose \"model\" is none of this server's names (--alias, the path, the file name or its stem). Default: any name is served, as llama-server does with one model.")] = False,
+    any_model: Annotated[bool, typer.Option("--any-model", hidden=True, help="Accept any \"model\" in requests: the default now (kept for old command lines).")] = False,
     parallel: Annotated[int, typer.Option("--parallel", "-np", help="Slots decoded together (continuous batching).", min=1, max=64)] = 2,
     queue_size: Annotated[int, typer.Option("--queue-size", help="Generations that may wait for a free slot (each choice of a request is one); beyond that 503 with Retry-After. -1: no limit, as llama-server.", min=-1)] = -1,
     ctx_size: options.CtxSize = 4096,
@@ -54,7 +55,8 @@ def serve(
     chat_template_kwargs: Annotated[Optional[str], typer.Option("--chat-template-kwargs", help="Template arguments for every chat request, a JSON object (a request's chat_template_kwargs override them).")] = None,
     reasoning: Annotated[str, typer.Option("--reasoning", "-rea", help="Thinking in chat: on|off|auto (auto: the template's default). on/off set the template's enable_thinking.")] = "auto",
     reasoning_format: Annotated[str, typer.Option("--reasoning-format", help="Default reasoning_format of chat requests: auto|deepseek (thoughts in reasoning_content) or none (left in content).")] = "auto",
-    reasoning_budget: Annotated[int, typer.Option("--reasoning-budget", help="Thinking token budget: only -1 (unrestricted); budgets are not implemented and other values are refused.", min=-1)] = -1,
+    reasoning_budget: Annotated[int, typer.Option("--reasoning-budget", help="Default thinking budget of chat requests, in tokens: after this many inside the thinking block its end tag is forced (0: at once; -1: unrestricted). A request's reasoning_budget_tokens / thinking_budget_tokens (Anthropic: thinking.budget_tokens) overrides it.", min=-1)] = -1,
+    reasoning_budget_message: Annotated[str, typer.Option("--reasoning-budget-message", help="Text forced before the thinking block's end tag when the budget runs out (a request's reasoning_budget_message overrides it).")] = "",
     seed: Annotated[int, typer.Option("--seed", "-s", help="Default sampling seed (-1: random).", min=-1)] = -1,
     temp: Annotated[float, typer.Option("--temp", help="Default temperature.", min=0.0)] = 0.8,
     metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="Serve GET /metrics.")] = True,
@@ -90,8 +92,8 @@ def serve(
                             "deepseek-legacy, which keeps the thoughts in content too, is not implemented)")
     if pooling is Pooling.rank:
         raise RapidMoEError("--pooling rank: reranking's pooling (a classification head's score) is not implemented")
-    if reasoning_budget != -1:
-        raise RapidMoEError(f"--reasoning-budget {reasoning_budget}: reasoning budgets are not implemented (-1 only)")
+    if strict_model and any_model:
+        raise RapidMoEError("--strict-model and --any-model contradict each other (any name is served by default)")
     rpc_servers = tuple(parse_servers(engine.rpc))
     keys = tuple(k.strip() for k in (api_key or "").split(",") if k.strip())
     path = model if model is not None else ensure_default_model()
@@ -102,7 +104,7 @@ def serve(
     config = ServerConfig(
         model=path, host=host, port=port,
         aliases=tuple(a.strip() for a in (alias or "").split(",") if a.strip()),
-        tags=tuple(a.strip() for a in (tags or "").split(",") if a.strip()), any_model=any_model,
+        tags=tuple(a.strip() for a in (tags or "").split(",") if a.strip()), strict_model=strict_model,
         parallel=parallel, queue_size=queue_size, ctx_size=ctx_size, n_batch=n_batch, n_predict=n_predict,
         threads=threads, n_gpu_layers=place["n_gpu_layers"], n_cpu_moe=place["n_cpu_moe"],
         override_tensor=tuple(place["override_tensor"] or ()), rpc_servers=rpc_servers,
@@ -114,6 +116,7 @@ def serve(
         queue_timeout=queue_timeout, max_body=max_body, max_connections=max_connections,
         header_timeout=header_timeout, body_timeout=body_timeout, keepalive_timeout=keepalive_timeout, chat_template=chat_template, seed=seed, temperature=temp,
         jinja=jinja, chat_template_kwargs=template_kwargs, reasoning_format=reasoning_format,
+        reasoning_budget=reasoning_budget, reasoning_budget_message=reasoning_budget_message,
         metrics=metrics, slots=slots, ui=ui, embeddings=embedding,
         pooling=pooling.value if pooling is not None else None, embd_normalize=embd_normalize, verbose=verbose)
     logging.getLogger("rapidmoe.server").setLevel(logging.INFO)

@@ -27,13 +27,13 @@ from .toolcalls import Delta, ToolCall
 # is accepted, as the chat route accepts OpenAI's `metadata` and `user`
 MESSAGES_FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
                              "top_p", "top_k", "tools", "tool_choice", "cache_control", "chat_template_kwargs",
-                             "grammar", "seed", "metadata"})
+                             "grammar", "seed", "metadata", "thinking"})
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "cache_control",
-                          "chat_template_kwargs"})
+                          "chat_template_kwargs", "thinking"})
+THINKING_BUDGET = 10000  # llama-server's budget_tokens when "enabled" gives none
 
 # Why some well-known fields are refused (the message names the field either way).
-_WHY = {"thinking": "thinking budgets; thinking blocks come from the chat "
-        "template, `chat_template_kwargs` switches them where the template can", "service_tier": "service tiers",
+_WHY = {"service_tier": "service tiers",
         "container": "code-execution containers", "mcp_servers": "MCP servers", "context_management":
         "context management", "output_format": "structured output", "top_logprobs": "log-probabilities"}
 
@@ -256,6 +256,10 @@ def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
         _tool_choice(body["tool_choice"], chat)
+    if body.get("thinking") is not None:
+        budget = _thinking(body["thinking"])
+        if budget is not None and not count_only:
+            chat["thinking_budget_tokens"] = budget
     if count_only:
         return chat
     mt = body.get("max_tokens")
@@ -280,6 +284,28 @@ def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
         if body.get(k) is not None:
             chat[k] = body[k]
     return chat
+
+
+def _thinking(v: Any) -> int | None:
+    """Anthropic's extended-thinking switch, mapped as llama-server maps it: {"type": "enabled", "budget_tokens": N}
+    is the chat route's `thinking_budget_tokens` N (10000 when absent), so the end of thinking is forced after N
+    tokens (reasoning.py); {"type": "disabled"} changes nothing (whether the model thinks is its template's,
+    switched by `chat_template_kwargs` where the template can)."""
+    if not isinstance(v, dict) or v.get("type") not in ("enabled", "disabled"):
+        if isinstance(v, dict) and isinstance(v.get("type"), str):
+            raise refused("thinking.type", "\"enabled\" or \"disabled\"", value=v["type"])
+        raise invalid_request("\"thinking\" must be {\"type\": \"enabled\", \"budget_tokens\": N} or "
+                              "{\"type\": \"disabled\"}")
+    if v["type"] == "disabled":
+        check_keys(v, {"type"}, "thinking.")
+        return None
+    check_keys(v, {"type", "budget_tokens"}, "thinking.")
+    n = v.get("budget_tokens", THINKING_BUDGET)
+    if n is None:
+        n = THINKING_BUDGET
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise invalid_request("\"thinking.budget_tokens\" must be an integer >= 0")
+    return int(n)
 
 
 # ---- errors ----

@@ -503,7 +503,8 @@ def _load(config: ServerConfig, st: routes.AppState) -> Llama:
                             f"--chat-template NAME ({', '.join(legacy_chat.builtin_names())}) or drop --no-jinja")
     bos = vocab.token_get_text(llm.token_bos()) if llm.token_bos() >= 0 else ""
     eos = vocab.token_get_text(llm.token_eos()) if llm.token_eos() >= 0 else ""
-    st.template = ChatTemplate(template, bos, eos, jinja=config.jinja, kwargs=dict(config.chat_template_kwargs))
+    st.template = ChatTemplate(template, bos, eos, jinja=config.jinja, kwargs=dict(config.chat_template_kwargs),
+                               add_bos=bool(vocab.add_bos_token()), add_eos=bool(vocab.add_eos_token()))
     st.add_bos = md.get("tokenizer.ggml.add_bos_token", "true") != "false"
     st.model_meta = routes.model_meta(llm, str(config.model))
     st.engine = Engine(llm, n_parallel=config.parallel, queue_size=config.queue_size, n_batch=config.n_batch,

@@ -15,7 +15,7 @@ import jinja2
 
 from .._runtime import llama_cpp
 from . import legacy_chat
-from .errors import ApiError, invalid_request
+from .errors import invalid_request
 from .params import check_utf8
 
 CHATML = llama_cpp.llama_chat_format.CHATML_CHAT_TEMPLATE
@@ -69,12 +69,17 @@ class _Formatter(llama_cpp.llama_chat_format.Jinja2ChatFormatter):
 
 class ChatTemplate:
     def __init__(self, template: str, bos_token: str, eos_token: str, *, jinja: bool = True,
-                 kwargs: dict[str, Any] | None = None) -> None:
+                 kwargs: dict[str, Any] | None = None, add_bos: bool = False, add_eos: bool = False) -> None:
         """`jinja` False: llama.cpp's built-in format for the template (llama-server's --no-jinja); `kwargs`: the
-        server's template arguments (--chat-template-kwargs, --reasoning on|off), under each request's own."""
+        server's template arguments (--chat-template-kwargs, --reasoning on|off), under each request's own.
+        `add_bos`/`add_eos`: the tokenizer adds BOS/EOS itself (llama_vocab_get_add_bos/eos), so a rendered prompt
+        that starts with the BOS text or ends with the EOS text loses it, as llama.cpp's common/chat.cpp does;
+        otherwise a template that writes `{{ bos_token }}` (DeepSeek-R1/V3, Llama 3, Mistral) gives two BOS."""
         self.source = template
         self.jinja = jinja
         self.kwargs = dict(kwargs or {})
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.add_bos, self.add_eos = add_bos, add_eos
         if jinja:
             self._fmt = _Formatter(template, eos_token, bos_token)
             self._fmt_bare = _Formatter(template, eos_token, bos_token, add_generation_prompt=False)
@@ -85,28 +90,43 @@ class ChatTemplate:
         `enable_thinking` true (its default reasoning "auto"; Command-R7B's template renders an empty thinking
         block without it), today's date as `datetime` ("%b %d %Y") and `date_string` ("%d %b %Y") (Llama 3.x
         templates print it); then the server's (--chat-template-kwargs, --reasoning on|off) and the request's
-        `chat_template_kwargs`, each overriding what comes before."""
+        `chat_template_kwargs`, each overriding what comes before; last OpenAI's `reasoning_effort`, as
+        llama-server maps it: "none" sets `enable_thinking` false, any other value is the template's
+        `reasoning_effort` (GPT-OSS's template reads it)."""
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise invalid_request("\"chat_template_kwargs\" must be an object")
+        effort = body.get("reasoning_effort")
+        if effort is not None and not isinstance(effort, str):
+            raise invalid_request("\"reasoning_effort\" must be a string")
         if not self.jinja:  # no template arguments without Jinja, as llama-server's legacy path
             return legacy_chat.render(self.source, messages, add_generation_prompt)
         now = datetime.now()
         kwargs = {"enable_thinking": True, "datetime": now.strftime("%b %d %Y"),
                   "date_string": now.strftime("%d %b %Y"), **self.kwargs, **kwargs}
+        if effort == "none":
+            kwargs["enable_thinking"] = False
+            kwargs.pop("reasoning_effort", None)
+        elif effort:
+            kwargs["reasoning_effort"] = check_utf8(effort, "reasoning_effort")
         fmt = self._fmt if add_generation_prompt else self._fmt_bare
         if "<|channel|>" not in self.source:  # llama.cpp maps "developer" to "system" for all but GPT-OSS
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         try:
-            return fmt.prompt(messages, tools or None, **kwargs)
+            prompt = fmt.prompt(messages, tools or None, **kwargs)
         except Exception as e:  # noqa: BLE001 - a template error is the request's (raise_exception in the template)
             raise invalid_request(f"chat template failed: {e}") from None
+        if self.add_bos and self.bos_token and prompt.startswith(self.bos_token):
+            prompt = prompt[len(self.bos_token):]
+        if self.add_eos and self.eos_token and prompt.endswith(self.eos_token):
+            prompt = prompt[:-len(self.eos_token)]
+        return prompt
 
 
 def check_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """llama-server's checks: an array of {role, content}; content a string or [{type: text, text}]. The role must
     be one of OpenAI's (ROLES; an unknown one is a 400, as OpenAI answers; "function" messages of the legacy
-    function calling are refused with 501, as `functions` is)."""
+    function calling are refused by name, as `functions` is)."""
     if "messages" not in body:
         raise invalid_request("'messages' is required")
     msgs = body["messages"]
@@ -121,8 +141,8 @@ def check_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise invalid_request(f"messages[{i}] must be an object with a string 'role'")
         if m["role"] == "function":
-            raise ApiError(501, "not_supported_error", f"messages[{i}]: role 'function' (legacy function calling) "
-                           "is not supported by this server; use 'tool' messages")
+            raise invalid_request(f"messages[{i}]: role 'function' (legacy function calling) is not supported by "
+                                  "this server; use 'tool' messages")
         if m["role"] not in ROLES:
             raise invalid_request(f"messages[{i}]: invalid role {m['role']!r}; expected one of "
                                   + ", ".join(f"'{r}'" for r in ROLES))

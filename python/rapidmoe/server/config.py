@@ -15,7 +15,8 @@ class ServerConfig:
     port: int = 8080
     aliases: tuple[str, ...] = ()  # model names in the API; the id is the alphabetically first, as llama-server's
     tags: tuple[str, ...] = ()  # informational, listed in /v1/models
-    any_model: bool = False  # accept any "model" in requests (llama-server's single-model behaviour)
+    strict_model: bool = False  # a request's "model" must be one of model_names (else 404); by default any name is
+    # served, as llama-server does with one model
     parallel: int = 2  # slots decoded together, one llama sequence each
     queue_size: int = -1  # generations waiting for a slot beyond `parallel`; more get 503 at once; -1: no limit
     # (llama-server's queue)
@@ -51,6 +52,8 @@ class ServerConfig:
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()  # server-wide template arguments (--chat-template-kwargs,
     # --reasoning on|off as enable_thinking), under each request's chat_template_kwargs
     reasoning_format: str = "auto"  # default reasoning_format of chat requests: auto|deepseek split <think>, none not
+    reasoning_budget: int = -1  # default thinking budget of chat requests, tokens (-1: unrestricted; reasoning.py)
+    reasoning_budget_message: str = ""  # forced before the end tag when the budget runs out
     embeddings: bool = False  # serve /v1/embeddings and /embedding(s) (llama-server's --embedding)
     pooling: str | None = None  # --pooling: none|mean|cls|last|rank (server/pooling.py); None: the model's
     embd_normalize: int = 2  # --embd-normalize for pooled embeddings: -1 none, 0 max abs, 1 taxicab, 2 euclidean

@@ -25,8 +25,10 @@ import numpy as np
 from .._runtime import llama_cpp as lc
 from . import pooling
 from .params import GenerationParams
+from .reasoning import ReasoningBudget
 from .sampling import SlotSampler
 from .text import TextAssembler
+from .trigger import TriggerWatch
 
 if TYPE_CHECKING:
     from ..llama import Llama
@@ -414,7 +416,12 @@ class Engine:
         s.ticket = t
         t.wait.started = True  # the request is being answered: its other choices are no longer timed out
         if t.embd_normalize is None:
-            s.sampler = SlotSampler(t.params.sampling, self._vocab, self.n_vocab, t.params.grammar)
+            budget, trigger = t.params.reasoning_budget, t.params.grammar_trigger
+            s.sampler = SlotSampler(
+                t.params.sampling, self._vocab, self.n_vocab, t.params.grammar,
+                ReasoningBudget(budget, self._token_piece) if budget is not None else None,
+                TriggerWatch(trigger, lambda tok: self.piece(tok, special=True), self._tokenize_special)
+                if trigger is not None else None)
             for tok in t.prompt:
                 s.sampler.accept(tok)  # penalties see the prompt, as in llama-server
             s.asm = TextAssembler(list(t.params.stop))
@@ -601,12 +608,21 @@ class Engine:
         return TokenProb(tok, self._token_piece(tok), float(logprobs[tok]), top)
 
     def _token_piece(self, tok: int) -> bytes:
-        n = lc.llama_token_to_piece(self._vocab, tok, self._piece, len(self._piece), 0, False)
+        return self.piece(tok)
+
+    def piece(self, tok: int, special: bool = False) -> bytes:
+        """The token's text; `special`: a special token as its text (as llama.cpp's grammar sees it), else empty
+        (as answers show it)."""
+        n = lc.llama_token_to_piece(self._vocab, tok, self._piece, len(self._piece), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = lc.llama_token_to_piece(self._vocab, tok, buf, -n, 0, False)
+            n = lc.llama_token_to_piece(self._vocab, tok, buf, -n, 0, special)
             return buf.raw[:n]
         return self._piece.raw[:n]
+
+    def _tokenize_special(self, text: bytes) -> list[int]:
+        """`text`'s tokens, special tokens parsed, no BOS (for trigger.py's re-spelling)."""
+        return list(self.llm.tokenize(text, add_bos=False, special=True))
 
     def _timings(self, s: _Slot, now: float) -> Timings:
         assert s.ticket is not None

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ApiError, invalid_request
+from .reasoning import BudgetSpec
+from .trigger import TriggerSpec
 
 INT32_MAX = 2**31 - 1
 SEED_RANDOM = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp picks a random seed
@@ -66,13 +68,10 @@ class GenerationParams:
     id_slot: int = -1  # -1: any idle slot
     sampling: SamplingParams = field(default_factory=SamplingParams)
     grammar: str | None = None  # GBNF (from `grammar`, `json_schema` or `response_format`), checked already
+    grammar_trigger: TriggerSpec | None = None  # the grammar starts at a tool-call opener (strict tools, trigger.py)
     n_probs: int = -1  # -1: no probabilities; k >= 0: each generated token's log-probability and the top k
     cache_prompt: bool = True  # reuse the KV of the prompt prefix a slot already holds (llama-server's default)
-
-
-def not_supported(name: str, why: str = "") -> ApiError:
-    return ApiError(501, "not_supported_error",
-                    f"\"{name}\" is not supported by this server" + (f" ({why})" if why else ""))
+    reasoning_budget: BudgetSpec | None = None  # chat on a thinking template with a budget (reasoning.py)
 
 
 def _off(*values: Any) -> Callable[[Any], bool]:
@@ -82,7 +81,8 @@ def _off(*values: Any) -> Callable[[Any], bool]:
 _EMPTY = lambda v: v == [] or v == {} or v == ""  # noqa: E731
 
 # Fields of llama-server's or OpenAI's request schema that this server does not implement, each with the values
-# that mean "off" (and so change nothing). Any other value is a 501 naming the field instead of being ignored.
+# that mean "off" (and so change nothing). Any other value is a 400 naming the field instead of being ignored: the
+# client asked for something this server does not do, and a 5xx would make SDKs send the request again.
 # Fields not listed are either implemented, have no effect on the answer (`user`, `metadata`, `store`,
 # `cache_prompt`, `n_keep`/`n_discard` without context shift), or unknown (ignored, as llama-server does).
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -104,11 +104,12 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "continue_final_message": (_off(False), "continuing the last message"),
     "add_generation_prompt": (_off(True), ""),
     "reasoning_format": (lambda v: v in ("none", "auto", "deepseek"), "\"none\", \"auto\" or \"deepseek\""),
-    "reasoning_budget_tokens": (_off(-1), "reasoning budgets"),
-    "thinking_budget_tokens": (_off(-1), "reasoning budgets"),
-    "reasoning_budget_message": (lambda v: False, "reasoning budgets"),
-    "reasoning_control": (_off(False), "reasoning budgets"),
-    "reasoning_effort": (lambda v: False, "reasoning budgets"),
+    # the chat routes implement these (routes.CHAT_FIELDS); elsewhere, as in llama-server, there is no thinking
+    "reasoning_budget_tokens": (_off(-1), "reasoning budgets apply to chat requests"),
+    "thinking_budget_tokens": (_off(-1), "reasoning budgets apply to chat requests"),
+    "reasoning_budget_message": (_off(""), "reasoning budgets apply to chat requests"),
+    "reasoning_effort": (lambda v: False, "reasoning effort applies to chat requests"),
+    "reasoning_control": (_off(False), "forcing the end of reasoning by request"),
     "verbose": (_off(False), ""),
     "echo": (_off(False), ""),
     "multimodal_data": (_EMPTY, "multimodal input"),
@@ -127,18 +128,18 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 def refuse_unsupported(body: dict[str, Any], skip: frozenset[str] = frozenset()) -> None:
-    """501 naming the first field that asks for something this server does not do (null means absent)."""
+    """400 naming the first field that asks for something this server does not do (null means absent)."""
     for name, (is_off, why) in UNSUPPORTED.items():
         if name in skip:
             continue
         v = body.get(name)
         if v is not None and not is_off(v):
-            raise not_supported(name, why)
+            raise refused(name, why)
 
 
 def refused(name: str, why: str = "", value: Any = None) -> ApiError:
-    """400 naming a field of the Anthropic and Responses routes this server does not implement (and, for a type it
-    does not do, the value): those APIs answer a field they do not know with a 400."""
+    """400 naming a request field this server does not implement (and, for a type it does not do, the value): the
+    client's error, as OpenAI's and Anthropic's APIs answer a field they do not know, and not one to retry."""
     what = f"\"{name}\"" + (f": {json.dumps(value, ensure_ascii=False)}" if value is not None else "")
     return invalid_request(f"{what} is not supported by this server" + (f" ({why})" if why else ""))
 

@@ -3,7 +3,7 @@
 A Responses request is checked field by field and turned into an OpenAI chat body (`to_chat`), which then goes
 through the same template, sampling and tool-call parsing as /v1/chat/completions (routes.chat_setup). The
 answer's parsed pieces (toolcalls.Delta) become output items (`Items`: reasoning, message, function_call), whole
-or as the Responses stream's events. Fields this server does not implement (stored responses, reasoning effort,
+or as the Responses stream's events. Fields this server does not implement (stored responses, reasoning summaries,
 built-in tools, images and files, ...) are a 400 naming them. Pure data shaping: no engine, no sockets.
 """
 from __future__ import annotations
@@ -23,13 +23,14 @@ from .toolcalls import Delta, ToolCall
 
 # OpenAI's fields that are implemented, each accepted value checked below, plus three llama.cpp extensions
 # (`chat_template_kwargs`, `grammar`, `seed`, as on the chat route); any other field is refused by name.
+# `metadata` and `user` have no effect on the answer.
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "tools", "tool_choice",
                     "parallel_tool_calls", "stream", "temperature", "top_p", "text", "store", "truncation", "include",
-                    "chat_template_kwargs", "grammar", "seed", "metadata", "user"})  # the last two: no effect on
+                    "chat_template_kwargs", "grammar", "seed", "metadata", "user", "reasoning"})
 COUNT_FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
                           "truncation", "chat_template_kwargs"})  # /v1/responses/input_tokens
 _WHY = {"previous_response_id": "stored responses", "conversation": "stored conversations", "background":
-        "background responses", "reasoning": "reasoning effort and summaries",
+        "background responses",
         "prompt": "prompt templates", "service_tier": "service tiers", "max_tool_calls": "a tool-call budget",
         "top_logprobs": "log-probabilities", "stream_options": "stream options", "prompt_cache_key":
         "cache keys; the slots' prefix cache works without one", "safety_identifier": "", "user": ""}
@@ -133,9 +134,9 @@ def _reasoning_text(v: Any, name: str, kind: str) -> str:
     return "\n".join(texts)
 
 
-def _tools(v: Any, forced: bool) -> list[dict[str, Any]]:
-    """Function tools -> the chat route's; `strict: true` is accepted where the tool grammar enforces the schema
-    (tool_choice "required" or a named function), else refused (auto calls are parsed as written)."""
+def _tools(v: Any) -> list[dict[str, Any]]:
+    """Function tools -> the chat route's, `strict` with them (the chat route enforces it: toolcalls.ToolRequest;
+    absent means not strict)."""
     if not isinstance(v, list):
         raise invalid_request("\"tools\" must be an array")
     out = []
@@ -149,18 +150,15 @@ def _tools(v: Any, forced: bool) -> list[dict[str, Any]]:
         strict = t.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise invalid_request(f"\"{name}.strict\" must be a boolean")
-        if strict and not forced:
-            raise refused(f"{name}.strict", "with tool_choice \"auto\": arguments follow the schema exactly only "
-                          "with tool_choice \"required\" or a named function, whose grammar enforces it")
         params = t.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise invalid_request(f"\"{name}.parameters\" must be a JSON schema object")
         text_value(t.get("name"), f"{name}.name")
         if t.get("description") is not None:
             text_value(t["description"], f"{name}.description")
-        # the function as given (its keys in their order: the template writes it as JSON), less type and strict
-        out.append({"type": "function", "function": {k: x for k, x in t.items()
-                                                     if k not in ("type", "strict") and x is not None}})
+        # the function as given (its keys in their order: the template writes it as JSON, as the chat route's
+        # template_tools gives it: without `strict`), less type
+        out.append({"type": "function", "function": {k: x for k, x in t.items() if k != "type" and x is not None}})
     return out
 
 
@@ -219,7 +217,7 @@ def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
     if choice is not None:
         chat["tool_choice"] = choice
     if body.get("tools") is not None:
-        chat["tools"] = _tools(body["tools"], forced=choice == "required" or isinstance(choice, dict))
+        chat["tools"] = _tools(body["tools"])
     if body.get("text") is not None:
         rf = _text_format(body["text"])
         if rf is not None:
@@ -229,11 +227,24 @@ def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
         if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
             raise invalid_request("\"max_output_tokens\" must be an integer >= 1")
         chat["max_tokens"] = mt
+    if body.get("reasoning") is not None:
+        _reasoning(body["reasoning"], chat)
     for k in ("model", "parallel_tool_calls", "stream", "temperature", "top_p", "chat_template_kwargs", "grammar",
               "seed"):
         if body.get(k) is not None:
             chat[k] = body[k]
     return chat
+
+
+def _reasoning(v: Any, chat: dict[str, Any]) -> None:
+    """`reasoning.effort` is the chat route's `reasoning_effort`, as llama-server maps it ("none": no thinking where
+    the template can switch it off; another value goes to the template); summaries are not written."""
+    if not isinstance(v, dict):
+        raise invalid_request("\"reasoning\" must be an object")
+    check_keys(v, {"effort"}, "reasoning.", why={"summary": "reasoning summaries; the reasoning item holds the "
+                                                           "reasoning text itself"})
+    if v.get("effort") is not None:
+        chat["reasoning_effort"] = text_value(v["effort"], "reasoning.effort")
 
 
 def error_event(e: ApiError) -> bytes:

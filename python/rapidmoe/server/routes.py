@@ -33,10 +33,15 @@ from .params import (
     choice_seed,
     generation_from,
     get_bool,
+    get_int,
     get_n,
+    get_str,
     refuse_unsupported,
+    refused,
 )
+from .reasoning import BudgetSpec, think_first
 from .structured import check_grammar, grammar_from
+from .trigger import TriggerSpec
 
 
 @dataclass
@@ -121,15 +126,17 @@ class AppState:
         return self.engine is not None
 
     def check_model(self, body: dict[str, Any]) -> str:
-        """The id answered in responses; an unknown `model` is a 404 (unless --any-model)."""
+        """The id answered in responses: the request's `model`, whatever it names (llama-server's rule with one
+        model); with --strict-model an unknown name is a 404."""
         name = body.get("model")
         if name is None:
             return self.config.model_id
         if not isinstance(name, str):
             raise invalid_request("\"model\" must be a string")
-        if self.config.any_model or name in self.config.model_names:
+        if not self.config.strict_model or name in self.config.model_names:
             return name
-        raise not_found(f"model '{name}' not found; this server serves '{self.config.model_id}'")
+        raise not_found(f"model '{name}' not found; this server serves '{self.config.model_id}' (it was started "
+                        "with --strict-model; without it any name is served)")
 
 
 # ---- prompts ----
@@ -162,7 +169,7 @@ def _one_prompt(st: AppState, p: Any, name: str) -> list[int]:
     llama-server's `{"prompt_string": ...}` object (its `multimodal_data` is refused)."""
     if isinstance(p, dict):
         if p.get("multimodal_data") not in (None, []):
-            raise ApiError(501, "not_supported_error", f"\"{name}\": multimodal input is not supported by this server")
+            raise refused(f"{name}.multimodal_data", "multimodal input")
         if "prompt_string" not in p:
             raise invalid_request(f"\"{name}\": a prompt object needs \"prompt_string\"")
         p, name = p["prompt_string"], f"{name}.prompt_string"
@@ -191,13 +198,15 @@ def prompt_list(st: AppState, prompt: Any) -> list[tuple[list[int], Any]]:
     return [(_one_prompt(st, prompt, "prompt"), prompt)]
 
 
-def _gen_params(st: AppState, body: dict[str, Any], route: str) -> GenerationParams:
+def _gen_params(st: AppState, body: dict[str, Any], route: str,
+                think: Callable[[str, str], str] | None = None) -> GenerationParams:
+    """The request's generation parameters; `think`: structured.grammar_from's (a thinking chat template)."""
     assert st.engine is not None
     c = st.config
     p = generation_from(body, n_vocab=st.engine.n_vocab, default_n_predict=c.n_predict, default_seed=c.seed,
                         default_temp=c.temperature, route=route, eog=st.engine.eog,
                         tokenize=lambda text: _tokenize(st, text, add_special=False, parse_special=False))
-    grammar = grammar_from(body, st.engine.llm._model.vocab)
+    grammar = grammar_from(body, st.engine.llm._model.vocab, think)
     return dataclasses.replace(p, grammar=grammar) if grammar is not None else p
 
 
@@ -522,23 +531,78 @@ class ChatSetup:
                                       think=self.think)
 
 
+# Fields of UNSUPPORTED (params.py) that the chat routes implement: thinking budgets and effort (reasoning.py)
+CHAT_FIELDS = frozenset({"reasoning_budget_tokens", "thinking_budget_tokens", "reasoning_budget_message",
+                         "reasoning_effort"})
+
+
 def chat_setup(st: AppState, body: dict[str, Any]) -> ChatSetup:
     """Render, tokenize and read the generation parameters of an OpenAI chat body (messages, tools, sampling)."""
     assert st.template is not None and st.engine is not None
     prompt, treq = _chat_prompt(st, body)
     toks = _tokenize(st, prompt, add_special=True)
-    params = _gen_params(st, body, route="chat")
-    open_think = st.template.jinja and prompt.rstrip().endswith(toolcalls.THINK_OPEN)
+    thinks = st.template.jinja and toolcalls.template_thinks(st.template.source)
+    tags = toolcalls.think_tags(st.template.source)
+    open_think = st.template.jinja and prompt.rstrip().endswith(tags[0])
+    # no reasoning split without Jinja: llama-server's legacy path parses the whole answer as content
+    reasoning = thinks and get_str(body, "reasoning_format", st.config.reasoning_format) != "none"
+    # a JSON answer may think first, unless the prompt closed the thinking block already (thinking switched off:
+    # Qwen3's `<think>\n\n</think>`), as llama.cpp's grammar, fed the generation prompt, allows
+    closed = prompt.rstrip().endswith(tags[1])
+    think = ((lambda rule, g: think_first(rule, g, tags, open_think)) if reasoning and not closed else None)
+    params = _gen_params(st, body, route="chat", think=think)
     if treq is not None and treq.choice in ("required", "named"):
         if params.grammar is not None:
             raise invalid_request("Cannot use custom grammar constraints with tool_choice required or a named tool")
         g = toolcalls.tool_grammar(treq, open_think)
         check_grammar(st.engine.llm._model.vocab, g, "tools")
         params = dataclasses.replace(params, grammar=g)
-    # no reasoning split without Jinja: llama-server's legacy path parses the whole answer as content
-    reasoning = (st.template.jinja and body.get("reasoning_format", st.config.reasoning_format) != "none"
-                 and toolcalls.template_thinks(st.template.source))
-    return ChatSetup(prompt, toks, params, treq, open_think, reasoning, toolcalls.think_tags(st.template.source))
+    elif treq is not None and treq.strict:
+        if params.grammar is not None:
+            raise invalid_request("Cannot use custom grammar constraints with strict tools")
+        trigger = _strict_trigger(st, treq, tags[1] if open_think else "")
+        g = toolcalls.tool_grammar(treq, open_think)
+        check_grammar(st.engine.llm._model.vocab, g, "tools")
+        params = dataclasses.replace(params, grammar=g, grammar_trigger=trigger)
+    budget = _reasoning_budget(st, body, tags, prompt, open_think) if thinks else None
+    if budget is not None:
+        params = dataclasses.replace(params, reasoning_budget=budget)
+    return ChatSetup(prompt, toks, params, treq, open_think, reasoning, tags)
+
+
+def _strict_trigger(st: AppState, treq: toolcalls.ToolRequest, after: str) -> TriggerSpec:
+    """Where the grammar of strict tools under tool_choice "auto" starts (toolcalls.strict_trigger, trigger.py);
+    a 400 naming the first strict tool where no grammar can start at the template's tool calls (Llama 3.x: bare
+    JSON), rather than an answer whose arguments nothing checked."""
+    assert st.engine is not None
+    opener = toolcalls.strict_trigger(treq.family)
+    toks = _tokenize(st, opener, add_special=False) if opener else []
+    if not toks or b"".join(st.engine.piece(t, special=True) for t in toks) != opener.encode():
+        i = next(i for i, t in enumerate(treq.tools) if t.strict)
+        raise refused(f"tools[{i}].function.strict", "with tool_choice \"auto\" on this chat template: its tool "
+                      "calls have no opener for a grammar to start at; use tool_choice \"required\" or a named "
+                      "function (whose grammar enforces the schema), or drop \"strict\"")
+    return TriggerSpec(opener.encode(), tuple(toks), after.encode())
+
+
+def _reasoning_budget(st: AppState, body: dict[str, Any], tags: tuple[str, str], prompt: str,
+                      open_think: bool) -> BudgetSpec | None:
+    """The thinking budget of a chat request on a thinking template, as llama-server reads it:
+    `reasoning_budget_tokens`, else `thinking_budget_tokens`, else --reasoning-budget; -1 is none. The forced end:
+    `reasoning_budget_message` (else --reasoning-budget-message), then the end tag. Where the prompt opened the
+    block, what it holds after the start tag (DeepSeek-R1's newline) counts, as llama.cpp counts it."""
+    name = "reasoning_budget_tokens" if body.get("reasoning_budget_tokens") is not None else "thinking_budget_tokens"
+    n = get_int(body, name, -1, lo=-1)
+    if n == -1:
+        n = st.config.reasoning_budget
+    message = get_str(body, "reasoning_budget_message", st.config.reasoning_budget_message) or ""
+    if n < 0:
+        return None
+    start, end = (_tokenize(st, t, add_special=False) for t in tags)
+    forced = (_tokenize(st, message, add_special=False) if message else []) + end
+    tail = prompt[prompt.rindex(tags[0]) + len(tags[0]):] if open_think else ""
+    spent = len(_tokenize(st, tail, add_special=False)) if tail else 0
+    return BudgetSpec(n, tuple(start), (tuple(end),), tuple(forced), counting=open_think, spent=spent)
 
 
 def chat_completions(st: AppState, req: Request) -> Reply | Stream:
@@ -547,7 +611,7 @@ def chat_completions(st: AppState, req: Request) -> Reply | Stream:
     calls (toolcalls.py)."""
     body = req.json()
     model = st.check_model(body)
-    refuse_unsupported(body)
+    refuse_unsupported(body, skip=CHAT_FIELDS)
     cs = chat_setup(st, body)
     jobs = jobs_for([(cs.toks, cs.prompt)], cs.params, get_n(body))
     if cs.parses:

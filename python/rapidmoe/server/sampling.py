@@ -13,23 +13,31 @@ import numpy as np
 
 from .._runtime import llama_cpp as lc
 from .params import SamplingParams
+from .reasoning import ReasoningBudget
+from .trigger import TriggerWatch
 
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(lc.llama_token_data)
 
 
 class SlotSampler:
-    """The chain, and optionally a grammar applied as llama-server applies it (`common_sampler_sample`): sample
-    with the chain, check the token against the grammar, and only if it is rejected sample again with the
-    grammar applied to every candidate first. The grammar accepts generated tokens only."""
+    """The chain, and optionally a grammar and a reasoning budget applied as llama-server applies them
+    (`common_sampler_sample`): the budget first (while it forces a token, every other token's logit is -inf),
+    then sample with the chain, check the token against the grammar, and only if it is rejected sample again with
+    the grammar applied to every candidate first. The grammar and the budget see generated tokens only."""
 
-    def __init__(self, p: SamplingParams, vocab: lc.llama_vocab_p, n_vocab: int, grammar: str | None = None) -> None:
+    def __init__(self, p: SamplingParams, vocab: lc.llama_vocab_p, n_vocab: int, grammar: str | None = None,
+                 budget: ReasoningBudget | None = None, trigger: TriggerWatch | None = None) -> None:
+        """`trigger`: the grammar starts once the answer has opened a tool call (trigger.py), fed the opener."""
         self.n_vocab = n_vocab
         self.grammar = None
-        if grammar is not None:
-            self.grammar = lc.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
-            if not self.grammar:  # checked at the HTTP boundary; a failure here is a bug
-                raise ValueError("grammar failed to parse")
+        self.budget = budget
+        self.trigger = trigger
+        self._vocab = vocab
+        self._lazy = grammar if trigger is not None else None  # the grammar, until the trigger starts it
+        if grammar is not None and trigger is None:
+            self._start_grammar(grammar, ())
+        if grammar is not None or budget is not None:
             self._data = np.zeros(n_vocab, _TOKEN_DATA)
             self._cur = lc.llama_token_data_array(
                 data=self._data.ctypes.data_as(ctypes.POINTER(lc.llama_token_data)), size=n_vocab, selected=-1,
@@ -86,26 +94,59 @@ class SlotSampler:
         """A prompt token: into the chain (penalties, DRY), not the grammar."""
         lc.llama_sampler_accept(self.chain, token)
 
+    def _start_grammar(self, grammar: str, fed: tuple[int, ...]) -> None:
+        self.grammar = lc.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
+        if not self.grammar:  # checked at the HTTP boundary; a failure here is a bug
+            raise ValueError("grammar failed to parse")
+        for tok in fed:
+            lc.llama_sampler_accept(self.grammar, tok)
+
     def sample(self, ctx: lc.llama_context_p, i_batch: int) -> int:
-        """Sample from the logits of batch row `i_batch` and accept the token into the chain's (and grammar's)
-        state."""
+        """Sample from the logits of batch row `i_batch` and accept the token into the chain's (and grammar's,
+        budget's and trigger's) state."""
+        watching = self.trigger is not None and not self.trigger.started
+        forced = self.trigger.forced() if self.trigger is not None else None
+        if forced is None and self.budget is not None:
+            forced = self.budget.forced()
+            if forced is not None and not self._grammar_takes(forced):
+                forced = None  # a request's own grammar that cannot close the thinking block: the grammar wins
+        if self.grammar is None and forced is None and not watching:
+            tok = int(lc.llama_sampler_sample(self.chain, ctx, i_batch))  # accepts it into the chain
+        else:
+            logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i_batch), shape=(self.n_vocab,))
+            tok = self._apply(logits, with_grammar=False, only=forced)
+            if not self._grammar_takes(tok):  # rejected: the grammar first, then the chain again
+                tok = self._apply(logits, with_grammar=True, only=forced)
+            if watching and forced is None:
+                assert self.trigger is not None
+                tok = self.trigger.replace(tok)
+            if self.grammar is not None:
+                lc.llama_sampler_accept(self.grammar, tok)
+            lc.llama_sampler_accept(self.chain, tok)
+        if self.budget is not None:
+            self.budget.accept(tok)
+        if watching and self.trigger is not None and self.trigger.accept(tok):
+            assert self._lazy is not None
+            self._start_grammar(self._lazy, self.trigger.spec.opener_tokens)
+        return tok
+
+    def _grammar_takes(self, tok: int) -> bool:
         if self.grammar is None:
-            return int(lc.llama_sampler_sample(self.chain, ctx, i_batch))
-        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i_batch), shape=(self.n_vocab,))
-        tok = self._apply(logits, with_grammar=False)
+            return True
         self._one[0] = (tok, 1.0, 0.0)
         self._one_cur.size, self._one_cur.selected = 1, -1
         lc.llama_sampler_apply(self.grammar, ctypes.byref(self._one_cur))
-        if self._one[0]["logit"] == -np.inf:  # rejected: the grammar first, then the chain again
-            tok = self._apply(logits, with_grammar=True)
-        lc.llama_sampler_accept(self.grammar, tok)
-        lc.llama_sampler_accept(self.chain, tok)
-        return tok
+        return bool(self._one[0]["logit"] != -np.inf)
 
-    def _apply(self, logits: np.ndarray, with_grammar: bool) -> int:
+    def _apply(self, logits: np.ndarray, with_grammar: bool, only: int | None = None) -> int:
+        """The chain's token (after the grammar's mask, `with_grammar`); `only`: the one token the budget allows."""
         d = self._data
         d["id"] = np.arange(self.n_vocab, dtype=np.int32)
-        d["logit"] = logits
+        if only is None:
+            d["logit"] = logits
+        else:
+            d["logit"] = -np.inf
+            d["logit"][only] = logits[only]
         d["p"] = 0.0
         self._cur.size, self._cur.selected, self._cur.sorted = self.n_vocab, -1, False
         if with_grammar:

@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from .._llama_cpp.llama_grammar import BuiltinRule, SchemaConverter
@@ -148,22 +149,30 @@ def schema_converter() -> Converter:
     return Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
 
 
-def schema_to_grammar(schema: Any, field: str) -> str:
+def schema_to_grammar(schema: Any, field: str, rule: str = "") -> str:
+    """GBNF for `schema`; its rule is `root`, or `rule` where the grammar goes inside another."""
     if not isinstance(schema, dict):
         raise invalid_request(f"\"{field}\" must be a JSON schema object")
     if not schema:
         schema = {"type": "object"}  # llama-server: an empty schema means any object
     try:
         conv = schema_converter()
-        conv.visit_checked(schema, "")
+        conv.visit_checked(schema, rule)
         return str(conv.format_grammar())
     except Exception as e:  # noqa: BLE001 - the converter asserts on what it cannot convert
         raise invalid_request(f"\"{field}\": cannot convert this JSON schema to a grammar: {e}") from None
 
 
-def grammar_from(body: dict[str, Any], vocab: lc.llama_vocab_p) -> str | None:
+ANSWER_RULE = "answer"  # the schema's rule where `think` puts reasoning in front of it
+
+
+def grammar_from(body: dict[str, Any], vocab: lc.llama_vocab_p,
+                 think: Callable[[str, str], str] | None = None) -> str | None:
     """The request's grammar, if it asks for one (llama-server's rules: `json_schema` and `grammar` exclude each
-    other; `response_format` {json_object [, schema]} or {json_schema: {schema}}; "text" is no constraint)."""
+    other; `response_format` {json_object [, schema]} or {json_schema: {schema}}; "text" is no constraint).
+    `think(answer_rule, grammar)`: on a thinking template, a schema's grammar with the reasoning the model may
+    write before the JSON (reasoning.think_first); a `grammar` given as GBNF is the request's own and is taken
+    as it is, as llama-server does."""
     grammar = body.get("grammar")
     schema = body.get("json_schema")
     if grammar is not None and not isinstance(grammar, str):
@@ -190,7 +199,8 @@ def grammar_from(body: dict[str, Any], vocab: lc.llama_vocab_p) -> str | None:
         if schema is not None and grammar:
             raise invalid_request("Cannot use both response_format and grammar")
     if schema is not None:
-        g = schema_to_grammar(schema, field)
+        g = schema_to_grammar(schema, field) if think is None else \
+            think(ANSWER_RULE, schema_to_grammar(schema, field, ANSWER_RULE))
         check_grammar(vocab, g, field)
         return g
     if grammar:

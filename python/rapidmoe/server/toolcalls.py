@@ -85,6 +85,7 @@ def think_tags(template: str) -> tuple[str, str]:
 class Tool:
     name: str
     parameters: dict[str, Any]
+    strict: bool = False  # OpenAI's `strict`: the arguments must follow `parameters` exactly (the grammar enforces it)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,12 @@ class ToolRequest:
     def parse(self) -> bool:
         return self.choice != "none"
 
+    @property
+    def strict(self) -> bool:
+        """Some tool asks for `strict` arguments; with "auto" a lazy grammar, started by the family's opener,
+        enforces them (tool_grammar)."""
+        return self.choice == "auto" and any(t.strict for t in self.tools)
+
 
 def tools_from(body: dict[str, Any], template: str) -> ToolRequest | None:
     """Validate `tools`, `tool_choice` and `parallel_tool_calls` (OpenAI's shapes); None without tools."""
@@ -114,9 +121,10 @@ def tools_from(body: dict[str, Any], template: str) -> ToolRequest | None:
         raise invalid_request("\"tools\" must be an array")
     family = template_family(template)
     if family is None and choice_v != "none":  # with "none" the template renders the tools, nothing is parsed
-        raise ApiError(501, "not_supported_error", "\"tools\" is not supported with this model's chat template "
-                       "(tool calls are parsed for Qwen3/Hermes, DeepSeek-R1/V3, Llama 3.x, Firefunction v2, "
-                       "Command-R7B and Functionary v3.1 templates; tool_choice \"none\" works with any template)")
+        raise invalid_request("\"tools\" is not supported with this model's chat template "
+                              "(tool calls are parsed for Qwen3/Hermes, DeepSeek-R1/V3, Llama 3.x, Firefunction v2, "
+                              "Command-R7B and Functionary v3.1 templates; tool_choice \"none\" works with any "
+                              "template)")
     tools: list[Tool] = []
     for i, t in enumerate(tools_v):
         fn = t.get("function") if isinstance(t, dict) else None
@@ -128,7 +136,10 @@ def tools_from(body: dict[str, Any], template: str) -> ToolRequest | None:
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise invalid_request(f"\"tools[{i}].function.parameters\" must be a JSON schema object")
-        tools.append(Tool(name, params))
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise invalid_request(f"\"tools[{i}].function.strict\" must be a boolean")
+        tools.append(Tool(name, params, bool(strict)))
     if len({t.name for t in tools}) != len(tools):
         raise invalid_request("\"tools\" has two functions with the same name")
     parallel = body.get("parallel_tool_calls", True)
@@ -167,10 +178,15 @@ def _literal(s: str) -> str:
 def tool_grammar(req: ToolRequest, open_think: bool) -> str:
     """GBNF that admits only tool calls in the family's format (one, or several with parallel_tool_calls), each
     with arguments valid for its tool's parameter schema; for "required" any tool, for "named" that one.
-    `open_think`: the prompt left a `<think>` open, so the answer first closes it (empty)."""
+    `open_think`: the prompt left a `<think>` open, so the answer first closes it (empty). For "auto" with a
+    `strict` tool: the calls from the family's opener on (the grammar starts there, `strict_trigger`), a strict
+    tool's arguments by its schema, another's any JSON object."""
     from .structured import schema_converter  # noqa: PLC0415  (structured loads the compiled part on import)
 
     tools = [t for t in req.tools if req.choice != "named" or t.name == req.named]
+    if req.choice == "auto":
+        tools = [t if t.strict else Tool(t.name, {"type": "object"}) for t in tools]
+        open_think = False  # the reasoning comes before the opener, outside the grammar
     conv = schema_converter()
     try:
         alts = [_tool_alternative(conv, req.family, i, t) for i, t in enumerate(tools)]
@@ -185,6 +201,12 @@ def tool_grammar(req: ToolRequest, open_think: bool) -> str:
     prefix = f"{_literal(THINK_CLOSE + chr(10) + chr(10))} " if open_think else ""
     rules.insert(0, f"root ::= {prefix}{calls}")
     return "\n".join(rules) + "\n" + str(conv.format_grammar())
+
+
+def strict_trigger(family: str) -> str:
+    """The text at which the grammar of strict tools under tool_choice "auto" starts (trigger.py): the family's
+    tool-call opener, with which tool_grammar's calls begin; "" for Llama 3.x, whose calls are bare JSON."""
+    return OPENERS.get(family, "")
 
 
 def _calls_rule(family: str, one: str, parallel: bool) -> str:

@@ -34,11 +34,11 @@ KNOWN: list[tuple[str, str]] = [
     (r"test_completion::test_n_probs_post_backend_sampling", "backend sampling (`--backend_sampling`): not "
      "implemented, the flag is refused at start"),
     (r"test_chat_completion::test_(chat_template$|chat_template_assistant_prefill|verbose_debug)",
-     "`verbose` (the `__verbose` debug field): not implemented, refused by name (501)"),
+     "`verbose` (the `__verbose` debug field): not implemented, refused by name (400)"),
     (r"test_chat_completion::test_chat_template_continue_final_message", "`continue_final_message`: not "
-     "implemented (the chat path renders whole turns), refused by name (501)"),
+     "implemented (the chat path renders whole turns), refused by name (400)"),
     (r"test_chat_completion::test_return_progress|test_metrics::test_metrics_timings_on_prompt_progress",
-     "`return_progress` (prompt progress events): not implemented, refused by name (501)"),
+     "`return_progress` (prompt progress events): not implemented, refused by name (400)"),
     (r"test_compat_oai_responses::test_responses_stream_with_llama_telemetry", "llama.cpp's telemetry fields on "
      "`/v1/responses`: `return_progress` (prompt progress events) and `timings_per_token` are not implemented "
      "there, refused by name (400)"),
@@ -47,8 +47,6 @@ KNOWN: list[tuple[str, str]] = [
      "projector fails them with a 500, which the tests expect)"),
     (r"test_compat_anthropic::test_anthropic_empty_messages", "an empty `messages`: refused with a 400, as "
      "Anthropic's API refuses it; llama-server renders an empty conversation"),
-    (r"test_compat_anthropic::test_anthropic_thinking$", "Anthropic `thinking` with a `budget_tokens` (reasoning "
-     "budgets): not implemented, refused by name (400)"),
 ]
 
 

@@ -16,6 +16,21 @@ from rapidmoe import _children
 from rapidmoe.server import sse
 
 
+def read_all(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    """Everything the peer writes on `sock` until it closes (or stays silent for `timeout` seconds)."""
+    sock.settimeout(timeout)
+    out = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except (ConnectionResetError, TimeoutError):
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_proc import ServerProc, sse_json
+from server_proc import ServerProc, read_all, sse_json
 
 from rapidmoe.server import app, routes
 from rapidmoe.server.config import ServerConfig
@@ -42,20 +42,6 @@ def good(s: ServerProc) -> None:
     assert status == 200 and body["tokens_predicted"] == 2, body
 
 
-def _read_all(sock: socket.socket, timeout: float = 5.0) -> bytes:
-    sock.settimeout(timeout)
-    out = b""
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except (ConnectionResetError, TimeoutError):
-            break
-        if not chunk:
-            break
-        out += chunk
-    return out
-
-
 def _wait_connections_closed(s: ServerProc) -> None:
     time.sleep(0.8)  # the server closes idle keep-alive connections after 0.5 s
 
@@ -69,7 +55,7 @@ def test_connection_cap_answers_503(srv: ServerProc) -> None:
     extra = socket.create_connection(("127.0.0.1", srv.port))
     extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     t0 = time.monotonic()
-    answer = _read_all(extra)
+    answer = read_all(extra)
     assert time.monotonic() - t0 < 2.0  # at once (no thread, no waiting for the idle ones)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503 ") and b"Connection: close" in head, answer
@@ -101,7 +87,7 @@ def test_header_deadline_stops_a_trickling_client(srv: ServerProc) -> None:
             break
         if got:
             break
-    got += _read_all(sock, 2.0)
+    got += read_all(sock, 2.0)
     elapsed = time.monotonic() - t0
     assert got.startswith(b"HTTP/1.1 408 ") and 0.9 < elapsed < 4.0, (got, elapsed)
     sock.close()
@@ -130,7 +116,7 @@ def test_header_deadline_ends_with_the_headers(srv: ServerProc) -> None:
     sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
     time.sleep(1.5)
     sock.sendall(body)
-    head, _, rest = _read_all(sock, 10.0).partition(b"\r\n\r\n")
+    head, _, rest = read_all(sock, 10.0).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 "), head
     assert json.loads(rest)["tokens_predicted"] == 500
     sock.close()
@@ -141,7 +127,7 @@ def _answer(raw: bytes, port: int) -> tuple[int, dict[str, Any], float]:
     sock = socket.create_connection(("127.0.0.1", port))
     t0 = time.monotonic()
     sock.sendall(raw)
-    data = _read_all(sock, 10.0)
+    data = read_all(sock, 10.0)
     elapsed = time.monotonic() - t0
     sock.close()
     head, _, body = data.partition(b"\r\n\r\n")
@@ -193,7 +179,7 @@ def test_body_deadline(srv: ServerProc) -> None:
             break
         if data:
             break
-    data += _read_all(sock, 2.0)
+    data += read_all(sock, 2.0)
     elapsed = time.monotonic() - t0
     sock.close()
     head, _, body = data.partition(b"\r\n\r\n")
@@ -207,7 +193,7 @@ def test_body_deadline(srv: ServerProc) -> None:
     sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
     sock.shutdown(socket.SHUT_WR)
     t0 = time.monotonic()
-    head, _, body = _read_all(sock).partition(b"\r\n\r\n")
+    head, _, body = read_all(sock).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 ") and time.monotonic() - t0 < 1.0, head
     assert "shorter than Content-Length (5 of 100 bytes)" in json.loads(body)["error"]["message"]
     sock.close()

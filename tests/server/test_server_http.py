@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_proc import ServerProc
+from server_proc import ServerProc, read_all
 
 MAX_BODY = 2048
 
@@ -31,17 +31,7 @@ def _exchange(port: int, raw: bytes, timeout: float = 10.0) -> bytes:
     """Everything the server writes back on a fresh connection after `raw`, until it closes."""
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(raw)
-        sock.settimeout(timeout)
-        out = b""
-        while True:
-            try:
-                data = sock.recv(65536)
-            except (ConnectionResetError, TimeoutError):
-                break
-            if not data:
-                break
-            out += data
-        return out
+        return read_all(sock, timeout)
 
 
 def _parse(data: bytes) -> tuple[int, dict[str, str], bytes]:

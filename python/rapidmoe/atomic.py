@@ -130,6 +130,14 @@ def outputs(paths: Sequence[str | os.PathLike[str]]) -> Iterator[list[Path]]:
                 _restore_handlers()
 
 
+def replace_all(pairs: Sequence[tuple[Path, Path]]) -> None:
+    """Rename each (source, destination) pair, signals held meanwhile: all of them happen or, on an error, the ones
+    before it (an OSError naming the file)."""
+    with _held_signals():
+        for a, b in pairs:
+            os.replace(a, b)
+
+
 def write_text(path: str | os.PathLike[str], text: str) -> Path:
     """Write `text` to `path` through a temporary name (complete or absent)."""
     path = Path(path)

@@ -193,20 +193,33 @@ def test_convert_write_failure_is_one_line_and_leaves_nothing(tiny_qwen: Path, t
 
 
 @pytest.mark.native
-def test_convert_ended_by_a_signal_leaves_nothing(tiny_qwen: Path, tmp_path: Path) -> None:
-    """SIGTERM in the middle of a conversion (kill, a job scheduler's limit) ends it by that signal and removes the
-    temporary .wq.gguf.tmp / .wr.gguf.tmp it was writing (tests/conversion/test_outputs.py: the other signals)."""
-    out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "-m", "rapidmoe.cli", "convert", str(tiny_qwen), "-o", str(out)],
+def test_convert_ended_by_a_signal_resumes(tiny_qwen: Path, tmp_path: Path) -> None:
+    """SIGTERM in the middle of a conversion (kill, a job scheduler's limit) ends it by that signal and leaves no
+    output, only the partial files and journal; `--resume` finishes them to the bytes of an uninterrupted run
+    (tests/conversion/test_parallel_convert.py: validation of what was kept)."""
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    p = subprocess.Popen([sys.executable, "-m", "rapidmoe.cli", "convert", str(tiny_qwen), "-o", str(out), "-t", "1"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    journal = out / "tiny-qwen3moe-f16.resplit.journal"
     deadline = time.monotonic() + 120
-    while not list(out.glob("*.tmp")) and p.poll() is None and time.monotonic() < deadline:
+    while (not journal.exists() or len(journal.read_text().splitlines()) < 3) and p.poll() is None \
+            and time.monotonic() < deadline:
         time.sleep(0.02)
     assert p.poll() is None, "the conversion ended before it was signalled"
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=120)
     assert p.returncode == -signal.SIGTERM, err
-    assert list(out.iterdir()) == []
+    kept = sorted(x.name for x in out.iterdir())
+    assert kept == ["tiny-qwen3moe-f16.resplit.journal", "tiny-qwen3moe-f16.wq.gguf.partial",
+                    "tiny-qwen3moe-f16.wr.gguf.partial"], kept
+    res = runner.invoke(app, ["convert", str(tiny_qwen), "-o", str(out)])
+    assert res.exit_code == 1 and "--resume" in res.output, res.output
+    res = runner.invoke(app, ["convert", str(tiny_qwen), "-o", str(out), "--resume"])
+    assert res.exit_code == 0, res.output
+    assert runner.invoke(app, ["convert", str(tiny_qwen), "-o", str(ref)]).exit_code == 0
+    for suffix in (".wq.gguf", ".wr.gguf"):
+        name = "tiny-qwen3moe-f16" + suffix
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), suffix
 
 
 @pytest.mark.native

@@ -215,6 +215,8 @@ def test_incomplete_experts_of_any_architecture_are_refused(tmp_path: Path, micr
 
 @pytest.mark.native
 def test_interrupted_conversion_leaves_nothing(micro: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The numpy reference writes complete outputs or none (the compiled encoder keeps its partial files for
+    --resume: test_parallel_convert.py)."""
     calls = {"n": 0}
     real = _Converter.convert_expert
 
@@ -226,7 +228,7 @@ def test_interrupted_conversion_leaves_nothing(micro: Path, tmp_path: Path, monk
 
     monkeypatch.setattr(_Converter, "convert_expert", flaky)
     with pytest.raises(KeyboardInterrupt):
-        convert(micro, tmp_path, get_preset("cpu"), progress=False)
+        convert(micro, tmp_path, get_preset("cpu"), progress=False, encoder="numpy")
     assert list(tmp_path.iterdir()) == []
 
 

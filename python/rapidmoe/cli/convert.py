@@ -28,19 +28,25 @@ def convert(
     mix_chunks: Annotated[int, typer.Option("--mix-chunks", help="Chunks of --calib-ctx tokens of --mix-text per measurement.", min=1)] = 4,
     name: Annotated[Optional[str], typer.Option("--name", help="Output base name (default: the input's).")] = None,
     report_experts: Annotated[int, typer.Option("--report-experts", help="Experts per tensor on which plain Q4_K/Q8_0 errors are measured (0: all).", min=0)] = 4,
-    force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite existing outputs.")] = False,
+    threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="Worker threads (default: every core this process may use). The output is the same for any number.", min=1)] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the unfinished conversion in the output folder (its .partial files and NAME.resplit.journal, which an interrupted conversion leaves): every part it lists is read back and checked against its recorded sha256, only the others are converted. Without one it starts afresh.")] = False,
+    encoder: Annotated[str, typer.Option("--encoder", help="compiled, or numpy: the one-thread reference the compiled encoder's bytes are tested against (several times slower, no --resume).")] = "compiled",
+    force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite existing outputs (and an unfinished conversion's partial files).")] = False,
 ) -> None:
     """Split every routed expert into WQ (low-bit, in NAME.wq.gguf, which stock llama.cpp runs) and the quantized residual WR (NAME.wr.gguf sidecar); print bits per weight and the reconstruction-error table.
 
     --preset auto (the default) takes refine-hq where llama.cpp sees no GPU (cpu where the refine codec cannot take the model: merged gate_up experts, per-expert scales, rows that are not whole Q3_K super-blocks; the output says which and why): a Q3_K base fitted for one refinement bit per weight, Q4_K_M's other tensors and Q6_K output head. On both trained models (tiny-moe-a, tiny-moe-b) its whole-model KL lies below stock K-quants' at the same bytes per token at every r (0.30-0.69x), and r = 1 has lower KL than stock Q4_K_M (0.90x, 0.76x) with 0.81-0.83x its bytes; on the 8.1 GB bench model on 2 CPU cores r = 1 decodes 1.32-1.38x stock Q4_K_M (1.03-1.22x ik_llama.cpp's; two runs), prefill 1.72-1.83x (bench/results/refine-hq-speed-stop44-zen5-avx512.md). For speed take cpu-fast (Q2_K experts with a Q2_K residual, Q4_K head): 1.80x stock Q4_K_M's decode at r = 1 on the bench model, but 1.6-2.3x stock Q4_K_M's KL at r = 1 on the trained models; refine (refine-hq with a Q4_K head) sits between (1.45x; 1.14-1.63x Q4_K_M's KL). The refine presets' Q3_K experts run repacked where the CPU has AVX-512 VNNI (patch 0021) and their critical slots 8 rows at once (AVX-512 BITALG). On the random-weight bench model cpu-fast's KL stops near 0.050 whatever r (its Q4_K attention and head); cpu-q8 (Q8_0 attention and head) reaches r = 2 KL 0.017, r = 4 0.0095 (below stock Q6_K's 0.0117 with 0.86x its bytes), decoding 1.15-1.25x ik_llama.cpp's Q5_K_M-Q6_K frontier at the same KL (r = 2-4, two runs; Q8_0 repacked on x86, patch 0016) (bench/results/ik-frontier-hp-q8-zen5-avx512.md). Where a GPU is found auto takes paper (IQ1_M WQ, small enough for the device; needs --imatrix or --calib-text). Experts only, on the trained tiny-moe-a, the refine codec with every slot critical reaches stock Q4_K's KL at 4.44 bits (0.00201 vs 0.00211) and r = 1 half of stock's KL at equal bits (docs/resplit.md).
 
     --mix-bits B --mix-text FILE gives each layer's gate, up and down its own WQ type (Q2_K, Q3_K or Q4_K by default), chosen by measuring on the text how much KL each tensor loses in each type and spending B mean bits per routed weight where they save most (one evaluation of the model per tensor and type: for models that run here); --mix writes such types by hand. On tiny-moe-a, experts only, cpu-q8 with --mix-bits 2.9 has 0.66x, 0.52x and 0.60x stock K-quants' KL at equal bits read for r = 0, 1, 2 (uniform cpu-q8: 1.00x, 0.55x, 0.72x); r = 2 reaches stock Q4_K's KL at 0.89x its bits (docs/resplit.md).
+
+    The routed experts are encoded on every core (-t N; the bytes are the same for any N), the progress bar shows throughput and time left, and memory stays about ITEM_BYTES (16 MiB of source) per thread whatever the model's size. A conversion that stops (Ctrl-C, a signal, a full disk, a crash) leaves NAME.wq.gguf.partial, NAME.wr.gguf.partial and NAME.resplit.journal, never an incomplete output: --resume continues it, checking every part it kept against its recorded hash (docs/resplit.md, Conversion).
     """
     from ..atomic import make_dir  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..calibration.imatrix import collect_imatrix  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit import convert as run_convert  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit import get_preset, read_imatrix, write_imatrix  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit.convert import refine_obstacle  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..resplit.parallel import Interrupted  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit.presets import CPU_FALLBACK, default_preset  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit.report import flag_exceptions, format_table  # noqa: PLC0415  (lazy: keeps --help fast)
     from .budget import gpu_devices  # noqa: PLC0415  (lazy: keeps --help fast)
@@ -71,8 +77,13 @@ def convert(
                              max_chunks=calib_chunks, dataset=calib_text.name)
         saved = write_imatrix(im, make_dir(output) / f"{name or model.name.removesuffix('.gguf')}.imatrix.gguf")
         typer.echo(f"importance matrix: {saved}")
-    res = run_convert(model, output, p, imatrix=im, name=name, force=force,
-                      report_experts=None if report_experts == 0 else report_experts)
+    try:
+        res = run_convert(model, output, p, imatrix=im, name=name, force=force,
+                          report_experts=None if report_experts == 0 else report_experts, threads=threads,
+                          resume=resume, encoder=encoder)
+    except Interrupted as e:  # Ctrl-C: what was kept and how to continue, then the shell's status for SIGINT
+        typer.echo(f"rapidmoe-cli: {e.message}", err=True)
+        raise typer.Exit(130) from None
     report: dict[str, Any] = res.report
     b = report["bits"]
     if p.mix:
@@ -85,8 +96,9 @@ def convert(
     for line in flag_exceptions(res.report, {"--wq": wq, "--wr": wr, "--other-type": other}):
         typer.echo(line)
     f = report["files"]
+    on = f" on {report['threads']} threads" if "threads" in report else ""
     typer.echo(f"wrote {res.wq_path} ({f['wq_bytes'] / 1e6:.1f} MB), {res.wr_path} ({f['wr_bytes'] / 1e6:.1f} MB), "
-               f"{res.report_path} in {res.seconds:.1f} s")
+               f"{res.report_path} in {res.seconds:.1f} s{on}")
 
 
 def _check_outputs(model: Path, output: Path, name: Optional[str], force: bool) -> None:

@@ -17,12 +17,13 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 from tqdm import tqdm
 
-from ..atomic import make_dir, outputs
+from ..atomic import OutputError, make_dir, outputs, replace_all
 from ..errors import ModelFileError, RapidMoEError
 from ..ggml_types import fits_rows, ggml_type
 from ..ggufio import GGUFFile, Tensor, abandon_writer, copy_metadata, n_rows, tensor_rows
@@ -189,6 +190,7 @@ class _Converter:
         self.plans: dict[str, ExpertPlan] = {}
         self.totals = ErrorAccumulator()
         self.others: dict[str, dict[str, object]] = {}  # non-expert tensor -> its type, dims and the rule's words
+        self.sidecar_names: dict[str, str] = {}  # routed-expert tensor -> its sidecar tensor
 
     # -- validation -------------------------------------------------------------------------------------
     def expert_tensors(self) -> list[Tensor]:
@@ -330,9 +332,9 @@ class _Converter:
                 abandon_writer(w)
             raise
 
-    def write(self, wq: GGUFWriter, wr: GGUFWriter, pair_id: str, progress: bool) -> None:
-        from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
-
+    def header(self, wq: GGUFWriter, wr: GGUFWriter, pair_id: str) -> list[tuple[Tensor, GGMLQuantizationType | None]]:
+        """Both files' metadata and tensor tables, added to the writers; returns every source tensor in file order
+        with its WQ type (None: a routed-expert tensor, split into WQ and the sidecar)."""
         p = self.preset
         copy_metadata(self.reader, wq, skip_prefixes=("rapidmoe.resplit.",))
         wq.add_string("rapidmoe.resplit.role", "wq")
@@ -354,7 +356,7 @@ class _Converter:
             if m:
                 wq_t = ggml_type(self.plans[t.name].wq)
                 _add_quant_info(wq, t.name, _byte_shape(t, wq_t), wq_t)
-                side_name = sidecar.sidecar_name(t.name, m.group(2), p.down_mode)
+                side_name = self.sidecar_names[t.name] = sidecar.sidecar_name(t.name, m.group(2), p.down_mode)
                 if p.is_refine:  # one bit per weight: I8 bytes, ne = [n_in/8, n_out, n_expert]
                     n_in, n_out, n_expert = (int(x) for x in t.shape)
                     _add_quant_info(wr, side_name, (n_expert, n_out, n_in // 8), GGMLQuantizationType.I8)
@@ -372,6 +374,14 @@ class _Converter:
                 else:
                     _add_quant_info(wq, t.name, _byte_shape(t, qt), qt)
                 plan.append((t, qt))
+        return plan
+
+    def write(self, wq: GGUFWriter, wr: GGUFWriter, pair_id: str, progress: bool) -> None:
+        """The reference writer: one tensor after another, routed experts one expert at a time through numpy (the
+        refine codec) or ggml (the residual presets) on this thread."""
+        from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
+
+        plan = self.header(wq, wr, pair_id)
         for w in (wq, wr):
             w.write_header_to_file()
             w.write_kv_data_to_file()
@@ -422,13 +432,30 @@ def output_paths(out_dir: Path, name: str) -> tuple[Path, Path, Path]:
     return out_dir / f"{name}.wq.gguf", out_dir / f"{name}.wr.gguf", out_dir / f"{name}.resplit.json"
 
 
+def journal_path(out_dir: Path, name: str) -> Path:
+    """The journal of an unfinished conversion (parallel.py)."""
+    return out_dir / f"{name}.resplit.journal"
+
+
+ENCODERS = ("compiled", "numpy")
+
+
 def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset: Preset, *,
             imatrix: Imatrix | None = None, name: str | None = None, force: bool = False, progress: bool = True,
-            report_experts: int | None = 4) -> ConvertResult:
+            report_experts: int | None = 4, threads: int | None = None, resume: bool = False,
+            encoder: str = "compiled") -> ConvertResult:
     """Convert `src` into out_dir/<name>.wq.gguf + <name>.wr.gguf (+ <name>.resplit.json, the error report).
 
     report_experts: reference errors (plain Q4_K and Q8_0 of W) on this many experts per tensor (None: all).
+    threads: worker threads (None: every core this process may use). resume: continue the unfinished conversion in
+    out_dir (its `.partial` files and journal, parallel.py), each item it lists checked against its recorded hash;
+    without one it starts afresh. encoder "numpy": the reference, one thread, numpy's refine codec and
+    one expert at a time (no resume); "compiled" writes the same bytes.
     """
+    if encoder not in ENCODERS:
+        raise RapidMoEError(f"encoder must be one of {', '.join(ENCODERS)}, not {encoder!r}")
+    if threads is not None and threads < 1:
+        raise RapidMoEError(f"threads must be at least 1, not {threads}")
     src_p = Path(src)
     require_moe(src_p)
     out = Path(out_dir)
@@ -442,24 +469,102 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset
     pair_id = _pair_id(conv.reader, src_p, preset, _imatrix_digest(imatrix))
     make_dir(out)
     t0 = time.perf_counter()
-    # outputs(): complete or absent, also on a write error (one line) and on a signal that ends the process
-    with outputs([wq_path, wr_path, report_path]) as (wq_tmp, wr_tmp, rep_tmp):
-        conv.run(wq_tmp, wr_tmp, pair_id, progress)
-        sidecar.stamp(wr_tmp, wq_tmp)
-        seconds = time.perf_counter() - t0
-        report = {
-            "source": str(src_p), "preset": asdict(preset),
-            "bits": preset.bits(conv.moe_layers(), conv.merged_layers()), "pair_id": pair_id,
-            **({"codec": preset.codec} if preset.codec is not None else {}),
-            "imatrix": imatrix is not None, "seconds": round(seconds, 3),
-            "files": {"wq_bytes": wq_tmp.stat().st_size, "wr_bytes": wr_tmp.stat().st_size,
-                      "source_bytes": src_p.stat().st_size},
-            "total": conv.totals.summary(), "tensors": [r.summary() for r in conv.reports],
-            "type_fallbacks": conv.fallbacks(),
-            "other_tensors": conv.others,
-        }
-        rep_tmp.write_text(json.dumps(report, indent=1))
+    if encoder == "numpy":
+        # outputs(): complete or absent, also on a write error (one line) and on a signal that ends the process
+        with outputs([wq_path, wr_path, report_path]) as (wq_tmp, wr_tmp, rep_tmp):
+            conv.run(wq_tmp, wr_tmp, pair_id, progress)
+            sidecar.stamp(wr_tmp, wq_tmp)
+            seconds = time.perf_counter() - t0
+            report = _report(conv, src_p, preset, imatrix, pair_id, seconds, [wq_tmp], [wr_tmp])
+            rep_tmp.write_text(json.dumps(report, indent=1))
+    else:
+        report = _convert_parallel(conv, out, base, pair_id, threads, resume, force, progress, t0)
+        seconds = float(report["seconds"])  # type: ignore[arg-type]
     for line in conv.fallbacks():
         log.info("resplit: row size needs a fallback type (as llama-quantize): %s", line)
     log.info("resplit: wrote %s and %s in %.1f s", wq_path, wr_path, seconds)
     return ConvertResult(wq_path, wr_path, report_path, seconds, report)
+
+
+def _report(conv: _Converter, src: Path, preset: Preset, imatrix: Imatrix | None, pair_id: str, seconds: float,
+            wq_files: list[Path], wr_files: list[Path]) -> dict[str, object]:
+    return {
+        "source": str(src), "preset": asdict(preset),
+        "bits": preset.bits(conv.moe_layers(), conv.merged_layers()), "pair_id": pair_id,
+        **({"codec": preset.codec} if preset.codec is not None else {}),
+        "imatrix": imatrix is not None, "seconds": round(seconds, 3),
+        "files": {"wq_bytes": sum(p.stat().st_size for p in wq_files),
+                  "wr_bytes": sum(p.stat().st_size for p in wr_files), "source_bytes": src.stat().st_size},
+        "total": conv.totals.summary(), "tensors": [r.summary() for r in conv.reports],
+        "type_fallbacks": conv.fallbacks(),
+        "other_tensors": conv.others,
+    }
+
+
+def _convert_parallel(conv: _Converter, out: Path, base: str, pair_id: str, threads: int | None, resume: bool,
+                      force: bool, progress: bool, t0: float) -> dict[str, object]:
+    """The compiled encoder on `threads` threads, through resumable partial files (parallel.py)."""
+    from . import parallel  # noqa: PLC0415  (tqdm and the pool: only for a conversion)
+
+    wq_path, wr_path, report_path = output_paths(out, base)
+    wq_w, wr_w = GGUFWriter(None, arch=conv.arch), GGUFWriter(None, arch=sidecar.SIDECAR_ARCH)
+    plan = conv.header(wq_w, wr_w, pair_id)
+    wq_shards, wr_shards = parallel.layout(wq_w, wq_path), parallel.layout(wr_w, wr_path)
+    shards = wq_shards + wr_shards
+    items = parallel.make_items(conv, plan, shards, len(wq_shards))
+    writer = parallel.ParallelWriter(conv, shards, items, journal_path(out, base), pair_id,
+                                     threads or parallel.default_threads())
+    existing = writer.existing()
+    if existing and not resume:
+        if not force:
+            raise RapidMoEError(f"{existing[0]} is part of an unfinished conversion: pass --resume to continue it "
+                                "or --force to start over")
+        writer.discard()
+    resuming = resume and bool(existing)
+    if resume and not existing:
+        log.info("resume: no unfinished conversion in %s; starting one", out)
+    try:
+        try:
+            writer.open(resuming)
+            writer.run(resuming, progress)
+        finally:
+            writer.files.close()
+    except KeyboardInterrupt:
+        raise parallel.Interrupted(_kept(writer, "interrupted")) from None
+    except OSError as e:
+        named = Path(e.filename) if isinstance(e.filename, (str, os.PathLike)) else None
+        if named is not None and named not in writer.partials():
+            raise
+        raise OutputError(f"cannot write {_final_of(writer, named)}: {e.strerror or e}; "
+                          f"{_kept(writer, 'stopped')}") from e
+    conv.reports = writer.reports()
+    for r in conv.reports:
+        conv.totals.merge(r.acc)
+    wq_parts, wr_parts = [sh.partial for sh in wq_shards], [sh.partial for sh in wr_shards]
+    sidecar.stamp(wr_parts[0], wq_parts[0])
+    report = _report(conv, conv.src, conv.preset, conv.imatrix, pair_id, time.perf_counter() - t0, wq_parts,
+                     wr_parts)
+    report["threads"] = writer.threads
+    rep_part = report_path.with_name(report_path.name + ".partial")
+    rep_part.write_text(json.dumps(report, indent=1))
+    replace_all([(sh.partial, sh.final) for sh in shards] + [(rep_part, report_path)])
+    writer.journal.unlink(missing_ok=True)
+    return report
+
+
+def _final_of(writer: Any, named: Path | None) -> str:
+    for sh in writer.shards:
+        if named == sh.partial:
+            return str(sh.final)
+    return ", ".join(str(sh.final) for sh in writer.shards)
+
+
+def _kept(writer: Any, what: str) -> str:
+    """What an unfinished conversion leaves: its partial files when it finished some items, else nothing."""
+    done = len(writer.stats)
+    if done == 0:
+        writer.discard()
+        return "nothing was kept"
+    return (f"{what} after {done} of {len(writer.items)} parts; they are kept in {writer.shards[0].partial} (and the "
+            f"other .partial files beside it, with {writer.journal.name}): the same command with --resume continues, "
+            "--force starts over")

@@ -51,11 +51,21 @@ def _fine_index(w: np.ndarray, s: np.ndarray) -> np.ndarray:
     return out
 
 
+def sum16(x: np.ndarray) -> np.ndarray:
+    """Row sums of float32 [n, 16] in one fixed order, a tree of halves: (x[j] + x[j+8]), then (+4), (+2), (+1).
+    np.einsum and np.sum leave the order to numpy's build and the CPU's SIMD width; the compiled encoder
+    (src/rapidmoe_ggml/core/encode.cpp) adds in this order, so both give the same bits everywhere."""
+    x = x[:, :8] + x[:, 8:]
+    x = x[:, :4] + x[:, 4:]
+    x = x[:, :2] + x[:, 2:]
+    out: np.ndarray = x[:, 0] + x[:, 1]
+    return out
+
+
 def _weighted_err(w: np.ndarray, c: np.ndarray, s: np.ndarray, q: np.ndarray) -> np.ndarray:
     """sum of c * (w - s/4 * q)^2 per sub-block (q = 2f - 17)."""
     e = w - (s * np.float32(0.25))[:, None] * q
-    out: np.ndarray = np.einsum("ij,ij->i", c, e * e)
-    return out
+    return sum16(c * (e * e))
 
 
 def fit_sub_scales(w: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -80,8 +90,8 @@ def fit_sub_scales(w: np.ndarray, c: np.ndarray) -> np.ndarray:
             if r == LS_ROUNDS:
                 break
             cq = c * q
-            num = np.einsum("ij,ij->i", cq, w)
-            den = np.einsum("ij,ij->i", cq, q)
+            num = sum16(cq * w)
+            den = sum16(cq * q)
             s = np.where(den > 0, np.float32(4.0) * num / np.where(den > 0, den, 1), s).astype(np.float32)
     return best_s
 

@@ -10,6 +10,7 @@
 
 #include "abort_message.h"
 #include "backends.h"
+#include "encode.h"
 #include "expert_cache.h"
 #include "imatrix.h"
 #include "quant.h"
@@ -45,6 +46,7 @@ NB_MODULE(_core, m) {
           }, "model"_a, "name"_a,
           "Name of the backend buffer holding the model's (or its sidecar's) tensor `name`; '' if none.");
     rapidmoe::bind_quant(m);
+    rapidmoe::bind_encode(m);
     rapidmoe::bind_imatrix(m);
     rapidmoe::bind_residual(m);
     rapidmoe::bind_expert_cache(m);

@@ -1,5 +1,6 @@
 """GGUF reading for RapidMoE: a fast header parser (gguf-py's reader takes seconds on a 50k-token vocabulary),
-memory-mapped tensor data, metadata copy into a gguf-py writer, and tensors as float32 through ggml.
+memory-mapped tensor data, metadata copy into a gguf-py writer, and tensors as float32 through ggml. A model split
+with llama.cpp's gguf-split (PREFIX-00001-of-0000N.gguf, its `split.*` keys) reads as one file from its first part.
 
 Writing stays with gguf-py's GGUFWriter; (de)quantization goes through ggml (rapidmoe._core).
 """
@@ -8,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -68,15 +71,37 @@ class Tensor:
         return raw.reshape(*dims[:-1], -1)
 
 
-class GGUFFile:
-    """A GGUF's metadata and tensor table, parsed from the header; tensor data memory-mapped on demand."""
+SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS = "split.count", "split.no", "split.tensors.count"
+_SPLIT_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+
+def split_paths(first: str | os.PathLike[str], count: int) -> list[Path]:
+    """The parts of a split GGUF from its first part's path, as llama.cpp names them (llama_split_path:
+    PREFIX-%05d-of-%05d.gguf); ModelFileError if the path is not a first part of `count`."""
+    p = Path(first)
+    m = _SPLIT_NAME.match(p.name)
+    if m is None or int(m.group(2)) != 1 or int(m.group(3)) != count:
+        raise ModelFileError(f"{p} is part of a model split in {count} files, but not named as the first "
+                             f"(PREFIX-00001-of-{count:05d}.gguf, llama.cpp's gguf-split naming)")
+    return [p.with_name(f"{m.group(1)}-{i + 1:05d}-of-{count:05d}.gguf") for i in range(count)]
+
+
+class GGUFFile:
+    """A GGUF's metadata and tensor table, parsed from the header; tensor data memory-mapped on demand.
+
+    A split model (llama.cpp's gguf-split) opens from its first part: `tensors` then holds every part's tensors
+    (each reads from its own part, `Tensor._file`), `shards` the parts in order; `fields`, `value_offsets` and
+    `data_start` are the first part's. `shards` names the parts where their names do not follow the split naming
+    (files being written); `single` reads one file whatever its split keys."""
+
+    def __init__(self, path: str | os.PathLike[str], shards: Sequence[str | os.PathLike[str]] | None = None, *,
+                 single: bool = False) -> None:
         self.path = Path(path)
         self.fields: dict[str, Field] = {}
         self.tensors: list[Tensor] = []
         self.value_offsets: dict[str, int] = {}  # key -> file offset of its value's bytes (scalars and strings)
         self.data_start = 0  # file offset where the tensor data begins (the header's end, aligned)
+        self.shards: list[GGUFFile] = [self]
         self._mm: np.memmap | None = None
         size = self.path.stat().st_size
         with self.path.open("rb") as f:
@@ -85,6 +110,41 @@ class GGUFFile:
             except (struct.error, UnicodeDecodeError, ValueError, OverflowError, MemoryError, KeyError,
                     ZeroDivisionError, TypeError) as e:
                 raise GGUFFormatError(f"bad GGUF header: {e}") from e
+        count = self.get(SPLIT_COUNT)
+        if not single and isinstance(count, int) and count > 1:
+            self._open_parts(count, shards)
+
+    def _open_parts(self, count: int, names: Sequence[str | os.PathLike[str]] | None) -> None:
+        if self.get(SPLIT_NO) != 0:
+            raise ModelFileError(f"{self.path} is part {int(self.get(SPLIT_NO, 0)) + 1} of a model split in {count} "
+                                 "files: give its first part (...-00001-of-...gguf)")
+        paths = [Path(p) for p in names] if names is not None else split_paths(self.path, count)
+        if len(paths) != count:
+            raise ModelFileError(f"{self.path} is split in {count} files, {len(paths)} given")
+        for i, p in enumerate(paths[1:], start=1):
+            if not p.is_file():
+                raise ModelFileError(f"{p} not found: {self.path} is the first of {count} parts (llama.cpp's "
+                                     "gguf-split), all must be in its folder")
+            part = GGUFFile(p, single=True)
+            if part.get(SPLIT_NO) != i or part.get(SPLIT_COUNT) != count:
+                raise ModelFileError(f"{p} is not part {i + 1} of {count} of {self.path} (its split.no is "
+                                     f"{part.get(SPLIT_NO)}, split.count {part.get(SPLIT_COUNT)})")
+            self.shards.append(part)
+            self.tensors.extend(part.tensors)
+        expected = self.get(SPLIT_TENSORS)
+        if isinstance(expected, int) and expected != len(self.tensors):
+            raise ModelFileError(f"{self.path}: the {count} parts hold {len(self.tensors)} tensors, its "
+                                 f"split.tensors.count says {expected} (a part of another model?)")
+
+    @property
+    def paths(self) -> list[Path]:
+        """Every file of the model (one, or the parts of a split model in order)."""
+        return [s.path for s in self.shards]
+
+    @property
+    def size(self) -> int:
+        """Bytes of every file together."""
+        return sum(p.stat().st_size for p in self.paths)
 
     def _parse(self, f: BinaryIO, size: int) -> None:
         def read(fmt: str) -> Any:
@@ -165,9 +225,10 @@ class GGUFFile:
         return self._mm
 
     def missing_data(self) -> tuple[Tensor, int] | None:
-        """The first tensor whose data run past the end of the file, with the file's size (None: complete)."""
-        size = self.path.stat().st_size
+        """The first tensor whose data run past the end of its file, with that file's size (None: complete)."""
+        sizes = {s.path: s.path.stat().st_size for s in self.shards}
         for t in self.tensors:
+            size = sizes[t._file.path]
             if int(t.data_offset) + int(t.n_bytes) > size:
                 return t, size
         return None
@@ -183,7 +244,7 @@ class GGUFFile:
         raise KeyError(name)
 
 
-SKIP_KEYS = ("GGUF.", "general.architecture", "general.alignment")
+SKIP_KEYS = ("GGUF.", "general.architecture", "general.alignment", "split.")  # split.*: the writer's own parts
 
 
 def copy_metadata(reader: GGUFFile, writer: GGUFWriter, *, skip_prefixes: tuple[str, ...] = ()) -> None:

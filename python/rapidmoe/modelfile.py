@@ -79,7 +79,8 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         return int(v) if isinstance(v, (int, float)) else 0
 
     return ModelInfo(path=p, architecture=arch, n_layer=hparam("block_count"), n_expert=hparam("expert_count"),
-                     n_expert_used=hparam("expert_used_count"), n_tensors=len(reader.tensors), file_size=size)
+                     n_expert_used=hparam("expert_used_count"), n_tensors=len(reader.tensors),
+                     file_size=reader.size if len(reader.shards) > 1 else size)
 
 
 # llama.cpp's limits (src/llama-hparams.h) and the rope scaling types it knows (llama_rope_scaling_type_from_string)

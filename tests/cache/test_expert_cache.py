@@ -129,13 +129,14 @@ def test_resplit_pair_with_default_kernels_differs_only_in_slot_0(arch: str, mak
     side = (f"blk.{il}.ffn_up_exps.weight", f"blk.{il}.ffn_up_exps.wr", f"blk.{il}.ffn_up_exps.cache")
     ref = PlainLlama(wq, n_ctx=64, verbose=False, residual_path=wr, override_tensor="exps=CPU")
     try:  # the reference really is in the plain layout (override_tensor="exps=CPU" alone repacks)
-        assert ref.tensor_buffer(side[0]) in ("CPU", "CPU_Mapped") and ref.tensor_buffer(side[1]) == "CPU"
+        assert ref.tensor_buffer(side[0]) in ("CPU", "CPU_Mapped") and ref.tensor_buffer(side[1]) == "CPU_Mapped"
     finally:
         ref.close()
     _, cpu = run_logits(PlainLlama, str(wq), toks, names, residual_path=wr, n_critical=0, override_tensor="exps=CPU")
     _, _, where, dev = _run(wq, toks, where=side, capture=names, residual_path=wr, n_critical=0,
                             **_on_device(rpc, cache))
-    assert where[side[0]] in ("CPU", "CPU_Mapped") and where[side[1]] == "CPU", where  # plain, host memory
+    # plain, host memory (the sidecar's plain weights are used in place in its mapping: CPU_Mapped)
+    assert where[side[0]] in ("CPU", "CPU_Mapped") and where[side[1]] == "CPU_Mapped", where
     assert where[side[2]] == rpc.device.buffer_type, where
     sel = cpu[names[0]][0].reshape(len(toks), k).astype(int)
     assert np.array_equal(dev[names[0]][0].reshape(len(toks), k), sel)

@@ -31,6 +31,7 @@ def convert(
     threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="Worker threads (default: every core this process may use). The output is the same for any number.", min=1)] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the unfinished conversion in the output folder (its .partial files and NAME.resplit.journal, which an interrupted conversion leaves): every part it lists is read back and checked against its recorded sha256, only the others are converted. Without one it starts afresh.")] = False,
     encoder: Annotated[str, typer.Option("--encoder", help="compiled, or numpy: the one-thread reference the compiled encoder's bytes are tested against (several times slower, no --resume).")] = "compiled",
+    split_max_size: Annotated[Optional[str], typer.Option("--split-max-size", help="Split each output in parts of at most this much tensor data (N bytes, NM or NG: 10^6 and 10^9, as llama.cpp's gguf-split), named as gguf-split names them (NAME.wq-00001-of-0000N.gguf): run, serve, inspect and llama.cpp take the first part.")] = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite existing outputs (and an unfinished conversion's partial files).")] = False,
 ) -> None:
     """Split every routed expert into WQ (low-bit, in NAME.wq.gguf, which stock llama.cpp runs) and the quantized residual WR (NAME.wr.gguf sidecar); print bits per weight and the reconstruction-error table.
@@ -80,7 +81,7 @@ def convert(
     try:
         res = run_convert(model, output, p, imatrix=im, name=name, force=force,
                           report_experts=None if report_experts == 0 else report_experts, threads=threads,
-                          resume=resume, encoder=encoder)
+                          resume=resume, encoder=encoder, split_max_size=_size(split_max_size))
     except Interrupted as e:  # Ctrl-C: what was kept and how to continue, then the shell's status for SIGINT
         typer.echo(f"rapidmoe-cli: {e.message}", err=True)
         raise typer.Exit(130) from None
@@ -99,6 +100,17 @@ def convert(
     on = f" on {report['threads']} threads" if "threads" in report else ""
     typer.echo(f"wrote {res.wq_path} ({f['wq_bytes'] / 1e6:.1f} MB), {res.wr_path} ({f['wr_bytes'] / 1e6:.1f} MB), "
                f"{res.report_path} in {res.seconds:.1f} s{on}")
+
+
+def _size(text: Optional[str]) -> int:
+    """--split-max-size as bytes (gguf-split's spelling: N, NM or NG with M = 10^6, G = 10^9); 0 when not given."""
+    if text is None:
+        return 0
+    scale = {"M": 1000**2, "G": 1000**3}.get(text[-1:].upper(), 1)
+    digits = text[:-1] if scale > 1 else text
+    if not digits.isdigit() or int(digits) <= 0:
+        raise typer.BadParameter(f"{text!r} is not a size (N bytes, NM or NG)", param_hint="--split-max-size")
+    return int(digits) * scale
 
 
 def _check_outputs(model: Path, output: Path, name: Optional[str], force: bool) -> None:

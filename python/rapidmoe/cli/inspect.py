@@ -27,7 +27,9 @@ def inspect(
     info = read_model_info(model)
     r = GGUFFile(model)
     is_sidecar = info.architecture == SIDECAR_ARCH
-    typer.echo(f"{model}: {info.file_size / 1e6:.1f} MB, {info.n_tensors} tensors, architecture {info.architecture}")
+    parts = f" in {len(r.shards)} parts (llama.cpp's gguf-split)" if len(r.shards) > 1 else ""
+    typer.echo(f"{model}: {info.file_size / 1e6:.1f} MB{parts}, {info.n_tensors} tensors, architecture "
+               f"{info.architecture}")
     if is_sidecar:
         for k, f in r.fields.items():
             if k.startswith("rapidmoe.residual.") and k != "rapidmoe.residual.type_fallbacks":

@@ -9,6 +9,7 @@ complete.
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -102,7 +103,7 @@ def _pair_id(reader: GGUFFile, src: Path, preset: Preset, imatrix_digest: str) -
     if preset.codec is not None:  # the sidecar's codec (absent for the classic residual/copy sidecars)
         h.update(f"codec {preset.codec}".encode())
     h.update(imatrix_digest.encode())
-    h.update(str(src.stat().st_size).encode())
+    h.update(str(reader.size).encode())
     for t in reader.tensors:
         h.update(f"{t.name}:{int(t.tensor_type)}:{list(map(int, t.shape))}:{int(t.data_offset)}".encode())
     h.update("".join(sample_digests(reader)).encode())
@@ -443,19 +444,25 @@ ENCODERS = ("compiled", "numpy")
 def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset: Preset, *,
             imatrix: Imatrix | None = None, name: str | None = None, force: bool = False, progress: bool = True,
             report_experts: int | None = 4, threads: int | None = None, resume: bool = False,
-            encoder: str = "compiled") -> ConvertResult:
+            encoder: str = "compiled", split_max_size: int = 0) -> ConvertResult:
     """Convert `src` into out_dir/<name>.wq.gguf + <name>.wr.gguf (+ <name>.resplit.json, the error report).
 
     report_experts: reference errors (plain Q4_K and Q8_0 of W) on this many experts per tensor (None: all).
     threads: worker threads (None: every core this process may use). resume: continue the unfinished conversion in
     out_dir (its `.partial` files and journal, parallel.py), each item it lists checked against its recorded hash;
     without one it starts afresh. encoder "numpy": the reference, one thread, numpy's refine codec and
-    one expert at a time (no resume); "compiled" writes the same bytes.
+    one expert at a time (no resume); "compiled" writes the same bytes. split_max_size: split each output in parts of
+    at most this many bytes of tensor data (llama.cpp's gguf-split naming and keys: NAME.wq-00001-of-0000N.gguf, which
+    llama.cpp loads from its first part); 0: one file each. The result names the first parts.
     """
     if encoder not in ENCODERS:
         raise RapidMoEError(f"encoder must be one of {', '.join(ENCODERS)}, not {encoder!r}")
     if threads is not None and threads < 1:
         raise RapidMoEError(f"threads must be at least 1, not {threads}")
+    if split_max_size < 0:
+        raise RapidMoEError(f"split_max_size must be positive (or 0: no split), not {split_max_size}")
+    if split_max_size and encoder == "numpy":
+        raise RapidMoEError("split outputs (--split-max-size) need the compiled encoder")
     src_p = Path(src)
     require_moe(src_p)
     out = Path(out_dir)
@@ -478,8 +485,11 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset
             report = _report(conv, src_p, preset, imatrix, pair_id, seconds, [wq_tmp], [wr_tmp])
             rep_tmp.write_text(json.dumps(report, indent=1))
     else:
-        report = _convert_parallel(conv, out, base, pair_id, threads, resume, force, progress, t0)
+        report = _convert_parallel(conv, out, base, pair_id, threads, resume, force, progress, t0, split_max_size)
         seconds = float(report["seconds"])  # type: ignore[arg-type]
+        files = report["files"]
+        assert isinstance(files, dict)
+        wq_path, wr_path = Path(files["wq"][0]), Path(files["wr"][0])
     for line in conv.fallbacks():
         log.info("resplit: row size needs a fallback type (as llama-quantize): %s", line)
     log.info("resplit: wrote %s and %s in %.1f s", wq_path, wr_path, seconds)
@@ -494,7 +504,7 @@ def _report(conv: _Converter, src: Path, preset: Preset, imatrix: Imatrix | None
         **({"codec": preset.codec} if preset.codec is not None else {}),
         "imatrix": imatrix is not None, "seconds": round(seconds, 3),
         "files": {"wq_bytes": sum(p.stat().st_size for p in wq_files),
-                  "wr_bytes": sum(p.stat().st_size for p in wr_files), "source_bytes": src.stat().st_size},
+                  "wr_bytes": sum(p.stat().st_size for p in wr_files), "source_bytes": conv.reader.size},
         "total": conv.totals.summary(), "tensors": [r.summary() for r in conv.reports],
         "type_fallbacks": conv.fallbacks(),
         "other_tensors": conv.others,
@@ -502,15 +512,22 @@ def _report(conv: _Converter, src: Path, preset: Preset, imatrix: Imatrix | None
 
 
 def _convert_parallel(conv: _Converter, out: Path, base: str, pair_id: str, threads: int | None, resume: bool,
-                      force: bool, progress: bool, t0: float) -> dict[str, object]:
+                      force: bool, progress: bool, t0: float, split_max_size: int = 0) -> dict[str, object]:
     """The compiled encoder on `threads` threads, through resumable partial files (parallel.py)."""
     from . import parallel  # noqa: PLC0415  (tqdm and the pool: only for a conversion)
 
     wq_path, wr_path, report_path = output_paths(out, base)
-    wq_w, wr_w = GGUFWriter(None, arch=conv.arch), GGUFWriter(None, arch=sidecar.SIDECAR_ARCH)
+    wq_w = GGUFWriter(None, arch=conv.arch, split_max_size=split_max_size)
+    wr_w = GGUFWriter(None, arch=sidecar.SIDECAR_ARCH, split_max_size=split_max_size)
     plan = conv.header(wq_w, wr_w, pair_id)
+    for w in (wq_w, wr_w):
+        if len(w.tensors) == 1:  # fits in one part: not split (and gguf-py's warning about it not printed)
+            w.split_max_size = 0
     wq_shards, wr_shards = parallel.layout(wq_w, wq_path), parallel.layout(wr_w, wr_path)
     shards = wq_shards + wr_shards
+    finals = [sh.final for sh in shards]
+    others = [p for p in _output_forms(out, base) if p not in finals]  # the other form: split, or not, or otherwise
+    check_outputs(finals + others, force)
     items = parallel.make_items(conv, plan, shards, len(wq_shards))
     writer = parallel.ParallelWriter(conv, shards, items, journal_path(out, base), pair_id,
                                      threads or parallel.default_threads())
@@ -541,15 +558,28 @@ def _convert_parallel(conv: _Converter, out: Path, base: str, pair_id: str, thre
     for r in conv.reports:
         conv.totals.merge(r.acc)
     wq_parts, wr_parts = [sh.partial for sh in wq_shards], [sh.partial for sh in wr_shards]
-    sidecar.stamp(wr_parts[0], wq_parts[0])
+    sidecar.stamp(GGUFFile(wr_parts[0], wr_parts), GGUFFile(wq_parts[0], wq_parts))
     report = _report(conv, conv.src, conv.preset, conv.imatrix, pair_id, time.perf_counter() - t0, wq_parts,
                      wr_parts)
     report["threads"] = writer.threads
+    report["files"]["wq"] = [str(sh.final) for sh in wq_shards]  # type: ignore[index]
+    report["files"]["wr"] = [str(sh.final) for sh in wr_shards]  # type: ignore[index]
     rep_part = report_path.with_name(report_path.name + ".partial")
     rep_part.write_text(json.dumps(report, indent=1))
     replace_all([(sh.partial, sh.final) for sh in shards] + [(rep_part, report_path)])
     writer.journal.unlink(missing_ok=True)
+    for p in others:  # --force: the previous conversion's outputs of the other form
+        p.unlink(missing_ok=True)
     return report
+
+
+def _output_forms(out: Path, base: str) -> list[Path]:
+    """Existing outputs of a conversion named `base`, in one file or split (any count)."""
+    found = [p for p in output_paths(out, base)[:2] if p.exists()]
+    five = "[0-9]" * 5
+    for role in ("wq", "wr"):
+        found += sorted(out.glob(f"{glob.escape(base)}.{role}-{five}-of-{five}.gguf"))
+    return found
 
 
 def _final_of(writer: Any, named: Path | None) -> str:

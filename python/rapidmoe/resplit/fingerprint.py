@@ -49,32 +49,37 @@ DEFAULT_SCHEME = SampleScheme()
 
 
 def absolute_windows(f: GGUFFile, scheme: SampleScheme) -> list[list[tuple[int, int]]]:
-    """Per tensor of f, in file order: its windows as (absolute file offset, length)."""
+    """Per tensor of f, in file order: its windows as (absolute offset in the tensor's own file, length)."""
     plan = scheme.windows([int(t.n_bytes) for t in f.tensors])
     return [[(int(t.data_offset) + off, n) for off, n in ws] for t, ws in zip(f.tensors, plan, strict=True)]
 
 
-def _read_windows(path: os.PathLike[str] | str, windows: list[list[tuple[int, int]]]) -> Iterator[list[bytes]]:
-    fd = os.open(path, os.O_RDONLY)
+def _read_windows(f: GGUFFile, windows: list[list[tuple[int, int]]]) -> Iterator[list[bytes]]:
+    """Each tensor's windows, read from its own file (a split model's part)."""
+    fds: dict[os.PathLike[str] | str, int] = {}
     try:
-        if hasattr(os, "posix_fadvise"):  # scattered small reads: no readahead around each
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        for ws in windows:
+        for t, ws in zip(f.tensors, windows, strict=True):
+            path = t._file.path
+            fd = fds.get(path)
+            if fd is None:
+                fd = fds[path] = os.open(path, os.O_RDONLY)
+                if hasattr(os, "posix_fadvise"):  # scattered small reads: no readahead around each
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             chunks = [os.pread(fd, n, off) for off, n in ws]
             if any(len(c) != n for c, (_, n) in zip(chunks, ws, strict=True)):
                 raise EOFError(f"{path} ends inside its tensor data")
             yield chunks
     finally:
-        os.close(fd)
+        for fd in fds.values():
+            os.close(fd)
 
 
 def sample_digests(f: GGUFFile, scheme: SampleScheme = DEFAULT_SCHEME) -> list[str]:
     """One DIGEST_CHARS-hex sha256 prefix per tensor of f (file order) over its sampled windows."""
     out = []
-    for chunks in _read_windows(f.path, absolute_windows(f, scheme)):
+    for chunks in _read_windows(f, absolute_windows(f, scheme)):
         h = hashlib.sha256()
         for c in chunks:
             h.update(c)
         out.append(h.hexdigest()[:DIGEST_CHARS])
     return out
-

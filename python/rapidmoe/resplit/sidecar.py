@@ -85,37 +85,52 @@ def add_metadata(w: GGUFWriter, *, preset: Preset, pair_id: str, base_arch: str,
 
 
 # -- hashes -----------------------------------------------------------------------------------------------------
-def file_sha256(path: Path, start: int = 0) -> str:
-    """sha256 of the file's bytes from `start` to its end."""
+# A split file (llama.cpp's gguf-split parts, ggufio.GGUFFile.shards) is hashed as its parts one after another; for
+# one file every hash is what it was before splits existed.
+def file_sha256(path: str | os.PathLike[str] | GGUFFile, start: int = 0) -> str:
+    """sha256 of the file's bytes from `start` to its end; of a GGUFFile, of each part's bytes from its data start
+    (start > 0) or whole (start = 0), the parts in order."""
     h = hashlib.sha256()
-    with path.open("rb") as f:
-        f.seek(start)
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
+    parts = [(s.path, s.data_start if start else 0) for s in path.shards] if isinstance(path, GGUFFile) else \
+        [(Path(path), start)]
+    for p, at in parts:
+        with p.open("rb") as f:
+            f.seek(at)
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
     return h.hexdigest()
 
 
 def layout_sha256(base: str | os.PathLike[str] | GGUFFile) -> str:
     """sha256 of what a load relies on that the header alone gives: the file's size and every tensor's name, type,
-    shape and absolute data offset, in file order. Cheap (no tensor data is read); any rewrite of the file that
-    moves, retypes, reshapes, adds or drops a tensor, or changes its length, changes it."""
+    shape and absolute data offset, in file order (a split file: every part's size, and each tensor's part). Cheap
+    (no tensor data is read); any rewrite of the file that moves, retypes, reshapes, adds or drops a tensor, or
+    changes its length, changes it."""
     r = base if isinstance(base, GGUFFile) else GGUFFile(base)
     h = hashlib.sha256(f"size {r.path.stat().st_size}\n".encode())
+    split = len(r.shards) > 1
+    if split:
+        h.update(("parts " + " ".join(str(p.stat().st_size) for p in r.paths) + "\n").encode())
+    part = {id(s): i for i, s in enumerate(r.shards)}
     for t in r.tensors:
         shape = ",".join(str(int(x)) for x in t.shape)
-        h.update(f"{t.name}\t{int(t.tensor_type)}\t{shape}\t{t.data_offset}\n".encode())
+        where = f"\t{part[id(t._file)]}" if split else ""
+        h.update(f"{t.name}\t{int(t.tensor_type)}\t{shape}\t{t.data_offset}{where}\n".encode())
     return h.hexdigest()
 
 
 def header_sha256(side: GGUFFile) -> str:
     """sha256 of the sidecar's size and every header byte (metadata, tensor table, padding up to the data), its
-    own value counted as the placeholder."""
+    own value counted as the placeholder (a split sidecar: its total size and every part's header)."""
     at = side.value_offsets[KEY + "header_sha256"]
     with side.path.open("rb") as f:
         head = bytearray(f.read(side.data_start))
     head[at: at + _SHA_LEN] = _placeholder(_SHA_LEN).encode()
-    h = hashlib.sha256(f"size {side.path.stat().st_size}\n".encode())
+    h = hashlib.sha256(f"size {side.size}\n".encode())
     h.update(head)
+    for part in side.shards[1:]:
+        with part.path.open("rb") as f:
+            h.update(f.read(part.data_start))
     return h.hexdigest()
 
 
@@ -135,15 +150,17 @@ def _stamp(side: GGUFFile, key: str, value: str) -> None:
         f.write(value.encode())
 
 
-def stamp(sidecar_path: Path, base_path: Path) -> None:
-    """Record, once both files are complete, the base's hashes and samples, then the sidecar's own."""
-    base, side = GGUFFile(base_path), GGUFFile(sidecar_path)
+def stamp(sidecar_path: Path | GGUFFile, base_path: Path | GGUFFile) -> None:
+    """Record, once both files are complete, the base's hashes and samples, then the sidecar's own (either may be a
+    GGUFFile: the parts of a split file being written)."""
+    base = base_path if isinstance(base_path, GGUFFile) else GGUFFile(base_path)
+    side = sidecar_path if isinstance(sidecar_path, GGUFFile) else GGUFFile(sidecar_path)
     scheme = scheme_of(read_sidecar_meta(side))
-    _stamp(side, "base_sha256", file_sha256(base_path))
+    _stamp(side, "base_sha256", file_sha256(base))
     _stamp(side, "base_layout_sha256", layout_sha256(base))
     _stamp(side, "base_samples", "".join(sample_digests(base, scheme)))
     _stamp(side, "data_samples", "".join(sample_digests(side, scheme)))
-    _stamp(side, "data_sha256", file_sha256(sidecar_path, side.data_start))
+    _stamp(side, "data_sha256", file_sha256(side, side.data_start))
     _stamp(side, "header_sha256", header_sha256(side))  # reads the header's bytes from the file as stamped
 
 
@@ -202,7 +219,7 @@ def _check_sidecar_header(side: GGUFFile, base_path: Path) -> bool:
         raise ModelFileError(f"sidecar {side.path} is damaged: its header lacks {', '.join(missing)}; "
                              f"not used with {base_path}")
     if header_sha256(side) != side.get(KEY + "header_sha256"):
-        raise ModelFileError(f"sidecar {side.path} is damaged: its size ({side.path.stat().st_size} bytes) or its "
+        raise ModelFileError(f"sidecar {side.path} is damaged: its size ({side.size} bytes) or its "
                              f"header (metadata, tensor table) differs from what its conversion recorded; not used "
                              f"with {base_path}: copy or download it again, or re-convert")
     return True
@@ -239,10 +256,10 @@ def _check_samples(base: GGUFFile, side: GGUFFile, meta: dict[str, Any]) -> None
 
 
 def _check_full(base: GGUFFile, side: GGUFFile, meta: dict[str, Any], fingerprinted: bool) -> None:
-    if file_sha256(base.path) != meta["base_sha256"]:
+    if file_sha256(base) != meta["base_sha256"]:
         raise ModelFileError(f"{base.path} has changed since sidecar {side.path} was made (sha256 of the base "
                              "differs from the sidecar's record); re-convert the model")
-    if fingerprinted and file_sha256(side.path, side.data_start) != meta["data_sha256"]:
+    if fingerprinted and file_sha256(side, side.data_start) != meta["data_sha256"]:
         raise ModelFileError(f"sidecar {side.path} is damaged: the sha256 of its tensor data differs from what its "
                              f"conversion recorded; not used with {base.path}: copy or download it again, or "
                              "re-convert")

@@ -1,13 +1,19 @@
-// Loading a residual sidecar (.wr.gguf, written by rapidmoe.resplit) into CPU memory and attaching it to a
-// loaded model. Python has already checked the pairing (pair id, base hash); here every tensor's shape is
-// checked against the model's own expert tensors, so a mismatched file is refused rather than misread.
+// Loading a residual sidecar (.wr.gguf, written by rapidmoe.resplit; one file or llama.cpp's split parts) into CPU
+// memory and attaching it to a loaded model. Python has already checked the pairing (pair id, base hash); here every
+// tensor's shape is checked against the model's own expert tensors, so a mismatched file is refused rather than
+// misread. Weights the CPU repacks are read into the repacked buffer (no mapping left behind); weights in the plain
+// layout (the refine codec's bit planes, or any the model keeps plain) are used in place in the file's mapping,
+// faulted in at attach: file-backed memory, no anonymous copy (RAPIDMOE_SIDECAR_MMAP=0 reads them into one).
 #include "rapidmoe-residual.h"
 
 #include "rapidmoe-registry.h"
 
 #include "gguf.h"
+#include "llama-mmap.h"
 #include "llama-model.h"
+#include "llama.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -110,12 +116,17 @@ bool cpu_runs_masked_from(ggml_backend_buffer_type_t buft, const ggml_tensor * w
 
 rapidmoe_residual_state::~rapidmoe_residual_state() {
     worker.reset(); // finishes any queued residual task before the weights it reads are freed
-    for (ggml_backend_buffer_t b : { buf, buf_repack }) {
+    for (ggml_backend_buffer_t b : { buf, buf_policy, buf_repack }) {
         if (b != nullptr) {
             ggml_backend_buffer_free(b);
         }
     }
-    for (ggml_context * c : { ctx, ctx_repack }) {
+    for (ggml_backend_buffer_t b : bufs_mapped) {
+        ggml_backend_buffer_free(b);
+    }
+    maps.clear(); // unmapped after the buffers over them are gone
+    files.clear();
+    for (ggml_context * c : { ctx, ctx_policy, ctx_repack }) {
         if (c != nullptr) {
             ggml_free(c);
         }
@@ -191,12 +202,165 @@ bool rapidmoe_residual_detach(const llama_model * model) {
     return g_sidecars.remove(model);
 }
 
-std::string rapidmoe_residual_attach(const llama_model * model, const char * path) {
+namespace {
+
+// one file of the sidecar (a split sidecar has several: llama.cpp's gguf-split naming and split.* keys)
+struct sidecar_part {
+    std::string path;
+    gguf_context * gg = nullptr;
     ggml_context * meta = nullptr;
-    gguf_init_params gp = { /*no_alloc =*/ true, /*ctx =*/ &meta };
-    gguf_context * gg = gguf_init_from_file(path, gp);
-    if (gg == nullptr) {
-        return std::string("cannot read ") + path + " as GGUF";
+    sidecar_part() = default;
+    sidecar_part(const sidecar_part &) = delete;
+    sidecar_part & operator=(const sidecar_part &) = delete;
+    sidecar_part(sidecar_part && o) noexcept : path(std::move(o.path)), gg(o.gg), meta(o.meta) {
+        o.gg = nullptr;
+        o.meta = nullptr;
+    }
+    ~sidecar_part() {
+        if (gg != nullptr) {
+            gguf_free(gg);
+        }
+        if (meta != nullptr) {
+            ggml_free(meta);
+        }
+    }
+};
+
+int split_key(const gguf_context * gg, const char * key, int otherwise) {
+    const int64_t k = gguf_find_key(gg, key);
+    if (k < 0) {
+        return otherwise;
+    }
+    switch (gguf_get_kv_type(gg, k)) {
+        case GGUF_TYPE_UINT16: return gguf_get_val_u16(gg, k);
+        case GGUF_TYPE_INT32:  return gguf_get_val_i32(gg, k);
+        case GGUF_TYPE_UINT32: return (int) gguf_get_val_u32(gg, k);
+        default:               return -1;
+    }
+}
+
+std::string open_part(const std::string & path, sidecar_part & part) {
+    part.path = path;
+    gguf_init_params gp = { /*no_alloc =*/ true, /*ctx =*/ &part.meta };
+    part.gg = gguf_init_from_file(path.c_str(), gp);
+    return part.gg == nullptr ? "cannot read " + path + " as GGUF" : "";
+}
+
+// the sidecar's files: `path`, and the other parts when it is the first of a split sidecar
+std::string open_parts(const char * path, std::vector<sidecar_part> & parts) {
+    parts.emplace_back();
+    if (std::string err = open_part(path, parts[0]); !err.empty()) {
+        return err;
+    }
+    const int n = split_key(parts[0].gg, "split.count", 1);
+    if (n <= 1) {
+        return n == 1 ? "" : std::string(path) + " has a bad split.count";
+    }
+    char prefix[4096], part_path[4096];
+    if (split_key(parts[0].gg, "split.no", 0) != 0 ||
+        llama_split_prefix(prefix, sizeof(prefix), path, 0, n) == 0) {
+        return std::string(path) + " is a part of a split sidecar, not its first (...-00001-of-...gguf)";
+    }
+    for (int i = 1; i < n; ++i) {
+        llama_split_path(part_path, sizeof(part_path), prefix, i, n);
+        parts.emplace_back();
+        if (std::string err = open_part(part_path, parts.back()); !err.empty()) {
+            return err;
+        }
+        if (split_key(parts.back().gg, "split.no", -1) != i || split_key(parts.back().gg, "split.count", -1) != n) {
+            return std::string(part_path) + " is not part " + std::to_string(i + 1) + " of " + std::to_string(n) +
+                   " of " + path;
+        }
+    }
+    return "";
+}
+
+bool mmap_in_place() {
+    const char * env = getenv("RAPIDMOE_SIDECAR_MMAP");
+    return llama_mmap::SUPPORTED && (env == nullptr || strcmp(env, "0") != 0);
+}
+
+// the plain-layout tensors of one part, in place in its mapping (faulted in now, as a read would)
+std::string map_part(rapidmoe_residual_state & st, const sidecar_part & part) {
+    std::vector<std::pair<ggml_tensor *, size_t>> plain; // tensor, offset in the file
+    const size_t data0 = gguf_get_data_offset(part.gg);
+    for (int64_t i = 0; i < gguf_get_n_tensors(part.gg); ++i) {
+        ggml_tensor * t = ggml_get_tensor(st.ctx, gguf_get_tensor_name(part.gg, i));
+        if (t != nullptr) {
+            plain.emplace_back(t, data0 + gguf_get_tensor_offset(part.gg, i));
+        }
+    }
+    if (plain.empty()) {
+        return "";
+    }
+    try {
+        st.files.push_back(std::make_unique<llama_file>(part.path.c_str(), "rb"));
+        st.maps.push_back(std::make_unique<llama_mmap>(st.files.back().get(), /*prefetch =*/ 0));
+    } catch (const std::exception & e) {
+        return std::string("cannot map ") + part.path + ": " + e.what();
+    }
+    const llama_mmap & map = *st.maps.back();
+    auto * base = (uint8_t *) map.addr();
+    ggml_backend_buffer_t buf = ggml_backend_cpu_buffer_from_ptr(base, map.size());
+    if (buf == nullptr) {
+        return "cannot make a CPU buffer over the mapping of " + part.path;
+    }
+    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    st.bufs_mapped.push_back(buf);
+    for (const auto & [t, off] : plain) {
+        if (off + ggml_nbytes(t) > map.size()) {
+            return "sidecar " + part.path + " is truncated at tensor " + ggml_get_name(t);
+        }
+        if (ggml_backend_tensor_alloc(buf, t, base + off) != GGML_STATUS_SUCCESS) {
+            return std::string("cannot place ") + ggml_get_name(t) + " in the mapping of " + part.path;
+        }
+        volatile uint8_t sink = 0; // fault the tensor's pages in: its memory is resident after attach, as a read's
+        for (size_t at = 0; at < ggml_nbytes(t); at += 4096) {
+            sink = sink + base[off + at];
+        }
+        (void) sink;
+    }
+    return "";
+}
+
+// the other tensors of one part: read into their (repacked, or with RAPIDMOE_SIDECAR_MMAP=0 plain) buffers
+std::string read_part(rapidmoe_residual_state & st, const sidecar_part & part, std::vector<uint8_t> & staging) {
+    FILE * fp = fopen(part.path.c_str(), "rb");
+    if (fp == nullptr) {
+        return "cannot open " + part.path;
+    }
+    std::string err;
+    const size_t data0 = gguf_get_data_offset(part.gg);
+    for (int64_t i = 0; i < gguf_get_n_tensors(part.gg) && err.empty(); ++i) {
+        const char * name = gguf_get_tensor_name(part.gg, i);
+        ggml_tensor * t = st.ctx != nullptr ? ggml_get_tensor(st.ctx, name) : nullptr;
+        if (t != nullptr && t->buffer != nullptr && std::find(st.bufs_mapped.begin(), st.bufs_mapped.end(),
+                                                              t->buffer) != st.bufs_mapped.end()) {
+            continue; // in place
+        }
+        const bool repacked = t == nullptr;
+        if (repacked) {
+            t = ggml_get_tensor(st.ctx_repack, name);
+            staging.resize(ggml_nbytes(t));
+        }
+        void * dst = repacked ? staging.data() : t->data;
+        const size_t off = data0 + gguf_get_tensor_offset(part.gg, i);
+        if (fseeko(fp, (off_t) off, SEEK_SET) != 0 || fread(dst, 1, ggml_nbytes(t), fp) != ggml_nbytes(t)) {
+            err = "sidecar " + part.path + " is truncated at tensor " + ggml_get_name(t);
+        } else if (repacked) {
+            ggml_backend_tensor_set(t, staging.data(), 0, ggml_nbytes(t));
+        }
+    }
+    fclose(fp);
+    return err;
+}
+
+}  // namespace
+
+std::string rapidmoe_residual_attach(const llama_model * model, const char * path) {
+    std::vector<sidecar_part> parts;
+    if (std::string err = open_parts(path, parts); !err.empty()) {
+        return err;
     }
     auto st = std::make_unique<rapidmoe_residual_state>();
     st->model = model;
@@ -204,18 +368,23 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
     st->n_expert_used = (int) hp.n_expert_used_max();
     st->layers.resize(model->layers.size());
     st->hooked = std::make_unique<std::atomic<bool>[]>(model->layers.size());
-    const int64_t n_t = gguf_get_n_tensors(gg);
+    int64_t n_t = 0;
+    for (const auto & part : parts) {
+        n_t += gguf_get_n_tensors(part.gg);
+    }
     ggml_init_params ip = { (size_t) (n_t + 2) * ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
     st->ctx = ggml_init(ip);
     st->ctx_repack = ggml_init(ip);
+    st->ctx_policy = ggml_init(ip);
     // the residual matmuls read these weights for every critical slot: like the model's own experts, they get
     // the CPU's repacked layout where the CPU has one for their type (its gemv kernels are the fast path)
     // RAPIDMOE_SIDECAR_REPACK=0: keep the plain layout (a diagnostic, for measuring what repacking buys)
     const char * env_repack = getenv("RAPIDMOE_SIDECAR_REPACK");
     ggml_backend_buffer_type_t repack = env_repack != nullptr && strcmp(env_repack, "0") == 0 ? nullptr : repack_buft();
     std::string err;
-    for (int64_t i = 0; i < n_t && err.empty(); ++i) {
-        const char * name = gguf_get_tensor_name(gg, i);
+    for (size_t ip_ = 0; ip_ < parts.size() && err.empty(); ++ip_)
+    for (int64_t i = 0; i < gguf_get_n_tensors(parts[ip_].gg) && err.empty(); ++i) {
+        const char * name = gguf_get_tensor_name(parts[ip_].gg, i);
         int il = -1;
         std::string r, f;
         if (!parse_name(name, il, r, f) || il >= (int) model->layers.size()) {
@@ -228,7 +397,7 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         else if (r == "gate") base = L.ffn_gate_exps;
         else if (r == "down") base = L.ffn_down_exps;
         else if (r == "gate_up") base = L.ffn_gate_up_exps;
-        const ggml_tensor * src = ggml_get_tensor(meta, name);
+        const ggml_tensor * src = ggml_get_tensor(parts[ip_].meta, name);
         const bool bit_plane = f == "rf";
         if (bit_plane && base != nullptr && src != nullptr) {
             if (err = refine_plane_error(base, src); !err.empty()) {
@@ -236,6 +405,10 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
             }
         } else if (base == nullptr || src == nullptr || !same_shape(base, src)) {
             err = std::string("sidecar tensor ") + name + " does not match the model's expert tensor (shape)";
+            break;
+        }
+        if (ggml_get_tensor(st->ctx, name) != nullptr || ggml_get_tensor(st->ctx_repack, name) != nullptr) {
+            err = std::string("sidecar tensor ") + name + " appears twice";
             break;
         }
         // a bit plane is read by the refine op from the plain layout (it has no repacked one)
@@ -289,15 +462,30 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         }
     }
     if (err.empty()) {
-        st->policy = ggml_new_tensor_2d(st->ctx, GGML_TYPE_F32, RAPIDMOE_UMIA_ROW, (int64_t) st->layers.size() + 1);
+        st->policy = ggml_new_tensor_2d(st->ctx_policy, GGML_TYPE_F32, RAPIDMOE_UMIA_ROW,
+                                        (int64_t) st->layers.size() + 1);
         ggml_set_name(st->policy, "rapidmoe_umia_policy");
-        st->buf = ggml_backend_alloc_ctx_tensors_from_buft(st->ctx, ggml_backend_cpu_buffer_type());
-        if (ggml_get_first_tensor(st->ctx_repack) != nullptr) {
-            st->buf_repack = ggml_backend_alloc_ctx_tensors_from_buft(st->ctx_repack, repack);
+        st->buf_policy = ggml_backend_alloc_ctx_tensors_from_buft(st->ctx_policy, ggml_backend_cpu_buffer_type());
+        const bool in_place = mmap_in_place();
+        for (size_t i = 0; i < parts.size() && in_place && err.empty(); ++i) {
+            err = map_part(*st, parts[i]);
         }
-        if (st->buf == nullptr || (ggml_get_first_tensor(st->ctx_repack) != nullptr && st->buf_repack == nullptr)) {
+        if (err.empty() && !in_place && ggml_get_first_tensor(st->ctx) != nullptr) {
+            st->buf = ggml_backend_alloc_ctx_tensors_from_buft(st->ctx, ggml_backend_cpu_buffer_type());
+            if (st->buf == nullptr) {
+                err = "out of memory allocating the sidecar's tensors";
+            }
+        }
+        if (err.empty() && ggml_get_first_tensor(st->ctx_repack) != nullptr) {
+            st->buf_repack = ggml_backend_alloc_ctx_tensors_from_buft(st->ctx_repack, repack);
+            if (st->buf_repack == nullptr) {
+                err = "out of memory allocating the sidecar's tensors";
+            }
+        }
+        if (err.empty() && st->buf_policy == nullptr) {
             err = "out of memory allocating the sidecar's tensors";
-        } else { // every slot critical until a policy is set: the graph computes exactly the full-precision model
+        }
+        if (err.empty()) { // every slot critical until a policy is set: the graph computes exactly the full-precision model
             rapidmoe_umia_set_fixed(st->policy, st->n_expert_used);
             // idle until a graph overlaps (one sleeping thread); rapidmoe_llama_set_overlap sets its threads
             st->worker = std::make_unique<rapidmoe_residual_worker>(1);
@@ -308,35 +496,11 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
             }
         }
     }
-    if (err.empty()) {
-        FILE * fp = fopen(path, "rb");
-        if (fp == nullptr) {
-            err = std::string("cannot open ") + path;
-        }
-        const size_t data0 = gguf_get_data_offset(gg);
-        std::vector<uint8_t> staging; // a repacked tensor is written whole through the buffer (which repacks it)
-        for (int64_t i = 0; i < n_t && err.empty(); ++i) {
-            const char * name = gguf_get_tensor_name(gg, i);
-            ggml_tensor * t = ggml_get_tensor(st->ctx, name);
-            const bool repacked = t == nullptr;
-            if (repacked) {
-                t = ggml_get_tensor(st->ctx_repack, name);
-                staging.resize(ggml_nbytes(t));
-            }
-            void * dst = repacked ? staging.data() : t->data;
-            const size_t off = data0 + gguf_get_tensor_offset(gg, i);
-            if (fseek(fp, (long) off, SEEK_SET) != 0 || fread(dst, 1, ggml_nbytes(t), fp) != ggml_nbytes(t)) {
-                err = std::string("sidecar ") + path + " is truncated at tensor " + ggml_get_name(t);
-            } else if (repacked) {
-                ggml_backend_tensor_set(t, staging.data(), 0, ggml_nbytes(t));
-            }
-        }
-        if (fp != nullptr) {
-            fclose(fp);
-        }
+    std::vector<uint8_t> staging; // a repacked tensor is written whole through the buffer (which repacks it)
+    for (size_t i = 0; i < parts.size() && err.empty(); ++i) {
+        err = read_part(*st, parts[i], staging);
     }
-    gguf_free(gg);
-    ggml_free(meta);
+    parts.clear();
     if (!err.empty()) {
         return err;
     }

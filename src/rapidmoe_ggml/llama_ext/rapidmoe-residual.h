@@ -22,6 +22,8 @@
 
 struct llama_model;
 struct llama_hparams;
+struct llama_file;
+struct llama_mmap;
 
 struct rapidmoe_residual_state;
 
@@ -58,8 +60,13 @@ struct rapidmoe_residual_state {
     std::atomic<int> overlap_mode{RAPIDMOE_OVERLAP_AUTO}; // rapidmoe_overlap_mode, read at graph build
     std::unique_ptr<rapidmoe_residual_worker> worker;     // runs the overlapped residual work
     std::array<rapidmoe_overlap_timing, RAPIDMOE_OVERLAP_N_STAGES> overlap_timing;
-    ggml_context * ctx = nullptr;            // tensors in a plain CPU buffer (the policy; weights that cannot repack)
+    ggml_context * ctx = nullptr;            // weights in the plain layout: used in place, in the file's mapping
+    std::vector<std::unique_ptr<llama_file>> files;  // (with RAPIDMOE_SIDECAR_MMAP=0: read into `buf`)
+    std::vector<std::unique_ptr<llama_mmap>> maps;   // one per file with plain weights, kept for the state's life
+    std::vector<ggml_backend_buffer_t> bufs_mapped;  // CPU buffers over those mappings (they own no memory)
     ggml_backend_buffer_t buf = nullptr;
+    ggml_context * ctx_policy = nullptr;     // the policy, in a plain CPU buffer
+    ggml_backend_buffer_t buf_policy = nullptr;
     ggml_context * ctx_repack = nullptr;     // weights in the CPU backend's repacked layout (CPU_REPACK extra buffer)
     ggml_backend_buffer_t buf_repack = nullptr;
     std::vector<rapidmoe_layer_residual> layers; // index = layer; layers without experts stay empty

@@ -7,6 +7,7 @@ Writing stays with gguf-py's GGUFWriter; (de)quantization goes through ggml (rap
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 import re
@@ -18,6 +19,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf.gguf_writer import WriterState
 
 from .errors import ModelFileError
 from .ggml_types import block_bytes, block_size
@@ -256,6 +258,67 @@ def copy_metadata(reader: GGUFFile, writer: GGUFWriter, *, skip_prefixes: tuple[
         if f.vtype == GGUFValueType.ARRAY and len(f.value) == 0:
             continue
         writer.add_key_value(key, f.value, f.vtype, f.sub_type)
+
+
+# -- writing at known offsets ------------------------------------------------------------------------------------
+ALIGN = 32  # GGUF data alignment (our writers never set general.alignment)
+
+
+def pad_to_alignment(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """One file a GGUFWriter makes: its header bytes and where each tensor's data go, so that they can be written
+    in any order (pwrite at the offsets) and give the bytes the writer's sequential writes give."""
+
+    final: Path
+    header: bytes  # header, metadata and tensor table (not padded)
+    offsets: dict[str, tuple[int, int]]  # tensor -> (absolute data offset, bytes)
+    size: int  # the complete file's size
+
+    @property
+    def partial(self) -> Path:
+        return self.final.with_name(self.final.name + ".partial")
+
+
+def split_names(final: Path, n: int) -> list[Path]:
+    """llama.cpp's split naming (gguf-split, llama_split_path): PREFIX-00001-of-0000N.gguf; one file keeps its name."""
+    if n == 1:
+        return [final]
+    stem = final.name.removesuffix(".gguf")
+    return [final.with_name(f"{stem}-{i + 1:05d}-of-{n:05d}.gguf") for i in range(n)]
+
+
+def plan_files(w: GGUFWriter, final: Path) -> list[FilePlan]:
+    """The files a writer whose metadata and tensor table are complete makes (one, or its splits), with their header
+    bytes and every tensor's place, as GGUFWriter lays them out (data aligned to 32, each tensor padded to 32)."""
+    bufs = [io.BytesIO() for _ in w.tensors]
+    w.fout = bufs  # type: ignore[assignment]  # the writer writes its header to these instead of opening files
+    w.state = WriterState.EMPTY
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    plans = []
+    for path, buf, tensors in zip(split_names(final, len(bufs)), bufs, w.tensors, strict=True):
+        head = buf.getvalue()
+        at = pad_to_alignment(len(head))
+        offsets = {}
+        for name, ti in tensors.items():
+            offsets[name] = (at, int(ti.nbytes))
+            at += pad_to_alignment(int(ti.nbytes))
+        plans.append(FilePlan(path, head, offsets, at))
+    w.fout = None
+    return plans
+
+
+def write_at(fd: int, data: np.ndarray, offset: int) -> None:
+    """All of `data`'s bytes at `offset` (pwrite, repeated after a short write)."""
+    view = np.ascontiguousarray(data).data.cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def abandon_writer(writer: GGUFWriter) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rapidmoe import RapidMoEError
-from rapidmoe.ggufio import GGUFFile
+from rapidmoe.ggufio import GGUFFile, plan_files
 from rapidmoe.resplit import check_pair, convert, get_preset
 from rapidmoe.resplit import parallel as par
 from rapidmoe.resplit.imatrix import Imatrix
@@ -168,7 +168,7 @@ def _items(src: Path, p) -> list[par.Item]:  # type: ignore[no-untyped-def]
     conv.validate()
     wq, wr = GGUFWriter(None, arch=conv.arch), GGUFWriter(None, arch=SIDECAR_ARCH)
     plan = conv.header(wq, wr, "x" * 32)
-    a, b = par.layout(wq, Path("a.gguf")), par.layout(wr, Path("b.gguf"))
+    a, b = plan_files(wq, Path("a.gguf")), plan_files(wr, Path("b.gguf"))
     return par.make_items(conv, plan, a + b, len(a))
 
 

@@ -152,7 +152,7 @@ def test_tensor_bytes_do_not_depend_on_order() -> None:
 def test_failed_write_leaves_nothing(vocab_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     writer = importlib.import_module(syn.__name__ + ".writer")
     calls = {"n": 0}
-    real = writer.generate
+    real = writer.generate_pieces
 
     def failing(spec, t):  # type: ignore[no-untyped-def]
         calls["n"] += 1
@@ -160,7 +160,7 @@ def test_failed_write_leaves_nothing(vocab_dir: Path, tmp_path: Path, monkeypatc
             raise RuntimeError("disk full")
         return real(spec, t)
 
-    monkeypatch.setattr(writer, "generate", failing)
+    monkeypatch.setattr(writer, "generate_pieces", failing)
     target = tmp_path / "broken.gguf"
     with pytest.raises(RuntimeError, match="disk full"):
         syn.write_model(syn.spec_for("qwen3moe", "tiny"), target, vocab_dir)

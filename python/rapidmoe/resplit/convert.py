@@ -27,7 +27,7 @@ from tqdm import tqdm
 from ..atomic import OutputError, make_dir, outputs, replace_all
 from ..errors import ModelFileError, RapidMoEError
 from ..ggml_types import fits_rows, ggml_type
-from ..ggufio import GGUFFile, Tensor, abandon_writer, copy_metadata, n_rows, tensor_rows
+from ..ggufio import GGUFFile, Tensor, abandon_writer, copy_metadata, n_rows, plan_files, tensor_rows
 from ..modelfile import require_moe
 from . import sidecar
 from .fingerprint import sample_digests
@@ -523,7 +523,7 @@ def _convert_parallel(conv: _Converter, out: Path, base: str, pair_id: str, thre
     for w in (wq_w, wr_w):
         if len(w.tensors) == 1:  # fits in one part: not split (and gguf-py's warning about it not printed)
             w.split_max_size = 0
-    wq_shards, wr_shards = parallel.layout(wq_w, wq_path), parallel.layout(wr_w, wr_path)
+    wq_shards, wr_shards = plan_files(wq_w, wq_path), plan_files(wr_w, wr_path)
     shards = wq_shards + wr_shards
     finals = [sh.final for sh in shards]
     others = [p for p in _output_forms(out, base) if p not in finals]  # the other form: split, or not, or otherwise

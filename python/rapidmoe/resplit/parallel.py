@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import io
 import json
 import logging
 import os
@@ -28,13 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.gguf_writer import WriterState
+from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from ..errors import ModelFileError, RapidMoEError
 from ..ggml_types import fits_rows, ggml_type
-from ..ggufio import Tensor, n_rows
+from ..ggufio import FilePlan as Shard
+from ..ggufio import Tensor, n_rows, pad_to_alignment, write_at
 from .presets import REFINE_WQ
 from .report import TensorReport
 
@@ -47,7 +46,6 @@ JOURNAL_VERSION = 1
 # the items' outputs and error sums depend on the encoder: bump when the compiled encoder's bytes change
 ENCODER_VERSION = 1
 ITEM_BYTES = 16 << 20  # source bytes per work item (at least one expert or one row): bounds a worker's memory
-ALIGN = 32  # GGUF data alignment (the writers never set general.alignment)
 MODE_RESIDUAL, MODE_COPY, MODE_REFINE = 0, 1, 2
 
 
@@ -57,53 +55,6 @@ def default_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
-
-
-def _pad(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-# -- the output files ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Shard:
-    final: Path
-    header: bytes  # header, metadata and tensor table (not padded)
-    offsets: dict[str, tuple[int, int]]  # tensor -> (absolute data offset, bytes)
-    size: int  # the complete file's size
-
-    @property
-    def partial(self) -> Path:
-        return self.final.with_name(self.final.name + ".partial")
-
-
-def shard_names(final: Path, n: int) -> list[Path]:
-    """llama.cpp's split naming (gguf-split, llama_split_path): PREFIX-00001-of-0000N.gguf; one file keeps its name."""
-    if n == 1:
-        return [final]
-    stem = final.name.removesuffix(".gguf")
-    return [final.with_name(f"{stem}-{i + 1:05d}-of-{n:05d}.gguf") for i in range(n)]
-
-
-def layout(w: GGUFWriter, final: Path) -> list[Shard]:
-    """The files a writer whose metadata and tensor table are complete makes (one, or its splits), with their header
-    bytes and every tensor's place, as GGUFWriter lays them out (data aligned to 32, each tensor padded to 32)."""
-    bufs = [io.BytesIO() for _ in w.tensors]
-    w.fout = bufs  # type: ignore[assignment]  # the writer writes its header to these instead of opening files
-    w.state = WriterState.EMPTY
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    shards = []
-    for path, buf, tensors in zip(shard_names(final, len(bufs)), bufs, w.tensors, strict=True):
-        head = buf.getvalue()
-        at = _pad(len(head))
-        offsets = {}
-        for name, ti in tensors.items():
-            offsets[name] = (at, int(ti.nbytes))
-            at += _pad(int(ti.nbytes))
-        shards.append(Shard(path, head, offsets, at))
-    w.fout = None
-    return shards
 
 
 # -- the work ------------------------------------------------------------------------------------------------------
@@ -220,13 +171,6 @@ def _pread(fd: int, n: int, offset: int, what: str) -> np.ndarray:
     return buf
 
 
-def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:
-    view = np.ascontiguousarray(data).data.cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-
-
 @dataclass
 class _Files:
     """Open descriptors: the source files (by path) and the partial outputs (by shard)."""
@@ -278,7 +222,7 @@ def run_item(item: Item, jobs: dict[str, ExpertJob], files: _Files) -> tuple[str
         outs = [_other_rows(t, item.target, raw, item.count)]
     for span, data in zip(item.spans, outs, strict=True):
         assert data.nbytes == span.n_bytes, (t.name, data.nbytes, span.n_bytes)
-        _pwrite(files.out[span.shard], data, span.offset)
+        write_at(files.out[span.shard], data, span.offset)
         h.update(np.ascontiguousarray(data).data.cast("B"))
     return h.hexdigest()[:32], stats
 
@@ -399,10 +343,10 @@ class ParallelWriter:
                 fd = os.open(sh.partial, flags, 0o644)
                 self.files.out.append(fd)
                 _reserve(fd, sh.size)
-                _pwrite(fd, np.frombuffer(sh.header, dtype=np.uint8), 0)  # rewritten on resume: never trusted
-                pad = _pad(len(sh.header)) - len(sh.header)
+                write_at(fd, np.frombuffer(sh.header, dtype=np.uint8), 0)  # rewritten on resume: never trusted
+                pad = pad_to_alignment(len(sh.header)) - len(sh.header)
                 if pad:
-                    _pwrite(fd, np.zeros(pad, dtype=np.uint8), len(sh.header))
+                    write_at(fd, np.zeros(pad, dtype=np.uint8), len(sh.header))
             if create:
                 with self.journal.open("w", encoding="utf-8") as f:
                     f.write(json.dumps({"journal": JOURNAL_VERSION, "identity": self.ident, "pair_id": self.pair_id,

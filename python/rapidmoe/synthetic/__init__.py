@@ -9,6 +9,8 @@ from __future__ import annotations
 from .spec import (
     ARCHS,
     CHAT_TEMPLATES,
+    DEEPSEEK_V3_LAYERS,
+    SHAPES,
     SIZE_NAMES,
     SIZES,
     VOCAB_SIZES,
@@ -16,13 +18,15 @@ from .spec import (
     TensorPlan,
     describe,
     spec_for,
+    spec_for_shape,
     tensor_plan,
 )
-from .weights import GENERATOR_VERSION, generate, router_skew_stats
+from .weights import GENERATOR_VERSION, generate, generate_pieces, router_skew_stats
 from .writer import read_chat_template, read_spec, read_tokenizer, vocab_file, write_model
 
 __all__ = [
-    "ARCHS", "CHAT_TEMPLATES", "GENERATOR_VERSION", "SIZES", "SIZE_NAMES", "VOCAB_SIZES", "SyntheticSpec",
-    "TensorPlan", "describe", "generate", "read_chat_template", "read_spec", "read_tokenizer", "router_skew_stats",
-    "spec_for", "tensor_plan", "vocab_file", "write_model",
+    "ARCHS", "CHAT_TEMPLATES", "DEEPSEEK_V3_LAYERS", "GENERATOR_VERSION", "SHAPES", "SIZES", "SIZE_NAMES",
+    "VOCAB_SIZES", "SyntheticSpec", "TensorPlan", "describe", "generate", "generate_pieces", "read_chat_template",
+    "read_spec", "read_tokenizer", "router_skew_stats", "spec_for", "spec_for_shape", "tensor_plan", "vocab_file",
+    "write_model",
 ]

@@ -14,7 +14,8 @@ from typing import Any, NoReturn
 log = logging.getLogger(__name__)
 
 ARCHS = ("qwen3moe", "deepseek2")
-DTYPES = ("f16", "f32")
+# the matrices' file type: f16, f32, bf16, or q8_0 (ggml's Q8_0 blocks of 32); norms, router and biases stay F32
+DTYPES = ("f16", "f32", "bf16", "q8_0")
 LLAMA_MAX_EXPERTS = 512  # llama.cpp's limit (src/llama-hparams.h)
 
 # Token counts of llama.cpp's vocab-only GGUFs (models/ggml-vocab-NAME.gguf), for describe() without the files.
@@ -277,6 +278,37 @@ _SIZES: dict[str, dict[str, dict[str, Any]]] = {
 
 SIZE_NAMES = ("tiny", "small", "bench")
 
+# Models of a real model's exact layer shapes (make-model --shape). Qwen3-30B-A3B: 48 layers, 128 experts top-8 of
+# 768, n_embd 2048, GQA 32/4 heads of 128, its 151936-token vocabulary (llama.cpp's qwen2 vocab). DeepSeek-V3: a slice
+# of its layers with their real shapes (n_embd 7168, MLA with q_lora 1536 / kv_lora 512 / rope 64 / nope 128 / v 128,
+# 128 heads, the 3 leading dense layers of 18432, then MoE layers of 256 routed experts of 2048, top-8 in 4 of 8
+# groups, one shared expert, YaRN 40 over 4096); n_layer 5 by default (the 3 dense and 2 MoE layers), the rest of
+# DeepSeek-V3's 61 layers repeats the MoE layer. Its tokenizer is llama.cpp's deepseek-llm vocabulary (102400 tokens;
+# DeepSeek-V3's own has 129280 and no vocab-only GGUF in llama.cpp).
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": _qwen(n_embd=2048, n_layer=48, n_head=32, n_head_kv=4, head_dim=128, n_expert=128,
+                           n_expert_used=8, n_ff_exp=768, vocab="qwen2", context_length=40960,
+                           name="rapidmoe-synthetic-qwen3-30b-a3b"),
+    "deepseek-v3": _ds(n_embd=7168, n_layer=5, n_head=128, n_expert=256, n_expert_used=8, n_ff_exp=2048, n_ff=18432,
+                       n_layer_dense_lead=3, q_lora_rank=1536, kv_lora_rank=512, n_group=8, n_group_used=4,
+                       vocab="deepseek-llm", context_length=163840, rope_scaling_factor=40.0,
+                       name="rapidmoe-synthetic-deepseek-v3-slice"),
+}
+DEEPSEEK_V3_LAYERS = 61  # the real model's, for extrapolating from the slice
+
+
+def spec_for_shape(shape: str, **overrides: Any) -> SyntheticSpec:
+    """A real model's shape (SHAPES), with any SyntheticSpec field overridden (a smaller n_layer, the dtype, ...)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r} (supported: {', '.join(SHAPES)})")
+    fields = {f.name for f in dataclasses.fields(SyntheticSpec)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown SyntheticSpec field(s): {', '.join(unknown)}")
+    if overrides.get("arch", SHAPES[shape]["arch"]) != SHAPES[shape]["arch"]:
+        raise ValueError(f"shape {shape} is a {SHAPES[shape]['arch']} model; its arch cannot be overridden")
+    return SyntheticSpec(**{**SHAPES[shape], **overrides})
+
 
 def spec_for(arch: str, size: str, **overrides: Any) -> SyntheticSpec:
     """The named size ('tiny', 'small', 'bench') of an architecture, with any SyntheticSpec field overridden."""
@@ -320,8 +352,15 @@ class TensorPlan:
     def n_elements(self) -> int:
         return math.prod(self.shape)
 
+    def file_type(self, dtype: str) -> str:
+        """The tensor's type in the file: f32 for norms, router and biases, else the model's dtype."""
+        return "f32" if self.f32 else dtype
+
     def nbytes(self, dtype: str) -> int:
-        return self.n_elements * (4 if self.f32 or dtype == "f32" else 2)
+        ft = self.file_type(dtype)
+        if ft == "q8_0":
+            return self.n_elements // 32 * 34  # ggml's block_q8_0: an f16 scale and 32 int8
+        return self.n_elements * (4 if ft == "f32" else 2)
 
 
 def tensor_plan(spec: SyntheticSpec, n_vocab: int) -> list[TensorPlan]:
@@ -405,7 +444,7 @@ def describe(spec: SyntheticSpec, n_vocab: int | None = None) -> dict[str, Any]:
         return t.n_elements
 
     def active_bytes(t: TensorPlan, dtype: str) -> float:
-        return active_elems(t) * (4 if t.f32 or dtype == "f32" else 2)
+        return active_elems(t) * t.nbytes(dtype) / t.n_elements
 
     per_token_f16 = sum(active_bytes(t, "f16") for t in plan)
     routed_f16 = sum(active_bytes(t, "f16") for t in plan if t.role in (ROUTED, ROUTED_DOWN))

@@ -1,13 +1,15 @@
 """Deterministic weights that look trained where it matters, and the router skew they produce.
 
 Every tensor has its own generator seeded from sha256(generator version, spec.seed, tensor name), so a
-tensor's bytes do not depend on the order in which tensors are written.
+tensor's bytes do not depend on the order in which tensors are written. A tensor is drawn in pieces (an expert, a
+block of rows, a head) in file order, so that a writer holds one piece at a time whatever the tensor's size.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -42,6 +44,10 @@ MASSIVE_ENERGY = 0.5  # ... carrying this much energy relative to the other chan
 RESIDUAL_VAR = 1.5  # assumed per-channel variance of the non-massive part of a layer input (router calibration)
 LOGIT_STD = 3.0  # target std of output logits
 EMBD_ROWS_PER_CHUNK = 16384
+# matrices with more weights than this are drawn in blocks of rows as the embeddings are (row scales per block, one
+# set of column scales), and embeddings in blocks of fewer rows than EMBD_ROWS_PER_CHUNK where those would exceed it;
+# the named sizes have none so large, so their bytes are what they were before pieces
+MATRIX_CHUNK_WEIGHTS = 16 << 20
 
 
 def tensor_rng(seed: int, name: str) -> np.random.Generator:
@@ -136,51 +142,81 @@ def _probs_b(spec: SyntheticSpec, layer: int) -> np.ndarray:
     return (spec.exp_probs_b_std * p_typ * rng.standard_normal(spec.n_expert)).astype(np.float32)
 
 
-def _embedding(spec: SyntheticSpec, t: TensorPlan, out: np.ndarray) -> None:
+def _row_blocks(rng: np.random.Generator, n_rows: int, n_in: int, gain: float, rows_per_block: int,
+                offset: np.ndarray | None = None) -> Iterator[np.ndarray]:
+    """A matrix drawn in blocks of rows: one set of column scales, then per block its row scales and weights."""
+    col = _scales(rng, n_in, COL_SIGMA)
+    for start in range(0, n_rows, rows_per_block):
+        chunk = _matrix(rng, min(rows_per_block, n_rows - start), n_in, gain, col)
+        if offset is not None:
+            chunk += offset
+        yield chunk
+
+
+def _embedding(spec: SyntheticSpec, t: TensorPlan) -> Iterator[np.ndarray]:
     rng = tensor_rng(spec.seed, t.name)
-    n_vocab, d = t.shape
-    col = _scales(rng, d, COL_SIGMA)
+    _, d = t.shape
     massive = massive_vector(spec).astype(np.float32) if t.role == EMBD else None
-    gain = 1.0 if t.role == EMBD else LOGIT_STD
-    for start in range(0, n_vocab, EMBD_ROWS_PER_CHUNK):
-        rows = min(EMBD_ROWS_PER_CHUNK, n_vocab - start)
-        # embedding rows have unit RMS (gain * sqrt(d) / sqrt(d)); the untied head scales to LOGIT_STD
-        chunk = _matrix(rng, rows, d, gain * (math.sqrt(d) if t.role == EMBD else 1.0), col)
-        if massive is not None:
-            chunk += massive
-        out[start:start + rows] = chunk
+    # embedding rows have unit RMS (gain * sqrt(d) / sqrt(d)); the untied head scales to LOGIT_STD
+    gain = math.sqrt(d) if t.role == EMBD else LOGIT_STD
+    rows = EMBD_ROWS_PER_CHUNK if EMBD_ROWS_PER_CHUNK * d <= MATRIX_CHUNK_WEIGHTS else _block_rows(d)
+    yield from _row_blocks(rng, t.shape[0], d, gain, rows, massive)
 
 
-def generate(spec: SyntheticSpec, t: TensorPlan) -> np.ndarray:
-    """The data of one planned tensor, in its file dtype (float32 or spec.dtype)."""
-    dtype = np.float32 if t.f32 or spec.dtype == "f32" else np.float16
+def _block_rows(n_in: int) -> int:
+    """Rows per block of a large matrix (about 4 M weights: 16 MB of float32)."""
+    return max(1, MATRIX_CHUNK_WEIGHTS // 4 // n_in)
+
+
+def generate_pieces(spec: SyntheticSpec, t: TensorPlan) -> Iterator[np.ndarray]:
+    """The data of one planned tensor as float32 pieces that follow each other in the file (numpy order, split along
+    the first axis: an expert, a block of rows, a head, or the whole tensor)."""
     if t.role == NORM:
-        return _norm(spec, t.name, t.shape[0])
+        yield _norm(spec, t.name, t.shape[0])
+        return
     if t.role == ROUTER:
-        return _router(spec, t.layer)
+        yield _router(spec, t.layer)
+        return
     if t.role == PROBS_B:
-        return _probs_b(spec, t.layer)
-    out = np.empty(t.shape, dtype=dtype)
+        yield _probs_b(spec, t.layer)
+        return
     if t.role in (EMBD, OUTPUT):
-        _embedding(spec, t, out)
-        return out
+        yield from _embedding(spec, t)
+        return
     rng = tensor_rng(spec.seed, t.name)
     gain = _gain(spec, t.role)
     if len(t.shape) == 2:
-        out[...] = _matrix(rng, t.shape[0], t.shape[1], gain)
+        n_out, n_in = t.shape
+        if n_out * n_in <= MATRIX_CHUNK_WEIGHTS:
+            yield _matrix(rng, n_out, n_in, gain)
+        else:
+            yield from _row_blocks(rng, n_out, n_in, gain, _block_rows(n_in))
     elif t.role in (ROUTED, ROUTED_DOWN):
         n_exp, n_out, n_in = t.shape
         col = _scales(rng, n_in, COL_SIGMA)
-        for i in range(n_exp):
-            out[i] = _matrix(rng, n_out, n_in, gain, col * _scales(rng, n_in, EXPERT_COL_SIGMA))
+        for _ in range(n_exp):
+            yield _matrix(rng, n_out, n_in, gain, col * _scales(rng, n_in, EXPERT_COL_SIGMA))
     elif t.name.endswith("attn_k_b.weight"):
         # per head, k_nope = K_h @ latent with K_h of shape (nope, kv_lora); stored transposed
         n_head, kv_lora, nope = t.shape
-        for h in range(n_head):
-            out[h] = _matrix(rng, nope, kv_lora, gain).T
+        for _ in range(n_head):
+            yield np.ascontiguousarray(_matrix(rng, nope, kv_lora, gain).T)
     else:  # attn_v_b: per head (v_head_dim, kv_lora)
-        for h in range(t.shape[0]):
-            out[h] = _matrix(rng, t.shape[1], t.shape[2], gain)
+        for _ in range(t.shape[0]):
+            yield _matrix(rng, t.shape[1], t.shape[2], gain)
+
+
+def generate(spec: SyntheticSpec, t: TensorPlan) -> np.ndarray:
+    """The data of one planned tensor, whole, as float32 (norms, router, biases) or spec.dtype when that is f16 or
+    f32 (the pieces of generate_pieces in one array; the writer converts bf16 and q8_0 piece by piece)."""
+    dtype = np.float32 if t.f32 or spec.dtype != "f16" else np.float16
+    out = np.empty(t.shape, dtype=dtype)
+    flat = out.reshape(-1)
+    at = 0
+    for piece in generate_pieces(spec, t):
+        flat[at: at + piece.size] = piece.reshape(-1)
+        at += piece.size
+    assert at == flat.size, t.name
     return out
 
 

@@ -1,6 +1,9 @@
 """Write a SyntheticSpec as a GGUF file that stock llama.cpp loads: metadata, a copied tokenizer, streamed tensors.
 
-Tensors are generated and written one at a time into PATH.tmp, which replaces PATH only when complete.
+The header is written first, so every tensor's place in PATH.tmp is known; tensors are then drawn piece by piece
+(weights.generate_pieces: an expert, a block of rows) on a few threads, each piece converted to the file's type (F16,
+F32, BF16 or Q8_0) and written at its offset. Memory stays about one piece per thread whatever the model's size, and
+the bytes do not depend on the thread count. PATH.tmp replaces PATH only when complete.
 """
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import functools
 import json
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +21,10 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
-from ..ggufio import GGUFFile
+from ..ggufio import GGUFFile, pad_to_alignment, plan_files, write_at
 from ..paths import templates_dir as shipped_templates_dir
 from .spec import SyntheticSpec, TensorPlan, tensor_plan
-from .weights import GENERATOR_VERSION, generate
+from .weights import GENERATOR_VERSION, generate_pieces
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +87,7 @@ def _spec_json(spec: SyntheticSpec) -> str:
 def _add_hparams(w: gguf.GGUFWriter, spec: SyntheticSpec, n_vocab: int) -> None:
     w.add_type("model")
     w.add_name(spec.model_name)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if spec.dtype == "f16" else gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(LLAMA_FTYPES[spec.dtype])
     w.add_vocab_size(n_vocab)
     w.add_context_length(spec.context_length)
     w.add_embedding_length(spec.n_embd)
@@ -126,55 +131,111 @@ def _add_hparams(w: gguf.GGUFWriter, spec: SyntheticSpec, n_vocab: int) -> None:
         w.add_rope_scaling_yarn_log_mul(0.1)  # DeepSeek-V3: mscale_all_dim = 1 (the converter writes 0.1 * it)
 
 
-def _np_dtype(spec: SyntheticSpec, t: TensorPlan) -> type:
-    return np.float32 if t.f32 or spec.dtype == "f32" else np.float16
+FILE_TYPES = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+              "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+LLAMA_FTYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+
+
+def _encode(piece: np.ndarray, file_type: str) -> np.ndarray:
+    """A float32 piece in the file's type: float32/float16 values, or ggml's BF16 / Q8_0 bytes (through the compiled
+    ggml when it is built, else gguf-py's numpy quantizers, which give the same bytes)."""
+    if file_type == "f32":
+        return np.ascontiguousarray(piece, dtype=np.float32)
+    if file_type == "f16":
+        return piece.astype(np.float16)
+    qt = FILE_TYPES[file_type]
+    rows = np.ascontiguousarray(piece, dtype=np.float32).reshape(-1, piece.shape[-1])
+    try:
+        from .._runtime import _core  # noqa: PLC0415  (the compiled part where built: a few times faster)
+    except ImportError:
+        return np.asarray(gguf.quants.quantize(rows, qt))
+    out: np.ndarray = _core.quantize(rows, int(qt), None, 1)
+    return out
+
+
+def _threads(threads: int | None) -> int:
+    if threads is not None:
+        return max(1, threads)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def write_model(spec: SyntheticSpec, path: Path, vocab_dir: Path | None, *, progress: bool = False,
-                templates_dir: Path | None = None) -> Path:
+                templates_dir: Path | None = None, threads: int | None = None) -> Path:
     """Write the model to `path` (atomically, via path + '.tmp'); returns `path`.
 
-    Same spec (and GENERATOR_VERSION) -> byte-identical file. Memory stays around one tensor. The chat template
-    comes from `templates_dir` (default: the shipped copy of llama.cpp's models/templates, paths.templates_dir()).
+    Same spec (and GENERATOR_VERSION) -> byte-identical file, whatever `threads` (default: every core this process
+    may use). Memory stays around one piece of a tensor per thread (an expert, or a block of rows of about 16 MB of
+    float32). The chat template comes from `templates_dir` (default: the shipped copy of llama.cpp's
+    models/templates, paths.templates_dir()).
     """
     path = Path(path)
     tokenizer = read_tokenizer(vocab_file(vocab_dir, str(spec.vocab)))
     template = read_chat_template(spec, templates_dir)
     n_vocab = len(next(kv.value for kv in tokenizer if kv.key == gguf.Keys.Tokenizer.LIST))
     plan = tensor_plan(spec, n_vocab)
+    odd = [t.name for t in plan if t.file_type(spec.dtype) == "q8_0" and t.shape[-1] % 32]
+    if odd:
+        raise ValueError(f"dtype q8_0 needs rows that are whole blocks of 32; {odd[0]} has rows of "
+                         f"{plan[[t.name for t in plan].index(odd[0])].shape[-1]}")
     total = sum(t.nbytes(spec.dtype) for t in plan)
     tmp = path.with_suffix(path.suffix + ".tmp")
     log.info("writing %s: %s, %d tensors, %.1f MB", path, spec.arch, len(plan), total / 1e6)
 
-    writer = gguf.GGUFWriter(tmp, spec.arch)
-    bar = None
-    try:
-        _add_hparams(writer, spec, n_vocab)
-        for kv in tokenizer:
-            if kv.key != gguf.Keys.Tokenizer.CHAT_TEMPLATE:  # the spec's choice replaces a vocab file's own
-                writer.add_key_value(kv.key, kv.value, kv.vtype, kv.sub_type)
-        if template is not None:
-            writer.add_chat_template(template)
-        writer.add_uint32(KEY_GENERATOR, GENERATOR_VERSION)
-        writer.add_string(KEY_SPEC, _spec_json(spec))
-        for t in plan:
-            dtype = _np_dtype(spec, t)
-            writer.add_tensor_info(t.name, t.shape, np.dtype(dtype), t.nbytes(spec.dtype))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        if progress:
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc=path.name)
-        for t in plan:
-            data = generate(spec, t)
-            assert data.shape == t.shape and data.dtype == _np_dtype(spec, t), t.name
-            writer.write_tensor_data(data)
+    writer = gguf.GGUFWriter(None, spec.arch)
+    _add_hparams(writer, spec, n_vocab)
+    for kv in tokenizer:
+        if kv.key != gguf.Keys.Tokenizer.CHAT_TEMPLATE:  # the spec's choice replaces a vocab file's own
+            writer.add_key_value(kv.key, kv.value, kv.vtype, kv.sub_type)
+    if template is not None:
+        writer.add_chat_template(template)
+    writer.add_uint32(KEY_GENERATOR, GENERATOR_VERSION)
+    writer.add_string(KEY_SPEC, _spec_json(spec))
+    for t in plan:
+        ft = t.file_type(spec.dtype)
+        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32 if ft == "f32" else np.float16),
+                               t.nbytes(spec.dtype), raw_dtype=FILE_TYPES[ft])
+    (layout,) = plan_files(writer, path)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=path.name) if progress else None
+    lock, stop = threading.Lock(), threading.Event()
+
+    def one(t: TensorPlan) -> None:
+        at, end = layout.offsets[t.name][0], sum(layout.offsets[t.name])
+        ft = t.file_type(spec.dtype)
+        for piece in generate_pieces(spec, t):
+            if stop.is_set():  # another tensor failed, or the write was interrupted
+                return
+            data = _encode(piece, ft)
+            write_at(fd, data, at)
+            at += data.nbytes
             if bar is not None:
-                bar.update(data.nbytes)
-        writer.close()
+                with lock:
+                    bar.update(data.nbytes)
+        if at != end:
+            raise AssertionError(f"{t.name}: wrote {at - layout.offsets[t.name][0]} bytes, planned {end - at}")
+
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            os.ftruncate(fd, layout.size)
+            write_at(fd, np.frombuffer(layout.header, dtype=np.uint8), 0)
+            write_at(fd, np.zeros(pad_to_alignment(len(layout.header)) - len(layout.header), np.uint8),
+                     len(layout.header))
+            with ThreadPoolExecutor(_threads(threads), thread_name_prefix="make-model") as pool:
+                try:
+                    for fut in [pool.submit(one, t) for t in sorted(plan, key=lambda t: -t.nbytes(spec.dtype))]:
+                        fut.result()
+                except BaseException:
+                    stop.set()
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    raise
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        writer.close()
         tmp.unlink(missing_ok=True)
         raise
     finally:

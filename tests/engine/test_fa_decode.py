@@ -1,8 +1,8 @@
 """Our flash attention for one decode token (patch 0011, ggml_ext/rapidmoe-fa-decode.cpp) against a float64
 reference: a small program (native/fa_decode_check.cpp) runs GGML_OP_FLASH_ATTN_EXT through the library's CPU
 backend on decode-shaped inputs (Qwen3-MoE's 16 query heads on 4 KV heads, groupings of 1 to 16, masked positions,
-700 cache positions) and reports each case's largest error relative to the output's magnitude; run with
-RAPIDMOE_FA_DECODE=0 it measures llama.cpp's kernel on the same inputs."""
+700 cache positions; F16 and Q8_0 caches) and reports each case's largest error relative to the output's
+magnitude; run with RAPIDMOE_FA_DECODE=0 it measures llama.cpp's kernel on the same inputs."""
 from __future__ import annotations
 
 import os
@@ -19,7 +19,8 @@ from rapidmoe._runtime import LIB_DIR
 
 CHECK = Path(__file__).parent / "native" / "fa_decode_check.cpp"
 OURS = ("gqa4-d128-kv37", "gqa4-d128-kv700-masked", "gqa8-d64-kv256", "mha-d80-kv100", "gqa16-d128-kv300",
-        "seven-rows")
+        "seven-rows", "gqa4-d128-kv500-t1", "causal-gqa8")
+Q8_0_CACHE = ("q8-gqa8-d128-kv600", "q8k-gqa4-d128-kv300", "q8v-gqa4-d64-kv300", "q8-prompt-rows", "causal-gqa4-q8")
 LEFT_TO_UPSTREAM = ("gqa3", "sets-below-threads")
 
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or "AVX2 = 1" not in _core.system_info(),
@@ -37,8 +38,11 @@ def errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, floa
     for name, env in (("ours", {}), ("upstream", {"RAPIDMOE_FA_DECODE": "0"})):
         env_all = {k: v for k, v in os.environ.items() if k != "RAPIDMOE_FA_DECODE"} | env
         out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env_all, check=True).stdout
-        assert "checked 9" in out, out
+        assert "checked 16" in out, out
         result[name] = {m[1]: float(m[2]) for m in re.finditer(r"case (\S+) max_rel_err (\S+)", out)}
+        for what in ("threads", "alone"):
+            result[f"{name} {what}"] = {m[1]: float(m[2])
+                                        for m in re.finditer(rf"{what} (\S+) max_abs_diff (\S+)", out)}
     return result
 
 
@@ -52,6 +56,36 @@ def test_decode_attention_matches_the_float64_reference(errors: dict[str, dict[s
     # depend on the batch it came in); both within float rounding, by different kernels
     assert errors["ours"]["prompt-rows"] < 1e-5 and errors["upstream"]["prompt-rows"] < 1e-5, errors
     assert errors["ours"]["prompt-rows"] != errors["upstream"]["prompt-rows"], errors
+
+
+def test_q8_0_cache_matches_the_float64_reference(errors: dict[str, dict[str, float]]) -> None:
+    """A Q8_0 cache (K, V or both: -ctk/-ctv q8_0) takes our kernel too: within float rounding of the reference on
+    the dequantized cache, where llama.cpp's kernel (the query quantized to Q8_0 for K, F16 accumulators) is
+    further off; a case that fell back to it would fail here."""
+    for case in Q8_0_CACHE:
+        assert errors["ours"][case] < 1e-5, (case, errors)
+        assert errors["upstream"][case] != errors["ours"][case], (case, errors)
+    for case in Q8_0_CACHE[:3]:  # decode steps: upstream's one-row kernel
+        assert errors["upstream"][case] > 1e-4, (case, errors)
+
+
+def test_the_thread_count_changes_no_bit(errors: dict[str, dict[str, float]]) -> None:
+    """1 to 4 threads split the same node into work items of 4, 2 or 1 KV heads (and, for 9 query rows, deal them out
+    or claim them): every output the same bits, for F16 and Q8_0 caches (a token's attention must not depend on how
+    the work was cut)."""
+    assert set(errors["ours threads"]) == {"threads-f16", "threads-q8", "threads-rows"}, errors
+    assert all(d == 0.0 for d in errors["ours threads"].values()), errors
+
+
+def test_a_row_gets_the_same_bits_in_a_batch_and_alone(errors: dict[str, dict[str, float]]) -> None:
+    """Every query row of a batch computed again alone (its mask row, one query row): the same bits, for batches whose
+    rows share passes over the cache (a causal prompt after a context, F16 and Q8_0) and for ones whose rows see
+    unrelated cells (taken one at a time); llama.cpp's tiled kernel for 64 rows and more differs from its own one-row
+    kernel on the same row (what made a server's repeated request and batched embeddings differ)."""
+    alone = errors["ours alone"]
+    assert set(alone) == {"seven-rows", "prompt-rows", "causal-gqa8", "causal-gqa4-q8", "q8-prompt-rows"}, errors
+    assert all(d == 0.0 for d in alone.values()), errors
+    assert errors["upstream alone"]["prompt-rows"] > 0.0, errors
 
 
 def test_other_shapes_are_left_to_llama_cpp(errors: dict[str, dict[str, float]]) -> None:

@@ -1,17 +1,29 @@
-// Flash attention over an F16 KV cache, query heads grouped by KV head: decode steps first of all, and every batch
-// (so a token's attention does not depend on the batch it was computed in).
+// Flash attention over an F16 or Q8_0 KV cache, query heads grouped by KV head: decode steps first of all, at any
+// context depth, and every batch (so a token's attention does not depend on the batch it was computed in).
 //
 // Why our own: llama.cpp's CPU kernel for a single query row handles each query head alone, so with grouped-query
 // attention it reads every K and V row once per query head sharing it (4 times on Qwen3-MoE), converts the query
 // to F16 first, and accumulates the weighted V rows in an F16 buffer, converting all of it back and forth for every
 // cache position. Profiled on the bench model (decode, 2 threads, Zen 5 VM, 256 steps) attention took 5.2 CPU ms
-// a token against ik_llama.cpp's 2.9.
+// a token against ik_llama.cpp's 2.9; at 16k tokens of context (a Qwen3-30B-shaped layer, 32 query heads on 4 KV
+// heads, one thread, Xeon) llama.cpp's took 102 ms a layer and token.
 //
 // This kernel takes the query heads of one KV head together: each K row is converted once and dotted with all of
 // them (F32 query, F32 sums), the softmax is exact in three passes (scores, then max and exp, then the weighted V
 // rows, each V row converted once for all the heads, accumulated in F32 registers), and the output is divided by
 // the sum as llama.cpp's is. Not bit-identical with llama.cpp (F32 where it rounds through F16, a two-pass softmax
 // where it rescales online): tests/engine/test_fa_decode.py compares both with a float64 reference.
+//
+// At depth a decode step is this loop over the whole cache once per layer, so it must run at memory speed: the
+// AVX-512 kernel (below) keeps 8-16 dot products in flight, reads the adjacent KV heads a thread takes as one stream
+// of each cache row (llama.cpp's cache holds every KV head's slice of a position side by side), and runs pass 3 in
+// tiles of positions whose V rows stay in L1 for every column chunk. A prompt batch's query rows share each pass
+// over the cache (up to 16 / G rows on a KV head: the K and V rows read once for all of them) where their visible
+// positions nest, as a causal prompt's do; each row's softmax and sums still cover its own positions only.
+//
+// A Q8_0 cache (llama.cpp's -ctk/-ctv q8_0, K and V each either type) is read the same way: each row's 32-value
+// blocks dequantized exactly (int8 times the block's F16 scale is exact in F32) as they are used, so the query stays
+// F32 where llama.cpp's kernel quantizes it to Q8_0 for an integer dot product, per query head.
 #include "rapidmoe-fa-decode.h"
 
 #include "rapidmoe-claim.h"
@@ -42,35 +54,83 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-// Prefetches the row's bytes (a head's slice of a cache row: 2 dk bytes) into L1
+// Prefetches the row's bytes (a head's slice of a cache row) into L1
 inline void prefetch_row(const char * row, int bytes) {
     for (int b = 0; b < bytes; b += 64) {
         _mm_prefetch(row + b, _MM_HINT_T0);
     }
 }
 
+// The largest of s[0..n) (-INFINITY for none; NaN scores are passed over, as a scalar `s > m` does): 4 vectors of
+// lanes at once, where a scalar loop waits on each comparison (15 % of a decode step's attention at 4k positions)
+inline float max_of(const float * s, int64_t n) {
+    __m256 m4[4] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY),
+                    _mm256_set1_ps(-INFINITY)};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        for (int j = 0; j < 4; j++) {
+            m4[j] = _mm256_max_ps(_mm256_loadu_ps(s + i + 8 * j), m4[j]); // the second operand where either is NaN
+        }
+    }
+    const __m256 m2 = _mm256_max_ps(_mm256_max_ps(m4[0], m4[1]), _mm256_max_ps(m4[2], m4[3]));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m2);
+    float m = -INFINITY;
+    for (float x : lanes) {
+        m = x > m ? x : m;
+    }
+    for (; i < n; i++) {
+        m = s[i] > m ? s[i] : m;
+    }
+    return m;
+}
+
+constexpr int64_t TILE = 32;                   // positions pass 3 takes at a time
+
+constexpr int Q8_0_BLOCK = 32;                  // values a Q8_0 block holds
+constexpr int Q8_0_BYTES = 2 + Q8_0_BLOCK;      // its F16 scale, then 32 int8 (ggml's block_q8_0)
+
+// The bytes of a head's slice of a cache row of dk values
+template <ggml_type T>
+constexpr int row_bytes(int dk) {
+    return T == GGML_TYPE_F16 ? 2 * dk : dk / Q8_0_BLOCK * Q8_0_BYTES;
+}
+
+// Values d..d+7 of a cache row (d a multiple of 8) in F32: F16 converted, Q8_0 dequantized (exact)
+template <ggml_type T>
+inline __m256 load8(const char * row, int d) {
+    if constexpr (T == GGML_TYPE_F16) {
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) ((const ggml_fp16_t *) row + d)));
+    } else {
+        const char * block = row + d / Q8_0_BLOCK * Q8_0_BYTES;
+        const __m256 scale = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *) block));
+        const __m128i q = _mm_loadl_epi64((const __m128i *) (block + 2 + d % Q8_0_BLOCK));
+        return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
+}
+
 // scores[h * n + i] = q_h . k_{pos[i]} * scale + mask, for the G heads of one KV head and the n visible positions.
 // The cache is cold here (a decode step streams the weights through the caches between two attentions): the K rows
 // are prefetched 8 positions ahead and each V row as its K row is read, so the V pass finds them in cache.
-template <int G>
+template <int G, ggml_type KT, ggml_type VT>
 void scores_of(const float * const q[], const char * k, size_t k_stride, const char * v, size_t v_stride,
                const int32_t * pos, const float * mask, int64_t n, int dk, float scale, float * scores) {
-    constexpr int64_t AHEAD = 8;
+    constexpr int64_t AHEAD = 32;
     for (int64_t i = 0; i < n && i < AHEAD; i++) {
-        prefetch_row(k + pos[i] * k_stride, 2 * dk);
+        prefetch_row(k + pos[i] * k_stride, row_bytes<KT>(dk));
     }
     for (int64_t i = 0; i < n; i++) {
         if (i + AHEAD < n) {
-            prefetch_row(k + pos[i + AHEAD] * k_stride, 2 * dk);
+            prefetch_row(k + pos[i + AHEAD] * k_stride, row_bytes<KT>(dk));
         }
-        prefetch_row(v + pos[i] * v_stride, 2 * dk);
-        const auto * kr = (const ggml_fp16_t *) (k + pos[i] * k_stride);
+        prefetch_row(v + pos[i] * v_stride, row_bytes<VT>(dk));
+        const char * kr = k + pos[i] * k_stride;
         __m256 acc[G];
         for (int h = 0; h < G; h++) {
             acc[h] = _mm256_setzero_ps();
         }
         for (int d = 0; d < dk; d += 8) {
-            const __m256 kf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (kr + d)));
+            const __m256 kf = load8<KT>(kr, d);
             for (int h = 0; h < G; h++) {
                 acc[h] = _mm256_fmadd_ps(kf, _mm256_loadu_ps(q[h] + d), acc[h]);
             }
@@ -81,41 +141,297 @@ void scores_of(const float * const q[], const char * k, size_t k_stride, const c
     }
 }
 
-// out[h][0..dv) = sum over i of p[h * n + i] * v_{pos[i]}, in F32, 16 dimensions at a time for all G heads
-template <int G>
+// out[h][0..dv) = sum over i of p[h * n + i] * v_{pos[i]}, in F32, 16 dimensions at a time for all G heads. The
+// positions go in tiles of TILE: each tile's V rows are read from memory once (prefetched while the tile before is
+// computed) and used for every 16 dimensions while they are in L1; the accumulators wait in `out` between tiles
+// (stored and loaded unchanged: each output is the same chain of multiply-adds over i = 0..n-1 as without tiles).
+template <int G, ggml_type VT>
 void weighted_values(const float * p, const char * v, size_t v_stride, const int32_t * pos, int64_t n, int dv,
                      float * out) {
-    for (int d = 0; d < dv; d += 16) {
-        __m256 lo[G];
-        __m256 hi[G];
-        for (int h = 0; h < G; h++) {
-            lo[h] = _mm256_setzero_ps();
-            hi[h] = _mm256_setzero_ps();
+    const int vbytes = row_bytes<VT>(dv);
+    if (n == 0) {
+        std::fill(out, out + G * MAX_DIM, 0.0f);
+    }
+    for (int64_t i = 0; i < n && i < TILE; i++) {
+        prefetch_row(v + pos[i] * v_stride, vbytes);
+    }
+    for (int64_t i0 = 0; i0 < n; i0 += TILE) {
+        const int64_t i1 = std::min(n, i0 + TILE);
+        for (int64_t i = i1; i < n && i < i1 + TILE; i++) {
+            prefetch_row(v + pos[i] * v_stride, vbytes);
         }
-        const bool two = d + 8 < dv;
-        for (int64_t i = 0; i < n; i++) {
-            const auto * vr = (const ggml_fp16_t *) (v + pos[i] * v_stride) + d;
-            const __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) vr));
-            const __m256 v1 = two ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (vr + 8))) : _mm256_setzero_ps();
+        for (int d = 0; d < dv; d += 16) {
+            const bool two = d + 8 < dv;
+            __m256 lo[G];
+            __m256 hi[G];
             for (int h = 0; h < G; h++) {
-                const __m256 w = _mm256_broadcast_ss(p + h * n + i);
-                lo[h] = _mm256_fmadd_ps(w, v0, lo[h]);
-                hi[h] = _mm256_fmadd_ps(w, v1, hi[h]);
+                lo[h] = i0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(out + h * MAX_DIM + d);
+                hi[h] = i0 == 0 || !two ? _mm256_setzero_ps() : _mm256_load_ps(out + h * MAX_DIM + d + 8);
             }
-        }
-        for (int h = 0; h < G; h++) {
-            _mm256_storeu_ps(out + h * MAX_DIM + d, lo[h]);
-            if (two) {
-                _mm256_storeu_ps(out + h * MAX_DIM + d + 8, hi[h]);
+            for (int64_t i = i0; i < i1; i++) {
+                const char * vr = v + pos[i] * v_stride;
+                const __m256 v0 = load8<VT>(vr, d);
+                const __m256 v1 = two ? load8<VT>(vr, d + 8) : _mm256_setzero_ps();
+                for (int h = 0; h < G; h++) {
+                    const __m256 w = _mm256_broadcast_ss(p + h * n + i);
+                    lo[h] = _mm256_fmadd_ps(w, v0, lo[h]);
+                    hi[h] = _mm256_fmadd_ps(w, v1, hi[h]);
+                }
+            }
+            for (int h = 0; h < G; h++) {
+                _mm256_store_ps(out + h * MAX_DIM + d, lo[h]);
+                if (two) {
+                    _mm256_store_ps(out + h * MAX_DIM + d + 8, hi[h]);
+                }
             }
         }
     }
 }
 
-// Query row t's heads h0..h0+G-1 of stream i3 (a sequence's own cache when llama.cpp keeps one per sequence), all on
-// KV head g
-template <int G>
-void kv_head(const ggml_tensor * dst, int64_t i3, int64_t t, int64_t g, int64_t h0, float scale) {
+#if defined(__AVX512F__)
+// The AVX-512 kernel (where the build has it, for head sizes a multiple of 16; RAPIDMOE_FA_DECODE=avx2 keeps the
+// loops above): 16 dimensions a register, 8-16 dot products in flight in pass 1 and the weighted V rows for several
+// queries and 16-column chunks at once in pass 3, so neither pass waits on one chain of multiply-adds. Timed alone
+// on Qwen3-MoE-shaped layers with a cold cache (one thread, Xeon with AVX-512): 1.8-2.8x the speed of the AVX2 loops
+// as they were before pass 3 took tiles, at 4k-16k positions; equal to them to float rounding, not bit for bit
+// (16-lane sums), and the same bits however the work is cut (each score and sum one fixed chain of operations).
+
+// Values d..d+15 of a cache row (d a multiple of 16) in F32: F16 converted, Q8_0 dequantized (exact)
+template <ggml_type T>
+inline __m512 load16(const char * row, int d) {
+    if constexpr (T == GGML_TYPE_F16) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) ((const ggml_fp16_t *) row + d)));
+    } else {
+        const char * block = row + d / Q8_0_BLOCK * Q8_0_BYTES;
+        const __m512 scale = _mm512_set1_ps(_cvtsh_ss(*(const uint16_t *) block));
+        const __m128i q = _mm_loadu_si128((const __m128i *) (block + 2 + d % Q8_0_BLOCK));
+        return _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+    }
+}
+
+// Lane j of the result: the sum of a[j]'s 16 lanes (halves added, then a transposing tree of horizontal adds)
+inline __m256 hsum8(const __m512 a[8]) {
+    __m256 s[8];
+    for (int j = 0; j < 8; j++) {
+        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1));
+        s[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]), hi);
+    }
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Pass 1 as scores_of, for query vectors qq = (g * R + r) * G + h: head h of the G on each of KH adjacent KV heads
+// (their slices of a cache row lie side by side: one stream of the row's bytes instead of KH strided ones), of R
+// query rows (which share every K row read: a prompt batch's), the query's values at q + qq * MAX_DIM. P positions
+// at a time, so that NA = G * R * KH * P (8 or 16) dot products are in flight; the last positions padded with the
+// last one, whose extra scores are dropped (every score is the same chain of operations wherever it sits). Scores at
+// scores[qq * n + i], row r's mask values masks[r][i]. K rows are prefetched 32 positions ahead, the V rows of pass
+// 3's first tile while K is read.
+template <int G, int R, int KH, ggml_type KT, ggml_type VT>
+void scores_of16(const float * q, const char * k, size_t k_stride, size_t k_head, const char * v, size_t v_stride,
+                 size_t v_head, const int32_t * pos, const float * const * masks, int64_t n, int dk, float scale,
+                 float * scores) {
+    constexpr int RG = R * G;  // queries a KV head
+    constexpr int NQ = RG * KH;
+    constexpr int P = NQ >= 8 ? 1 : 8 / NQ;
+    constexpr int NA = NQ * P;
+    static_assert(NA == 8 || NA == 16, "8 or 16 accumulators");
+    constexpr int64_t AHEAD = 32;
+    const int kbytes = (int) ((KH - 1) * k_head) + row_bytes<KT>(dk);  // a position's bytes of the KH heads
+    const int vbytes = (int) ((KH - 1) * v_head) + row_bytes<VT>(dk);
+    for (int64_t i = 0; i < n && i < AHEAD; i++) {
+        prefetch_row(k + pos[i] * k_stride, kbytes);
+    }
+    for (int64_t i = 0; i < n; i += P) {
+        const char * kr[P];
+        for (int j = 0; j < P; j++) {
+            const int64_t ij = std::min(i + j, n - 1);
+            kr[j] = k + pos[ij] * k_stride;
+            if (ij + AHEAD < n) {
+                prefetch_row(k + pos[ij + AHEAD] * k_stride, kbytes);
+            }
+            if (i + j < TILE && i + j < n) { // pass 3's first tile
+                prefetch_row(v + pos[i + j] * v_stride, vbytes);
+            }
+        }
+        __m512 acc[NA];
+        for (auto & a : acc) {
+            a = _mm512_setzero_ps();
+        }
+        for (int d = 0; d < dk; d += 16) {
+            for (int g = 0; g < KH; g++) {
+                __m512 kf[P];
+                for (int j = 0; j < P; j++) {
+                    kf[j] = load16<KT>(kr[j] + g * k_head, d);
+                }
+                for (int rh = 0; rh < RG; rh++) {
+                    const int qq = g * RG + rh;
+                    const __m512 qv = _mm512_load_ps(q + qq * MAX_DIM + d);
+                    for (int j = 0; j < P; j++) {
+                        acc[qq * P + j] = _mm512_fmadd_ps(kf[j], qv, acc[qq * P + j]);
+                    }
+                }
+            }
+        }
+        alignas(32) float dots[NA];
+        for (int a = 0; a < NA; a += 8) {
+            _mm256_store_ps(dots + a, hsum8(acc + a));
+        }
+        for (int j = 0; j < P && i + j < n; j++) {
+            for (int qq = 0; qq < NQ; qq++) {
+                scores[qq * n + i + j] = dots[qq * P + j] * scale + masks[qq / G % R][i + j];
+            }
+        }
+    }
+}
+
+// Pass 3 as weighted_values for the G query heads of each of KH adjacent KV heads: tiles of TILE positions (the next
+// tile's rows prefetched, one a position), C 16-column chunks of a KV head's G accumulators at once (G * C <= 16
+// registers); out[hh * MAX_DIM + d] for query head hh = g * G + h, each output the same chain over i = 0..n-1
+template <int G, int KH, ggml_type VT, int C>
+void weighted_values16(const float * p, const char * v, size_t v_stride, size_t v_head, const int32_t * pos,
+                       int64_t n, int dv, float * out) {
+    const int vbytes = (int) ((KH - 1) * v_head) + row_bytes<VT>(dv);
+    if (n == 0) {
+        std::fill(out, out + G * KH * MAX_DIM, 0.0f);
+    }
+    for (int64_t i0 = 0; i0 < n; i0 += TILE) {
+        const int64_t i1 = std::min(n, i0 + TILE);
+        // the next tile's rows, a few lines every position of every chunk (a burst of prefetches would stall)
+        const int lines = (vbytes + 63) / 64;
+        const int64_t next_lines = (std::min(n, i1 + TILE) - i1) * lines;
+        const int64_t steps = (i1 - i0) * KH * (dv / (16 * C));
+        const int per_step = (int) ((next_lines + steps - 1) / steps);
+        int64_t line = 0;
+        for (int g = 0; g < KH; g++) {
+            const char * vg = v + g * v_head;
+            const float * pg = p + g * G * n;
+            float * og = out + g * G * MAX_DIM;
+            for (int d0 = 0; d0 < dv; d0 += 16 * C) {
+                __m512 acc[G][C];
+                for (int h = 0; h < G; h++) {
+                    for (int c = 0; c < C; c++) {
+                        acc[h][c] = i0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(og + h * MAX_DIM + d0 + 16 * c);
+                    }
+                }
+                for (int64_t i = i0; i < i1; i++) {
+                    for (int j = 0; j < per_step && line < next_lines; j++, line++) {
+                        _mm_prefetch(v + pos[i1 + line / lines] * v_stride + line % lines * 64, _MM_HINT_T0);
+                    }
+                    const char * vr = vg + pos[i] * v_stride;
+                    __m512 vv[C];
+                    for (int c = 0; c < C; c++) {
+                        vv[c] = load16<VT>(vr, d0 + 16 * c);
+                    }
+                    for (int h = 0; h < G; h++) {
+                        const __m512 w = _mm512_set1_ps(pg[h * n + i]);
+                        for (int c = 0; c < C; c++) {
+                            acc[h][c] = _mm512_fmadd_ps(w, vv[c], acc[h][c]);
+                        }
+                    }
+                }
+                for (int h = 0; h < G; h++) {
+                    for (int c = 0; c < C; c++) {
+                        _mm512_store_ps(og + h * MAX_DIM + d0 + 16 * c, acc[h][c]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// weighted_values16 with the most chunks at once (up to 16 / G) that divide dv's 16-column chunks (G here: the queries
+// of one KV head, a set of heads of each of R rows)
+template <int G, int KH, ggml_type VT>
+void weighted_values16_any(const float * p, const char * v, size_t v_stride, size_t v_head, const int32_t * pos,
+                           int64_t n, int dv, float * out) {
+    constexpr int CMAX = G >= 16 ? 1 : G >= 8 ? 2 : G == 4 ? 4 : 8;
+    const int chunks = dv / 16;
+    if (CMAX >= 8 && chunks % 8 == 0) {
+        weighted_values16<G, KH, VT, CMAX >= 8 ? 8 : 1>(p, v, v_stride, v_head, pos, n, dv, out);
+    } else if (CMAX >= 4 && chunks % 4 == 0) {
+        weighted_values16<G, KH, VT, CMAX >= 4 ? 4 : 1>(p, v, v_stride, v_head, pos, n, dv, out);
+    } else if (CMAX >= 2 && chunks % 2 == 0) {
+        weighted_values16<G, KH, VT, CMAX >= 2 ? 2 : 1>(p, v, v_stride, v_head, pos, n, dv, out);
+    } else {
+        weighted_values16<G, KH, VT, 1>(p, v, v_stride, v_head, pos, n, dv, out);
+    }
+}
+
+// The visible positions of a mask row (!= -INFINITY, as the scalar loop) and their mask values, 16 cells at a time;
+// pos and pos_mask have room for n_kv + 16. Returns their count.
+inline int64_t visible16(const ggml_fp16_t * mp, int64_t n_kv, int32_t * pos, float * pos_mask) {
+    int64_t count = 0;
+    const __m512 drop = _mm512_set1_ps(-INFINITY);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    int64_t ic = 0;
+    for (; ic + 16 <= n_kv; ic += 16) {
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (mp + ic)));
+        const __mmask16 keep = _mm512_cmp_ps_mask(mv, drop, _CMP_NEQ_UQ);
+        const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int32_t) ic), iota);
+        // compressed in registers, stored whole (a compressing store is microcoded on some cores)
+        _mm512_storeu_si512(pos + count, _mm512_maskz_compress_epi32(keep, idx));
+        _mm512_storeu_ps(pos_mask + count, _mm512_maskz_compress_ps(keep, mv));
+        count += __builtin_popcount((unsigned) keep);
+    }
+    for (; ic < n_kv; ic++) {
+        const float mv = _cvtsh_ss(mp[ic]);
+        if (mv != -INFINITY) {
+            pos[count] = (int32_t) ic;
+            pos_mask[count] = mv;
+            count++;
+        }
+    }
+    return count;
+}
+#endif
+
+// The visible positions of query row t of stream i3 (its mask row: one for all heads; every position without a mask)
+// into pos and their mask values into pos_mask, both with room for n_kv + 16; returns their count
+inline int64_t visible_of(const ggml_tensor * mask, int64_t n_kv, int64_t i3, int64_t t, bool wide,
+                          std::vector<int32_t> & pos, std::vector<float> & pos_mask) {
+    pos.resize((size_t) n_kv + 16);
+    pos_mask.resize((size_t) n_kv + 16);
+    if (mask == nullptr) {
+        for (int64_t ic = 0; ic < n_kv; ic++) {
+            pos[ic] = (int32_t) ic;
+            pos_mask[ic] = 0.0f;
+        }
+        return n_kv;
+    }
+    const auto * mp = (const ggml_fp16_t *) ((const char *) mask->data + t * mask->nb[1] +
+                                             (i3 % mask->ne[3]) * mask->nb[3]);
+#if defined(__AVX512F__)
+    if (wide) {
+        return visible16(mp, n_kv, pos.data(), pos_mask.data());
+    }
+#else
+    (void) wide;
+#endif
+    int64_t n = 0;
+    for (int64_t ic = 0; ic < n_kv; ic++) {
+        const float mv = _cvtsh_ss(mp[ic]);  // F16C inline: ggml_fp16_to_fp32 is a call
+        if (mv != -INFINITY) {
+            pos[n] = (int32_t) ic;
+            pos_mask[n] = mv;
+            n++;
+        }
+    }
+    return n;
+}
+
+// Query rows t0..t0+R-1 of stream i3 (a sequence's own cache when llama.cpp keeps one per sequence; rows past the
+// batch's end are computed as its last and not written), heads h0..h0+G*KH-1 of each: G on each of the KV heads
+// g0..g0+KH-1. `wide`: the AVX-512 kernel (R or KH > 1 only there). With R > 1 the rows share one pass over the
+// cache: the positions the longest row sees, which must begin with the positions every other row sees (a causal
+// batch appended to a sequence's cells); each row's softmax and weighted sum still run over its own positions
+// only, so a row gets the bits it gets alone. Returns false, computing nothing, where the rows' positions are not
+// so nested (the caller then takes them one at a time).
+template <int G, int R, int KH, ggml_type KT, ggml_type VT>
+bool kv_heads(const ggml_tensor * dst, int64_t i3, int64_t t0, int64_t g0, int64_t h0, float scale, bool wide) {
+    constexpr int RG = R * G;
+    constexpr int NQ = RG * KH;
     const ggml_tensor * q = dst->src[0];
     const ggml_tensor * k = dst->src[1];
     const ggml_tensor * v = dst->src[2];
@@ -123,50 +439,176 @@ void kv_head(const ggml_tensor * dst, int64_t i3, int64_t t, int64_t g, int64_t 
     const int64_t n_kv = k->ne[1];
     const int dk = (int) k->ne[0];
     const int dv = (int) v->ne[0];
-    const float * qh[G];
-    for (int h = 0; h < G; h++) {
-        qh[h] = (const float *) ((const char *) q->data + t * q->nb[1] + (h0 + h) * q->nb[2] + i3 * q->nb[3]);
+    const int64_t rows = std::min<int64_t>(R, q->ne[1] - t0);
+    // each row's visible positions (masked and padded cells cost nothing), the longest row's for all
+    static thread_local std::vector<int32_t> pos[R];
+    static thread_local std::vector<float> pos_mask[R];
+    int64_t n_row[R];
+    int longest = 0;
+    for (int r = 0; r < rows; r++) {
+        n_row[r] = visible_of(mask, n_kv, i3, t0 + r, wide, pos[r], pos_mask[r]);
+        longest = n_row[r] > n_row[longest] ? r : longest;
     }
-    // the positions the query sees (the mask's row: one for all heads), so masked and padded cells cost nothing
-    static thread_local std::vector<int32_t> pos;
-    static thread_local std::vector<float> pos_mask;
-    pos.clear();
-    pos_mask.clear();
-    const auto * mp = mask != nullptr ? (const ggml_fp16_t *) ((const char *) mask->data + t * mask->nb[1] +
-                                                               (i3 % mask->ne[3]) * mask->nb[3]) : nullptr;
-    for (int64_t ic = 0; ic < n_kv; ic++) {
-        const float mv = mp != nullptr ? _cvtsh_ss(mp[ic]) : 0.0f;  // F16C inline: ggml_fp16_to_fp32 is a call
-        if (mv != -INFINITY) {
-            pos.push_back((int32_t) ic);
-            pos_mask.push_back(mv);
+    const int64_t n = n_row[longest];
+    const float * masks[R];
+    for (int r = 0; r < R; r++) {
+        const int rr = (int) std::min<int64_t>(r, rows - 1);
+        if (r < rows && r != longest) {
+            if (std::memcmp(pos[r].data(), pos[longest].data(), n_row[r] * sizeof(int32_t)) != 0) {
+                return false;
+            }
+            std::fill(pos_mask[r].begin() + n_row[r], pos_mask[r].begin() + n, -INFINITY); // seen by others only
         }
+        n_row[r] = n_row[rr];
+        masks[r] = pos_mask[rr].data();
     }
-    const int64_t n = (int64_t) pos.size();
+    const int32_t * ps = pos[longest].data();
     static thread_local std::vector<float> scores;
-    scores.resize((size_t) G * n);
-    const char * kg = (const char *) k->data + g * k->nb[2] + i3 * k->nb[3];
-    const char * vg = (const char *) v->data + g * v->nb[2] + i3 * v->nb[3];
-    scores_of<G>(qh, kg, k->nb[1], vg, v->nb[1], pos.data(), pos_mask.data(), n, dk, scale, scores.data());
-    float sum[G];
-    for (int h = 0; h < G; h++) {
-        float * s = scores.data() + h * n;
-        float m = -INFINITY;
-        for (int64_t i = 0; i < n; i++) {
-            m = s[i] > m ? s[i] : m;
+    scores.resize((size_t) NQ * n);
+    const char * kg = (const char *) k->data + g0 * k->nb[2] + i3 * k->nb[3];
+    const char * vg = (const char *) v->data + g0 * v->nb[2] + i3 * v->nb[3];
+    // query vector qq = (g * R + r) * G + h: row t0 + r, head h0 + g * G + h
+    auto query = [&](int qq) {
+        const int64_t r = std::min<int64_t>(qq / G % R, rows - 1);
+        const int64_t head = h0 + qq / RG * G + qq % G;
+        return (const float *) ((const char *) q->data + (t0 + r) * q->nb[1] + head * q->nb[2] + i3 * q->nb[3]);
+    };
+#if defined(__AVX512F__)
+    if (wide) {
+        // the queries side by side in one buffer: one base register for all of them (16 pointers would spill)
+        alignas(64) float qbuf[NQ * MAX_DIM];
+        for (int qq = 0; qq < NQ; qq++) {
+            std::memcpy(qbuf + qq * MAX_DIM, query(qq), dk * sizeof(float));
         }
-        // exp(s - m) in place and its sum: ggml's vectorized softmax step (llama.cpp's SOFT_MAX uses it), not a
-        // scalar std::exp per score (profiled on the bench model, pp512: a quarter of the attention's time)
-        sum[h] = (float) ggml_vec_soft_max_f32((int) n, s, s, m);
+        scores_of16<G, R, KH, KT, VT>(qbuf, kg, k->nb[1], k->nb[2], vg, v->nb[1], v->nb[2], ps, masks, n, dk, scale,
+                                      scores.data());
+    } else
+#endif
+    if constexpr (R == 1 && KH == 1) {
+        const float * qh[G];
+        for (int h = 0; h < G; h++) {
+            qh[h] = query(h);
+        }
+        scores_of<G, KT, VT>(qh, kg, k->nb[1], vg, v->nb[1], ps, masks[0], n, dk, scale, scores.data());
+    } else {
+        GGML_ABORT("rapidmoe_flash_attn_decode: rows or KV heads taken together without the AVX-512 kernel");
     }
-    alignas(32) float out[G * MAX_DIM];
-    weighted_values<G>(scores.data(), vg, v->nb[1], pos.data(), n, dv, out);
-    for (int h = 0; h < G; h++) {
-        const float inv = sum[h] == 0.0f ? 0.0f : 1.0f / sum[h];
-        auto * row = (float *) ((char *) dst->data + (h0 + h) * dst->nb[1] + t * dst->nb[2] + i3 * dst->nb[3]);
+    float sum[NQ];
+    for (int qq = 0; qq < NQ; qq++) {
+        float * s = scores.data() + qq * n;
+        const int64_t nr = n_row[qq / G % R];
+        const float m = max_of(s, nr);
+        // exp(s - m) in place and its sum over the row's own positions: ggml's vectorized softmax step (llama.cpp's
+        // SOFT_MAX uses it), not a scalar std::exp per score (profiled on the bench model, pp512: a quarter of the
+        // attention's time); the positions only other rows see weigh 0 in pass 3
+        sum[qq] = (float) ggml_vec_soft_max_f32((int) nr, s, s, m);
+        std::fill(s + nr, s + n, 0.0f);
+    }
+    alignas(64) float out[NQ * MAX_DIM];
+#if defined(__AVX512F__)
+    if (wide) {
+        weighted_values16_any<RG, KH, VT>(scores.data(), vg, v->nb[1], v->nb[2], ps, n, dv, out);
+    } else
+#endif
+    if constexpr (R == 1 && KH == 1) {
+        weighted_values<G, VT>(scores.data(), vg, v->nb[1], ps, n, dv, out);
+    }
+    for (int qq = 0; qq < NQ; qq++) {
+        const int64_t r = qq / G % R;
+        if (r >= rows) {
+            continue;
+        }
+        const int64_t head = h0 + qq / RG * G + qq % G;
+        const float inv = sum[qq] == 0.0f ? 0.0f : 1.0f / sum[qq];
+        auto * row = (float *) ((char *) dst->data + head * dst->nb[1] + (t0 + r) * dst->nb[2] + i3 * dst->nb[3]);
         for (int d = 0; d < dv; d++) {
-            row[d] = out[h * MAX_DIM + d] * inv;
+            row[d] = out[qq * MAX_DIM + d] * inv;
         }
     }
+    return true;
+}
+
+using kv_heads_fn = bool (*)(const ggml_tensor *, int64_t, int64_t, int64_t, int64_t, float, bool);
+
+template <int G, ggml_type KT, ggml_type VT>
+kv_heads_fn kv_heads_of(int64_t rows, int64_t kh) {
+#if defined(__AVX512F__)
+    switch (rows * 16 + kh) {
+        case 1 * 16 + 2: if constexpr (G * 2 <= 16) { return kv_heads<G, 1, 2, KT, VT>; } break;
+        case 1 * 16 + 4: if constexpr (G * 4 <= 16) { return kv_heads<G, 1, 4, KT, VT>; } break;
+        case 2 * 16 + 1: if constexpr (G * 2 <= 16) { return kv_heads<G, 2, 1, KT, VT>; } break;
+        case 4 * 16 + 1: if constexpr (G * 4 <= 16) { return kv_heads<G, 4, 1, KT, VT>; } break;
+        case 8 * 16 + 1: if constexpr (G * 8 <= 16) { return kv_heads<G, 8, 1, KT, VT>; } break;
+        default: break;
+    }
+#endif
+    return rows == 1 && kh == 1 ? kv_heads<G, 1, 1, KT, VT> : nullptr;
+}
+
+template <ggml_type KT, ggml_type VT>
+kv_heads_fn kv_heads_of_types(int64_t set, int64_t rows, int64_t kh) {
+    switch (set) {
+        case 1: return kv_heads_of<1, KT, VT>(rows, kh);
+        case 2: return kv_heads_of<2, KT, VT>(rows, kh);
+        case 4: return kv_heads_of<4, KT, VT>(rows, kh);
+        case 8: return kv_heads_of<8, KT, VT>(rows, kh);
+        default: return nullptr;
+    }
+}
+
+// The kernel for sets of `set` query heads on `kh` adjacent KV heads and `rows` query rows, over a K and a V cache of
+// these types (F16 or Q8_0 each); nullptr for a combination not compiled
+kv_heads_fn kv_heads_for(int64_t set, int64_t rows, int64_t kh, ggml_type kt, ggml_type vt) {
+    const bool k16 = kt == GGML_TYPE_F16;
+    const bool v16 = vt == GGML_TYPE_F16;
+    return k16 ? (v16 ? kv_heads_of_types<GGML_TYPE_F16, GGML_TYPE_F16>(set, rows, kh)
+                      : kv_heads_of_types<GGML_TYPE_F16, GGML_TYPE_Q8_0>(set, rows, kh))
+               : (v16 ? kv_heads_of_types<GGML_TYPE_Q8_0, GGML_TYPE_F16>(set, rows, kh)
+                      : kv_heads_of_types<GGML_TYPE_Q8_0, GGML_TYPE_Q8_0>(set, rows, kh));
+}
+
+// How a work item is cut, for the AVX-512 kernel (`wide`; else one query row on one KV head): a decode step's
+// adjacent KV heads read as one stream (up to 16 / G query heads' worth, as many as still leave each thread an
+// item: each thread its own KV heads), a prompt batch's query rows sharing each pass over the cache (up to 16 / G
+// of them, as many as still leave each thread an item). With more than MAX_GROUP query heads a KV head, one set.
+struct Cut {
+    int64_t rows = 1;
+    int64_t kh = 1;
+};
+
+Cut cut_of(const ggml_tensor * q, const ggml_tensor * k, const ggml_tensor * v, int64_t group, int nth, bool wide) {
+    Cut c;
+    const int64_t n_head_kv = k->ne[2];
+    const bool side_by_side = k->nb[2] == ggml_row_size(k->type, k->ne[0]) &&
+                              v->nb[2] == ggml_row_size(v->type, v->ne[0]);
+    if (!wide || group > MAX_GROUP) {
+        return c;
+    }
+    if (q->ne[1] > 1) {
+        for (int64_t rows = 8; rows > 1; rows /= 2) {
+            const int64_t tiles = (q->ne[1] + rows - 1) / rows;
+            if (group * rows <= 16 && rows <= q->ne[1] && q->ne[3] * tiles * n_head_kv >= nth) {
+                c.rows = rows;
+                return c;
+            }
+        }
+        return c;
+    }
+    for (int64_t kh = 4; kh > 1 && side_by_side; kh /= 2) {
+        if (group * kh <= 16 && n_head_kv % kh == 0 && q->ne[3] * (n_head_kv / kh) >= nth) {
+            c.kh = kh;
+            return c;
+        }
+    }
+    return c;
+}
+
+// A cache type the kernel reads, and the row layout it expects of it (contiguous values or whole Q8_0 blocks)
+bool kv_type_ok(const ggml_tensor * t) {
+    if (t->type == GGML_TYPE_F16) {
+        return t->nb[0] == sizeof(ggml_fp16_t);
+    }
+    return t->type == GGML_TYPE_Q8_0 && t->ne[0] % Q8_0_BLOCK == 0 && t->nb[0] == Q8_0_BYTES;
 }
 #endif
 
@@ -188,15 +630,14 @@ bool rapidmoe_flash_attn_decode(const ggml_compute_params * params, ggml_tensor 
     std::memcpy(&softcap, (const float *) dst->op_params + 2, sizeof(float));
     const int64_t n_head = q->ne[2];
     const int64_t n_head_kv = k->ne[2];
-    const bool applies = rapidmoe_fa_decode_enabled() && q->type == GGML_TYPE_F32 && k->type == GGML_TYPE_F16 &&
-        v->type == GGML_TYPE_F16 && k->ne[3] == q->ne[3] && v->ne[3] == q->ne[3] &&
+    const bool applies = rapidmoe_fa_decode_enabled() && q->type == GGML_TYPE_F32 && kv_type_ok(k) && kv_type_ok(v) &&
+        k->ne[3] == q->ne[3] && v->ne[3] == q->ne[3] &&
         dst->src[4] == nullptr && softcap == 0.0f && max_bias == 0.0f && k->ne[0] == q->ne[0] &&
         v->ne[0] == k->ne[0] && k->ne[0] % 8 == 0 && k->ne[0] <= MAX_DIM && v->ne[2] == n_head_kv &&
         v->ne[1] == k->ne[1] && n_head_kv > 0 && n_head % n_head_kv == 0 &&
         ((n_head / n_head_kv) & (n_head / n_head_kv - 1)) == 0 &&  // a power of two query heads per KV head
         // at least one set of heads per thread
         q->ne[3] * q->ne[1] * n_head_kv * std::max<int64_t>(1, n_head / n_head_kv / MAX_GROUP) >= nth &&
-        k->nb[0] == sizeof(ggml_fp16_t) && v->nb[0] == sizeof(ggml_fp16_t) &&
         q->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float) && dst->ne[0] == v->ne[0] &&
         dst->ne[1] == n_head && dst->ne[2] == q->ne[1] && dst->ne[3] == q->ne[3] &&
         (mask == nullptr || (mask->type == GGML_TYPE_F16 && mask->ne[0] >= k->ne[1] && mask->ne[1] >= q->ne[1] &&
@@ -205,14 +646,26 @@ bool rapidmoe_flash_attn_decode(const ggml_compute_params * params, ggml_tensor 
         return false;
     }
     const int64_t group = n_head / n_head_kv;
-    const int64_t set = std::min<int64_t>(group, MAX_GROUP); // query heads taken together
-    const int64_t sets = n_head / set;                         // per query row
-    const int64_t per_stream = q->ne[1] * sets;
+    const int64_t set = std::min<int64_t>(group, MAX_GROUP); // query heads of one KV head taken together
+#if defined(__AVX512F__)
+    const bool wide = k->ne[0] % 16 == 0 && v->ne[0] % 16 == 0 && !rapidmoe_fa_decode_avx2_only();
+#else
+    const bool wide = false;
+#endif
+    const Cut cut = cut_of(q, k, v, group, nth, wide);
+    const int64_t sets = n_head / (set * cut.kh);             // items per tile of query rows
+    const int64_t tiles = (q->ne[1] + cut.rows - 1) / cut.rows;
+    const int64_t per_stream = tiles * sets;
     const int64_t n_items = q->ne[3] * per_stream;
-    // work items (a query row's set of heads): a decode step's few are dealt out, every nth to a thread; a prompt
-    // batch's are claimed as the threads go (the threadpool's chunk counter, set before the threads meet), from the
-    // last query row back (the longest first), so a thread slowed by the machine takes fewer of them. Either way each
-    // item is computed alone, so the values do not depend on the thread that takes it.
+    const kv_heads_fn kernel = kv_heads_for(set, cut.rows, cut.kh, k->type, v->type);
+    const kv_heads_fn one_row = kv_heads_for(set, 1, 1, k->type, v->type);
+    if (kernel == nullptr || one_row == nullptr) {
+        GGML_ABORT("rapidmoe_flash_attn_decode: %d query heads per KV head not checked", (int) group);
+    }
+    // work items (a tile of query rows' set of heads, on one KV head or kh side by side): a decode step's few are
+    // dealt out, every nth to a thread; a prompt batch's are claimed as the threads go (the threadpool's chunk
+    // counter, set before the threads meet), from the last tile back (the longest first), so a thread slowed by the
+    // machine takes fewer of them. Either way each row's values do not depend on the thread or the item that takes it.
     const bool claimed = q->ne[1] > 1 && nth > 1 && rapidmoe_claim_enabled();
     if (claimed) {
         if (ith == 0) {
@@ -224,15 +677,12 @@ bool rapidmoe_flash_attn_decode(const ggml_compute_params * params, ggml_tensor 
          next = claimed ? ggml_threadpool_chunk_add(params->threadpool, 1) : next + nth) {
         const int64_t item = claimed ? n_items - 1 - next : next;
         const int64_t i3 = item / per_stream;
-        const int64_t t = item % per_stream / sets;
-        const int64_t h0 = item % sets * set;
-        const int64_t g = h0 / group;
-        switch (set) {
-            case 1: kv_head<1>(dst, i3, t, g, h0, scale); break;
-            case 2: kv_head<2>(dst, i3, t, g, h0, scale); break;
-            case 4: kv_head<4>(dst, i3, t, g, h0, scale); break;
-            case 8: kv_head<8>(dst, i3, t, g, h0, scale); break;
-            default: GGML_ABORT("rapidmoe_flash_attn_decode: %d query heads per KV head not checked", (int) group);
+        const int64_t t0 = item % per_stream / sets * cut.rows;
+        const int64_t h0 = item % sets * set * cut.kh;
+        if (!kernel(dst, i3, t0, h0 / group, h0, scale, wide)) {
+            for (int64_t t = t0; t < std::min(t0 + cut.rows, q->ne[1]); t++) { // rows not nested: one at a time
+                one_row(dst, i3, t, h0 / group, h0, scale, wide);
+            }
         }
     }
     return true;

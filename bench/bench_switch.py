@@ -7,10 +7,11 @@ which cancels most of a shared machine's drift.
   python bench/bench_switch.py [--switch RAPIDMOE_FA_DECODE] [--preset cpu-fast] [--r 1] [--depths 8,1024,3072]
       [--reps 6] [--tg 32] [--pp 512]
 
-Uses a split pair bench_frontier.py made (bench/out/frontier-work/STEM.PRESET/); prints, per context length, both
-settings' median decode tokens/s and the median of the per-pair ratios (on / off), with --pp also a prompt batch's
-tokens/s, and writes them to --out as JSON. The switch's "off" value is --off (default 0); "on" is the variable
-unset (our default), or --on's value (two settings of a threshold: --switch RAPIDMOE_TINY_RUN --on 8192 --off 4096).
+Uses a split pair bench_frontier.py made (bench/out/frontier-work/STEM.PRESET/, or --work's); prints, per context
+length, both settings' median decode tokens/s and the median of the per-pair ratios (on / off), with --pp also a
+prompt batch's tokens/s, and writes them to --out as JSON. The switch's "off" value is --off (default 0); "on" is the
+variable unset (our default), or --on's value (two settings of a threshold: --switch RAPIDMOE_TINY_RUN --on 8192
+--off 4096).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def main() -> int:
     ap.add_argument("--off", default="0", help="the variable's value that switches our op off")
     ap.add_argument("--on", default=None, help="the variable's value for 'on' (default: unset)")
     ap.add_argument("--model-stem", default="synthetic-qwen3moe-bench")
+    ap.add_argument("--work", type=Path, default=WORK, help="the folder of the pairs (STEM.PRESET/STEM.wq.gguf)")
     ap.add_argument("--preset", default="cpu-fast")
     ap.add_argument("--r", type=int, default=1)
     ap.add_argument("--depths", default="8,1024,3072", help="context lengths before the timed decode steps")
@@ -65,7 +67,7 @@ def main() -> int:
     args = ap.parse_args()
     from rapidmoe import Llama  # noqa: PLC0415  (loads the compiled library: after --help)
 
-    pair = WORK / f"{args.model_stem}.{args.preset}"
+    pair = args.work / f"{args.model_stem}.{args.preset}"
     depths = [int(x) for x in args.depths.split(",") if x]
     wq, wr = pair / f"{args.model_stem}.wq.gguf", pair / f"{args.model_stem}.wr.gguf"
     llm = Llama(model_path=str(wq), residual_path=str(wr), n_critical=args.r,

@@ -6,15 +6,21 @@ who care about speed run. It is never part of this repository: clone it yourself
     git clone https://github.com/ikawrakow/ik_llama.cpp ~/ik_llama.cpp && git -C ~/ik_llama.cpp checkout <IK_COMMIT>
 
 and pass the checkout (built here once, into <checkout>/build-rapidmoe-bench, ~30-60 min on 2 cores) or an
-existing build folder (one with bin/llama-bench) to `bench_frontier.py --ik`. Its speed is measured by its own
+existing build folder (one with bin/llama-bench) to `bench_frontier.py --ik`. From a bare git mirror (no work tree),
+`python bench/ik_peer.py --export MIRROR.git DEST [--commit C]` writes the commit's files to DEST (leaving out blobs
+the mirror lacks: web UI pages and vocab files, which the benchmark tools do not build) and the commit to
+DEST/.ik-commit, where the builds' commit is read from. Its speed is measured by its own
 llama-bench with `-rtr 1` (run-time repacking into its interleaved layouts) and the same threads, prompt and
 decode lengths as ours; its KL is the file's under stock llama.cpp (`-rtr` reorders the same weights; only the
 activations' rounding can differ).
 """
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import subprocess
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,9 +46,37 @@ def locate_or_build(path: Path, jobs: int = 2) -> IkBuild:
     build = path / "build-rapidmoe-bench"
     subprocess.run(["cmake", "-S", str(path), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
                     "-DLLAMA_CURL=OFF", "-DGGML_CUDA=OFF"], check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(build), "-j", str(jobs), "--target", "llama-bench"], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(build), "-j", str(jobs), "--target", "llama-bench", "llama-quantize",
+                    "llama-perplexity"], check=True, stdout=subprocess.DEVNULL)
     return IkBuild(build / "bin" / "llama-bench", _commit(path))
+
+
+def tool(ik: IkBuild, name: str) -> Path:
+    """Another program of the same ik build (llama-quantize for its own types, llama-perplexity for their KL)."""
+    exe = ik.bench.parent / name
+    if not exe.exists():
+        raise SystemExit(f"{exe} is missing: build it (cmake --build {ik.bench.parent.parent} --target {name})")
+    return exe
+
+
+def export_source(mirror: Path, dest: Path, commit: str = IK_COMMIT) -> None:
+    """The files of `commit` in a bare git mirror written to dest (blobs the mirror lacks left out), and the commit
+    to dest/.ik-commit."""
+    git = ["git", f"--git-dir={mirror}"]
+    tree = subprocess.run([*git, "ls-tree", "-r", commit], capture_output=True, text=True, check=True).stdout
+    blobs = [line.split(None, 3) for line in tree.splitlines()]
+    check = subprocess.run([*git, "cat-file", "--batch-check"], input="\n".join(b[2] for b in blobs),
+                           capture_output=True, text=True, check=True).stdout
+    missing = {line.split()[0] for line in check.splitlines() if line.endswith(" missing")}
+    excluded = [f":(exclude){b[3]}" for b in blobs if b[2] in missing]
+    archive = subprocess.run([*git, "archive", commit, "--", ".", *excluded], capture_output=True, check=True).stdout
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")
+    full = subprocess.run([*git, "rev-parse", commit], capture_output=True, text=True, check=True).stdout.strip()
+    (dest / ".ik-commit").write_text(full + "\n")
+    print(f"{dest}: {commit} ({len(blobs) - len(missing)} files; left out, absent from the mirror: "
+          f"{', '.join(b[3] for b in blobs if b[2] in missing) or 'none'})")
 
 
 def _source_of(build: Path) -> Path:
@@ -56,8 +90,12 @@ def _source_of(build: Path) -> Path:
 
 
 def _commit(src: Path) -> str:
+    """The source's commit: its git checkout's HEAD, or the .ik-commit export_source wrote."""
     out = subprocess.run(["git", "-C", str(src), "rev-parse", "--short=9", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
+    if out.returncode == 0:
+        return out.stdout.strip()
+    exported = src / ".ik-commit"
+    return exported.read_text().strip()[:9] if exported.exists() else "unknown"
 
 
 def llama_bench(ik: IkBuild, model: Path, pp: int, tg: int, threads: int = 2, depth: int = 0,
@@ -93,3 +131,16 @@ def parse_bench_json(text: str) -> dict[str, float]:
     if set(res) != {"pp_tps", "tg_tps"}:
         raise RuntimeError(f"llama-bench gave no pp and tg result: {text[:500]}")
     return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="Write ik_llama.cpp's source from a bare git mirror (see the module doc)")
+    ap.add_argument("--export", nargs=2, type=Path, metavar=("MIRROR", "DEST"), required=True)
+    ap.add_argument("--commit", default=IK_COMMIT)
+    args = ap.parse_args()
+    export_source(args.export[0], args.export[1], args.commit)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import Annotated
 
 import typer
@@ -47,6 +48,9 @@ def run(
                       reserve=engine.reserve, freq=engine.freq, n_gpu_layers=engine.n_gpu_layers,
                       n_cpu_moe=engine.n_cpu_moe, override_tensor=engine.override_tensor)
     place = cache_placement(path, place, cache_policy, engine.freq)
+    from ..placement.resident import process_memory  # noqa: PLC0415  (lazy: keeps --help fast)
+
+    before, t0 = process_memory(), time.perf_counter()
     try:
         llm = Llama(path, n_threads=threads, n_threads_batch=threads, seed=seed, rpc_servers=rpc_servers,
                     tensor_split=options.tensor_split(engine.tensor_split), **place,
@@ -57,6 +61,7 @@ def run(
         raise
     except ValueError as e:  # llama_cpp reports load failures as ValueError
         raise ModelFileError(f"llama.cpp could not load {path} ({info.architecture}): {e}") from e
+    loaded = _load_line(time.perf_counter() - t0, before, process_memory())
     n_prompt = len(llm.tokenize(prompt.encode(), add_bos=True, special=False))
     if n_prompt + n_predict > ctx_size:
         raise ModelFileError(f"prompt ({n_prompt} tokens) + --n-predict {n_predict} exceed --ctx-size {ctx_size}")
@@ -86,8 +91,17 @@ def run(
                               f"{st.device_ms:.1f} ms, wall {st.wall_ms:.1f} ms, hidden {st.hidden_ms:.1f} ms")
     print(f"\nprefill: {t.prompt_tokens} tokens in {t.prompt_ms:.1f} ms = {t.prompt_tps:.2f} tokens/s\n"
           f"decode:  {t.decode_tokens} tokens in {t.decode_ms:.1f} ms = {t.decode_tps:.2f} tokens/s\n"
-          f"model:   {path} ({info.architecture}, {info.n_expert} experts, top-{info.n_expert_used}){split}",
-          file=sys.stderr)
+          f"model:   {path} ({info.architecture}, {info.n_expert} experts, top-{info.n_expert_used}){split}"
+          f"{loaded}", file=sys.stderr)
     llm.close()
     if trace is not None:
         print(f"trace:   {trace}", file=sys.stderr)
+
+
+def _load_line(seconds: float, before: tuple[int, int] | None, after: tuple[int, int] | None) -> str:
+    """How long the load took and the host memory it left resident (what `plan` predicts), where measurable."""
+    if before is None or after is None:
+        return f"\nload:    {seconds:.2f} s"
+    anon, file = after[0] - before[0], after[1] - before[1]
+    return (f"\nload:    {seconds:.2f} s, {(anon + file) / (1 << 30):.2f} GiB resident after load "
+            f"({anon / (1 << 30):.2f} anonymous + {file / (1 << 30):.2f} file-backed)")

@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 GPU, CPU = "GPU", "CPU"
 SCHEMES = ("resplit", "cpu-offload", "full-gpu")
 DEFAULT_RESERVE = 1 << 30  # GPU memory left for llama.cpp's compute buffers and the CUDA context (an estimate)
+# host memory llama.cpp and llama-cpp-python hold besides the weights once a model is loaded, per vocabulary entry:
+# the tokenizer's tables (tokens, merges, maps). Measured 620-700 B per token on the 32k and 50k vocabularies of the
+# synthetic models (tests/placement/test_resident_memory.py); the process itself (Python, libraries) is not counted
+RUNTIME_BYTES_PER_TOKEN = 700
 NOT_EXPRESSIBLE = ("per-expert caching inside one stacked ffn_*_exps tensor cannot be expressed with -ot or "
                    "--n-cpu-moe today; the flags keep whole layers' experts on the GPU instead")
 
@@ -72,6 +76,14 @@ class Plan:
     realization: Realization
     frequency_source: str = "uniform"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # of `dram`, the bytes the CPU uses in place from the mapped .gguf files (file-backed pages: token embeddings,
+    # norms, anything it does not repack, the refine codec's bit planes); the rest is anonymous memory
+    dram_file: int = 0
+    # realized with the per-expert WQ cache (realize.py: every stacked expert tensor stays whole in host memory, in
+    # the plain layout, as does the sidecar): host bytes and, of them, file-backed ones; 0 when the plan has no cache
+    cache_dram: int = 0
+    cache_dram_file: int = 0
+    runtime: int = 0  # host memory besides weights and KV cache once loaded: the tokenizer (an estimate)
 
     @property
     def vram(self) -> int:
@@ -80,6 +92,20 @@ class Plan:
     @property
     def dram(self) -> int:
         return sum(r.bytes for r in self.rows if r.device == CPU)
+
+    @property
+    def dram_anon(self) -> int:
+        return self.dram - self.dram_file
+
+    @property
+    def resident(self) -> int:
+        """The process's host memory after load (RSS, beyond the process itself), as the flags realize the plan."""
+        return self.dram + self.runtime
+
+    @property
+    def resident_cached(self) -> int:
+        """The same when the per-expert cache realizes the plan (0: the plan has none)."""
+        return self.cache_dram + self.runtime if self.cache_dram else 0
 
     @property
     def fits(self) -> bool:
@@ -91,7 +117,8 @@ class Plan:
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d["cached"] = {str(k): list(v) for k, v in self.cached.items()}
-        d.update(vram=self.vram, dram=self.dram, fits=self.fits)
+        d.update(vram=self.vram, dram=self.dram, dram_anon=self.dram_anon, resident=self.resident,
+                 resident_cached=self.resident_cached, fits=self.fits)
         return d
 
 
@@ -197,12 +224,40 @@ class _Builder:
         if not real.exact:
             notes.append(NOT_EXPRESSIBLE + f" (hit rate {real.hit_rate:.1%} instead of {hit:.1%})")
         scheme = "cpu-only" if cpu_only else self.scheme
+        cache_dram, cache_file = self.cache_host(rows, cached) if cached and not real.exact else (0, 0)
         p = Plan(model=self.model.name, scheme=scheme, types=types, n_ctx=self.n_ctx, gpu_mem=self.gpu_mem,
                  cpu_mem=cpu_mem, rows=tuple(r for r in rows if r.bytes or r.part == "KV cache"),
                  n_moe_layers=len(self.fp.expert_bytes), n_expert=self.model.n_expert, experts_on_gpu=n_cached,
                  hit_rate=hit, cached=cached, problems=(), realization=real, frequency_source=self.freq.source,
-                 notes=tuple(notes))
+                 notes=tuple(notes), dram_file=self.file_backed(rows, cached), cache_dram=cache_dram,
+                 cache_dram_file=cache_file, runtime=RUNTIME_BYTES_PER_TOKEN * self.model.n_vocab)
         return _with_problems(p)
+
+    def file_backed(self, rows: list[Row], cached: dict[int, tuple[int, ...]]) -> int:
+        """Of the CPU rows, the bytes used in place from the mapped files (repacking on, as the flags load it)."""
+        fp, n = self.fp, self.model.n_expert
+        out = 0
+        for r in rows:
+            if r.device != CPU:
+                continue
+            if r.part in fp.in_place:
+                out += fp.in_place[r.part]
+            elif r.part in fp.sidecar_in_place:
+                out += fp.sidecar_in_place[r.part]
+        out += sum(eb * (n - len(cached.get(il, ()))) for il, eb in fp.expert_bytes.items()
+                   if fp.experts_in_place.get(il, False))
+        return out
+
+    def cache_host(self, rows: list[Row], cached: dict[int, tuple[int, ...]]) -> tuple[int, int]:
+        """Host bytes and file-backed bytes when the per-expert cache realizes the plan: the CPU rows plus the cached
+        experts (the stacked tensors stay whole), every routed expert and the sidecar in the plain layout, in place."""
+        fp = self.fp
+        routed = fp.routed_bytes
+        on_cpu = [r for r in rows if r.device == CPU and r.part != ROUTED]
+        host = sum(r.bytes for r in on_cpu) + routed
+        file = routed + sum(fp.in_place.get(r.part, 0) for r in on_cpu if r.part in fp.in_place)
+        file += sum(fp.sidecar.values())  # the plain layout (repacking off under a cache): used in place
+        return host, file
 
     def choose_cache(self, budget: int | None) -> dict[int, tuple[int, ...]]:
         """Greedy by routed share: the globally most-routed (layer, expert) pairs first, which maximises the hit

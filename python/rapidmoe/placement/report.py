@@ -21,7 +21,7 @@ def _budget(v: int | None) -> str:
 
 
 def _files(model: ModelShapes, p: Plan) -> str:
-    stem = Path(model.name).name.removesuffix(".gguf")
+    stem = Path(model.name).name.removesuffix(".gguf").removesuffix(".wq")
     if p.scheme in ("resplit", "cpu-only"):
         return f"{stem}.wq.gguf --residual {stem}.wr.gguf -r 2"
     return f"{stem}-Q4_K_M.gguf"
@@ -60,6 +60,12 @@ def format_plans(model: ModelShapes, plans: list[Plan]) -> str:
         lines.append(f"{_title(p)}, {p.types}:")
         for msg in p.problems:
             lines.append(f"  does not fit: {msg}")
+        lines.append(f"  host memory after load (RSS): {gib(p.resident):.2f} GiB = {gib(p.dram_anon + p.runtime):.2f} "
+                     f"anonymous (repacked weights, KV cache, tokenizer) + {gib(p.dram_file):.2f} file-backed "
+                     "(weights used in place from the mapped .gguf files: clean pages, which a cgroup's limit counts)")
+        if p.cache_dram:
+            lines.append(f"  with the per-expert cache (run --gpu-mem on a GPU): {gib(p.resident_cached):.2f} GiB, "
+                         f"{gib(p.cache_dram_file):.2f} of them file-backed (every expert stays in host memory, plain)")
         for note in p.notes:
             lines.append(f"  note: {note}")
         real = p.realization

@@ -103,6 +103,12 @@ class ModelShapes:
         frac = self.n_expert_used / self.n_expert if self.n_expert else 1.0
         return sum(t.n_elements * (frac if t.part == ROUTED else 1.0) for t in self.tensors)
 
+    @property
+    def n_vocab(self) -> int:
+        """Rows of the token embedding table (0 without one)."""
+        t = next((t for t in self.tensors if t.part == EMBEDDINGS), None)
+        return int(t.shape[1]) if t is not None and len(t.shape) > 1 else 0
+
     def kv_cache_bytes(self, n_ctx: int) -> int:
         return self.kv_elements_per_token * n_ctx * KV_CACHE_BYTES_PER_ELEMENT
 

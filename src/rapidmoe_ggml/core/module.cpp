@@ -15,6 +15,7 @@
 #include "imatrix.h"
 #include "quant.h"
 #include "residual.h"
+#include "resident.h"
 #include "testing.h"
 
 namespace nb = nanobind;
@@ -47,6 +48,7 @@ NB_MODULE(_core, m) {
           "Name of the backend buffer holding the model's (or its sidecar's) tensor `name`; '' if none.");
     rapidmoe::bind_quant(m);
     rapidmoe::bind_encode(m);
+    rapidmoe::bind_resident(m);
     rapidmoe::bind_imatrix(m);
     rapidmoe::bind_residual(m);
     rapidmoe::bind_expert_cache(m);

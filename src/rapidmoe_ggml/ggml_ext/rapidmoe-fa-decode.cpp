@@ -298,12 +298,13 @@ void weighted_values16(const float * p, const char * v, size_t v_stride, size_t 
     }
     for (int64_t i0 = 0; i0 < n; i0 += TILE) {
         const int64_t i1 = std::min(n, i0 + TILE);
-        // the next tile's rows, a few lines every position of every chunk (a burst of prefetches would stall)
-        const int lines = (vbytes + 63) / 64;
-        const int64_t next_lines = (std::min(n, i1 + TILE) - i1) * lines;
+        // the next tile's rows, a few lines every position of every chunk (a burst of prefetches would stall): the
+        // line `off` bytes into the next tile's row `row`
+        const int64_t next_lines = (std::min(n, i1 + TILE) - i1) * ((vbytes + 63) / 64);
         const int64_t steps = (i1 - i0) * KH * (dv / (16 * C));
         const int per_step = (int) ((next_lines + steps - 1) / steps);
-        int64_t line = 0;
+        int64_t row = i1;
+        int off = 0;
         for (int g = 0; g < KH; g++) {
             const char * vg = v + g * v_head;
             const float * pg = p + g * G * n;
@@ -316,8 +317,13 @@ void weighted_values16(const float * p, const char * v, size_t v_stride, size_t 
                     }
                 }
                 for (int64_t i = i0; i < i1; i++) {
-                    for (int j = 0; j < per_step && line < next_lines; j++, line++) {
-                        _mm_prefetch(v + pos[i1 + line / lines] * v_stride + line % lines * 64, _MM_HINT_T0);
+                    for (int j = 0; j < per_step && row < n && row < i1 + TILE; j++) {
+                        _mm_prefetch(v + pos[row] * v_stride + off, _MM_HINT_T0);
+                        off += 64;
+                        if (off >= vbytes) {
+                            off = 0;
+                            row++;
+                        }
                     }
                     const char * vr = vg + pos[i] * v_stride;
                     __m512 vv[C];

@@ -461,8 +461,8 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset
         raise RapidMoEError(f"threads must be at least 1, not {threads}")
     if split_max_size < 0:
         raise RapidMoEError(f"split_max_size must be positive (or 0: no split), not {split_max_size}")
-    if split_max_size and encoder == "numpy":
-        raise RapidMoEError("split outputs (--split-max-size) need the compiled encoder")
+    if (split_max_size or resume) and encoder == "numpy":
+        raise RapidMoEError("split outputs (--split-max-size) and --resume need the compiled encoder")
     src_p = Path(src)
     require_moe(src_p)
     out = Path(out_dir)

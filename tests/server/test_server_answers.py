@@ -241,11 +241,15 @@ def test_thinking_budget_is_stocks(tiny_qwen: Path, tmp_path: Path) -> None:
     template = tmp_path / "r1-newline.jinja"
     template.write_text(r1.replace("<｜Assistant｜><think>\\n", "<｜Assistant｜>\\n<think>\\n"))
     args = ["-c", "2048", "-t", "1", "--parallel", "1", "--chat-template-file", str(template)]
-    ours = ServerProc(tiny_qwen, *args, log_path=tmp_path / "ours.log")
-    stock = ServerProc(tiny_qwen, "-m", str(tiny_qwen), *args, "-tb", "1", "--no-ui",
-                       cmd=[str(stock_server_bin() / "llama-server")], log_path=tmp_path / "stock.log",
-                       ready_timeout=120)
+    stock_bin = stock_server_bin()  # skips where stock is not built: before ours starts, or ours would be left running
+    started: list[ServerProc] = []
     try:
+        ours = ServerProc(tiny_qwen, *args, log_path=tmp_path / "ours.log")
+        started.append(ours)
+        stock = ServerProc(tiny_qwen, "-m", str(tiny_qwen), *args, "-tb", "1", "--no-ui",
+                           cmd=[str(stock_bin / "llama-server")], log_path=tmp_path / "stock.log",
+                           ready_timeout=120)
+        started.append(stock)
         for n in (1, 4):
             body = {"model": "m", "max_tokens": 10, "messages": ASK, "thinking": {"type": "enabled",
                                                                                  "budget_tokens": n}, **GREEDY}
@@ -256,8 +260,8 @@ def test_thinking_budget_is_stocks(tiny_qwen: Path, tmp_path: Path) -> None:
             assert (a.get("reasoning_content", ""), a["content"]) == \
                 (b.get("reasoning_content", "").strip(), b["content"].strip())
     finally:
-        ours.stop()
-        stock.stop()
+        for s in started:
+            s.stop()
 
 
 # ---- model names ----

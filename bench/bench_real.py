@@ -151,11 +151,22 @@ def make_source(shape: str, path: Path, threads: int, **overrides: Any) -> float
     return round(time.perf_counter() - t0, 1)
 
 
-def ours_convert(src: Path, out: Path, threads: int, lock: str | None) -> tuple[dict[str, Any], Path, Path]:
-    shutil.rmtree(out, ignore_errors=True)
+def ours_convert(src: Path, out: Path, threads: int, lock: str | None,
+                 resume: bool = False) -> tuple[dict[str, Any], Path, Path]:
+    """`convert --preset refine-hq`; with `resume` an unfinished conversion in `out` is continued (its journal says
+    how many of its items were done before: the time is then that of the rest)."""
+    journal = out / "m.resplit.journal"
+    done_before = items = None
+    if resume and journal.exists():
+        lines = journal.read_text().splitlines()
+        items, done_before = json.loads(lines[0])["items"], sum(1 for x in lines[1:] if x.endswith("}"))
+    else:
+        shutil.rmtree(out, ignore_errors=True)
     with locked(lock):
         r = run_polled([sys.executable, "-m", "rapidmoe.cli", "convert", str(src), "-o", str(out), "--preset",
-                        "refine-hq", "-t", str(threads), "--name", "m"])
+                        "refine-hq", "-t", str(threads), "--name", "m", *(["--resume"] if done_before else [])])
+    if done_before:
+        r.update(resumed_items_done_before=done_before, items=items)
     wq = sorted(out.glob("m.wq*.gguf"))
     wr = sorted(out.glob("m.wr*.gguf"))
     r["output_gb"] = size_gb(wq + wr)
@@ -234,8 +245,14 @@ def markdown(res: dict[str, Any], cmd: str) -> str:
              f"Command: `{cmd}`", "",
              "| | ours: convert refine-hq | stock: llama-quantize Q4_K_M | ours / stock |", "|---|---|---|---|"]
     oc, sc = o["convert"], s["quantize"]
-    lines.append(f"| conversion time | {oc['seconds']} s | {sc['seconds']} s | throughput "
-                 f"{sc['seconds'] / oc['seconds']:.2f}x |")
+    if oc.get("resumed_items_done_before"):
+        rest = 1 - oc["resumed_items_done_before"] / oc["items"]
+        lines.append(f"| conversion time | {oc['seconds']} s for the last {rest:.0%} of the items (resumed), about "
+                     f"{oc['seconds'] / rest:.0f} s whole | {sc['seconds']} s | throughput about "
+                     f"{sc['seconds'] * rest / oc['seconds']:.2f}x |")
+    else:
+        lines.append(f"| conversion time | {oc['seconds']} s | {sc['seconds']} s | throughput "
+                     f"{sc['seconds'] / oc['seconds']:.2f}x |")
     lines.append(f"| peak memory (anonymous / RSS) | {oc['peak_anon_gib']} / {oc['peak_rss_gib']} GiB | "
                  f"{sc['peak_anon_gib']} / {sc['peak_rss_gib']} GiB | |")
     lines.append(f"| output | {oc['output_gb']} GB | {sc['output_gb']} GB | |")
@@ -279,6 +296,9 @@ def main() -> int:
     ap.add_argument("--scaling-layers", type=int, default=2, help="layers of the 1-vs-N-threads model (0: skip)")
     ap.add_argument("--lock", default=None, help="a lock file every timed step holds (flock)")
     ap.add_argument("--keep", action="store_true", help="keep the outputs (and the source)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue a run that stopped: keep the scaling figures of -o's JSON and continue the "
+                         "unfinished conversion in --work (the time recorded is then that of its rest)")
     ap.add_argument("-o", "--output", type=Path, default=None)
     args = ap.parse_args()
     cmd = "python bench/bench_real.py " + " ".join(sys.argv[1:])
@@ -294,14 +314,17 @@ def main() -> int:
     def save() -> None:
         out.write_text(json.dumps(res, indent=1) + "\n")
 
-    if args.scaling_layers:
+    earlier = json.loads(out.read_text()) if args.resume and out.exists() else {}
+    if "scaling" in earlier:
+        res["scaling"] = earlier["scaling"]
+    elif args.scaling_layers:
         res["scaling"] = scaling(args.shape, args.work, args.threads, quantize, args.lock, args.scaling_layers)
         save()
     src = args.work / f"{tag}-q8_0.gguf"
     res["make_model_s"] = make_source(args.shape, src, args.threads,
                                       **({"n_layer": args.n_layer} if args.n_layer else {}))
     res["source_gb"] = size_gb([src])
-    conv, wq, wr = ours_convert(src, args.work / "ours", args.threads, args.lock)
+    conv, wq, wr = ours_convert(src, args.work / "ours", args.threads, args.lock, args.resume)
     p = plan_for_model(wq, wr, gpu_mem=0, n_ctx=args.ctx)
     load = load_rss(wq, wr, args.ctx, args.threads, None, args.lock)
     res["ours"] = {"convert": conv, "load": load,

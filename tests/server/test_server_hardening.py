@@ -346,32 +346,32 @@ def test_no_error_after_the_header_deadline_answered(line: bytes, head: bytes, s
     h.connection.close()
 
 
+def _heads_written(code: int) -> list[bytes]:
+    """The head of a `code` answer written each way: a route's reply, http.server's send_error, a raw answer."""
+    h = _handler()
+    h._send(routes.Reply(code, b"{}"))
+    h2 = _handler()
+    h2.send_error(code, "x")
+    heads = [out.partition(b"\r\n\r\n")[0] for out in
+             (h.wfile.getvalue(), h2.wfile.getvalue(), app._raw_reply(ApiError(code, "t", "x")))]
+    assert all(head.startswith(b"HTTP/1.1 %d " % code) for head in heads), heads
+    return heads
+
+
 def test_every_503_carries_retry_after_once() -> None:
     """However a 503 is written (a route's reply, http.server's send_error, a raw answer where no handler runs)
     it has one `Retry-After`; other statuses have none."""
     for code in (503, 400):
-        h = _handler()
-        h._send(routes.Reply(code, b"{}"))
-        h2 = _handler()
-        h2.send_error(code, "x")
-        for out in (h.wfile.getvalue(), h2.wfile.getvalue(), app._raw_reply(ApiError(code, "t", "x"))):
-            head = out.partition(b"\r\n\r\n")[0]
-            assert head.startswith(b"HTTP/1.1 %d " % code), out
-            assert head.count(b"\r\nRetry-After: 1") == (code == 503), out
+        for head in _heads_written(code):
+            assert head.count(b"\r\nRetry-After: 1") == (code == 503), head
 
 
 def test_every_501_says_do_not_retry() -> None:
     """However a 501 is written (a route's reply, http.server's send_error for an unknown method, a raw answer) it
     carries `x-should-retry: false` once, the header the openai SDK obeys before retrying a 5xx; others do not."""
     for code in (501, 500, 503):
-        h = _handler()
-        h._send(routes.Reply(code, b"{}"))
-        h2 = _handler()
-        h2.send_error(code, "x")
-        for out in (h.wfile.getvalue(), h2.wfile.getvalue(), app._raw_reply(ApiError(code, "t", "x"))):
-            head = out.partition(b"\r\n\r\n")[0]
-            assert head.startswith(b"HTTP/1.1 %d " % code), out
-            assert head.count(b"\r\nx-should-retry: false") == (code == 501), out
+        for head in _heads_written(code):
+            assert head.count(b"\r\nx-should-retry: false") == (code == 501), head
 
 
 def test_error_mid_stream_ends_the_stream_without_a_second_status_line() -> None:

@@ -67,6 +67,9 @@ WRITER = """
 import os, signal, sys, time
 from pathlib import Path
 from rapidmoe.atomic import outputs
+# the defaults, whatever this process inherited (under nohup SIGHUP is ignored, and an ignored signal is left alone)
+for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGALRM):
+    signal.signal(s, signal.SIG_DFL)
 out = Path(sys.argv[1])
 with outputs([out / "a.gguf", out / "b.gguf"]) as (ta, tb):
     ta.write_bytes(b"half")

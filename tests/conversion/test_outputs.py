@@ -68,14 +68,19 @@ import os, signal, sys, time
 from pathlib import Path
 from rapidmoe.atomic import outputs
 # the defaults, whatever this process inherited (under nohup SIGHUP is ignored, and an ignored signal is left alone)
-for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGALRM):
+SIGS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGALRM)
+for s in SIGS:
     signal.signal(s, signal.SIG_DFL)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGS)
 out = Path(sys.argv[1])
 with outputs([out / "a.gguf", out / "b.gguf"]) as (ta, tb):
     ta.write_bytes(b"half")
     tb.write_bytes(b"half")
     print("writing", flush=True)
-    time.sleep(60)
+    # short sleeps: a signal the kernel hands to another thread (the native libraries start some) runs Python's
+    # handler at the main thread's next bytecode, which one long sleep would put off for its whole length
+    for _ in range(1200):
+        time.sleep(0.05)
 """
 
 

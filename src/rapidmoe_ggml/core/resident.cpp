@@ -20,18 +20,20 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace rapidmoe {
-namespace {
 
-ggml_backend_buffer_type_t cpu_repack_buft(ggml_backend_dev_t cpu) {
-    auto get_extra = (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(
+ggml_backend_buffer_type_t cpu_repack_buft() {
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    auto get_extra = cpu == nullptr ? nullptr : (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(
         ggml_backend_dev_backend_reg(cpu), "ggml_backend_dev_get_extra_bufts");
     for (ggml_backend_buffer_type_t * b = get_extra ? get_extra(cpu) : nullptr; b != nullptr && *b != nullptr; ++b) {
-        if (strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) {
+        if (std::strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) {
             return *b;
         }
     }
     return nullptr;
 }
+
+namespace {
 
 bool cpu_repacks(int type, std::vector<int64_t> ne, const std::string & op, int n_expert_used) {
     if (type < 0 || type >= GGML_TYPE_COUNT || ne.empty() || ne.size() > 4) {
@@ -41,7 +43,7 @@ bool cpu_repacks(int type, std::vector<int64_t> ne, const std::string & op, int 
         throw std::invalid_argument("op must be mul_mat or mul_mat_id, not " + op);
     }
     ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-    ggml_backend_buffer_type_t buft = cpu != nullptr ? cpu_repack_buft(cpu) : nullptr;
+    ggml_backend_buffer_type_t buft = cpu != nullptr ? cpu_repack_buft() : nullptr;
     if (buft == nullptr) {
         return false;
     }

@@ -3,7 +3,12 @@
 
 #include <nanobind/nanobind.h>
 
+#include "ggml-backend.h"
+
 namespace rapidmoe {
+
+// The CPU backend's CPU_REPACK buffer type (llama.cpp's interleaved layouts), or nullptr where it has none.
+ggml_backend_buffer_type_t cpu_repack_buft();
 
 // Registers cpu_repacks on the module.
 void bind_resident(nanobind::module_ & m);

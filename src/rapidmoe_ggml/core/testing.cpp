@@ -1,5 +1,7 @@
 #include "testing.h"
 
+#include "resident.h"
+
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -31,19 +33,6 @@ using I32_2 = nb::ndarray<const int32_t, nb::numpy, nb::ndim<2>, nb::c_contig, n
 using U8_3  = nb::ndarray<const uint8_t, nb::numpy, nb::ndim<3>, nb::c_contig, nb::device::cpu>;
 
 // dst[t, j, :] = as[ids[t, j]] @ b[t, j % n_b, :] (numpy order); masked: ids < 0 give zero rows
-// the CPU backend's CPU_REPACK buffer type (llama.cpp's interleaved layouts), or nullptr
-ggml_backend_buffer_type_t cpu_repack_buft() {
-    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-    auto get_extra = cpu == nullptr ? nullptr : (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(
-        ggml_backend_dev_backend_reg(cpu), "ggml_backend_dev_get_extra_bufts");
-    for (ggml_backend_buffer_type_t * b = get_extra ? get_extra(cpu) : nullptr; b != nullptr && *b != nullptr; ++b) {
-        if (std::strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) {
-            return *b;
-        }
-    }
-    return nullptr;
-}
-
 // A weight tensor's copy in a CPU_REPACK buffer (its bytes set through the buffer: repacked), for ops whose CPU
 // kernels then read the interleaved layout; `claims(w)` builds the op on the copy (in a no-alloc context) and the
 // CPU backend must accept it there (the extra buffer runs only the types, shapes and ops it has a layout for)

@@ -77,8 +77,8 @@ with outputs([out / "a.gguf", out / "b.gguf"]) as (ta, tb):
     ta.write_bytes(b"half")
     tb.write_bytes(b"half")
     print("writing", flush=True)
-    # short sleeps: a signal the kernel hands to another thread (the native libraries start some) runs Python's
-    # handler at the main thread's next bytecode, which one long sleep would put off for its whole length
+    # short sleeps: Python runs a handler at the main thread's next bytecode; a signal the kernel hands to another
+    # thread of the process would otherwise wait for one long sleep to end
     for _ in range(1200):
         time.sleep(0.05)
 """

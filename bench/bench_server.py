@@ -12,13 +12,19 @@ Usage: python bench/bench_server.py [--model M.gguf] [--levels 1 2 4] [--rate 2]
 and the previous answer to the history (raw text on /v1/completions, so both servers tokenize the same prompt);
 every turn is sent twice to each server, with `cache_prompt` true and false, one after the other, and TTFT
 (send -> first text chunk) is recorded per turn. Default model: the `small` synthetic qwen3moe (prefill of a few
-hundred tokens takes long enough to matter). Writes bench/results/server-prefix-cache-<model>.{json,md}.
+hundred tokens takes long enough to matter). Writes <--out-dir>/server-prefix-cache-<model>.{json,md} (default
+bench/results).
+For an agent's long system prompt at the speed users run: `--system-words 8000 --turns 3 --conversations 1
+--uncached first` on the bench model's pair (`--model WQ --residual WR -r 1`) against stock on its own file
+(`--stock-model Q4_K_M.gguf`), flash attention on for both (`--flash-attn on`); `--uncached first` sends turns 2 and
+later with the cache only (turn 1 has nothing cached either way), and the report gives each turn's TTFT over turn 1's.
 """
 from __future__ import annotations
 
 import argparse
 import http.client
 import json
+import math
 import os
 import random
 import statistics
@@ -46,6 +52,15 @@ WORDS = ("time river stone light garden window morning silver quiet market lette
          "lamp story bridge harbor winter field mountain candle song cloud mirror").split()
 
 
+def _ms(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.1f}"
+
+
+def _cpu_name() -> str:
+    return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), "unknown CPU")
+
+
 def small_model(folder: Path) -> Path:
     """The `small` synthetic qwen3moe (made once)."""
     path = folder / "synthetic-qwen3moe-small.gguf"
@@ -60,7 +75,7 @@ def _prompt(i: int, n_words: int) -> str:
 
 
 def one_request(port: int, prompt: str, n_predict: int, cache_prompt: bool = False) -> dict[str, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)  # an 8k prompt on stock: minutes
     body = json.dumps({"prompt": prompt, "max_tokens": n_predict, "stream": True, "temperature": 0,
                        "ignore_eos": True, "cache_prompt": cache_prompt}).encode()
     t0 = time.perf_counter()
@@ -132,16 +147,17 @@ def run_level(port: int, concurrency: int, rate: float, n_requests: int, n_predi
 
 
 def multi_turn(servers: dict[str, ServerProc], n_conv: int, n_turns: int, n_predict: int,
-               user_words: int) -> list[dict[str, Any]]:
-    """Each conversation's turns in order; each turn on every server with the cache on, then off."""
+               user_words: int, system_words: int = 60, uncached_all: bool = True) -> list[dict[str, Any]]:
+    """Each conversation's turns in order; each turn on every server with the cache on, then off (from turn 2 on
+    only with `uncached_all`)."""
     rows: list[dict[str, Any]] = []
     for conv in range(n_conv):
-        history = {name: f"Conversation {conv}. System: " + _prompt(50_000 + conv, 60) for name in servers}
+        history = {name: f"Conversation {conv}. System: " + _prompt(50_000 + conv, system_words) for name in servers}
         for turn in range(n_turns):
             user = f" User: {_prompt(60_000 + 100 * conv + turn, user_words)}. Assistant:"
             for name, s in servers.items():
                 history[name] += user
-                for cache in (True, False):
+                for cache in (True, False) if uncached_all or turn == 0 else (True,):
                     r = one_request(s.port, history[name], n_predict, cache_prompt=cache)
                     if "error" in r:
                         raise RuntimeError(f"{name} turn {turn}: {r['error']}")
@@ -158,7 +174,7 @@ def multi_turn_report(args: argparse.Namespace, model: Path, rows: list[dict[str
     def mean(xs: list[float]) -> float:
         return statistics.fmean(xs) if xs else float("nan")
 
-    table = []
+    table: list[dict[str, Any]] = []
     for name in ("rapidmoe", "llama-server"):
         for turn in range(args.turns):
             on = [r for r in rows if r["server"] == name and r["cache"] and r["turn"] == turn]
@@ -167,37 +183,49 @@ def multi_turn_report(args: argparse.Namespace, model: Path, rows: list[dict[str
                           "cached_tokens": mean([r["n_cached"] for r in on]),
                           "ttft_cache_ms": mean([r["ttft_ms"] for r in on]),
                           "ttft_nocache_ms": mean([r["ttft_ms"] for r in off])})
+            table[-1]["over_turn1"] = table[-1]["ttft_cache_ms"] / table[-(turn + 1)]["ttft_cache_ms"]
     later = {name: [r for r in rows if r["server"] == name and r["turn"] > 0] for name in ("rapidmoe", "llama-server")}
     summary: dict[str, Any] = {name: {"ttft_cache_ms": mean([r["ttft_ms"] for r in xs if r["cache"]]),
                       "ttft_nocache_ms": mean([r["ttft_ms"] for r in xs if not r["cache"]])}
                for name, xs in later.items()}
-    for v in summary.values():
+    for name, v in summary.items():
         v["speedup"] = v["ttft_nocache_ms"] / v["ttft_cache_ms"]
+        v["turn1_ms"] = next(t["ttft_cache_ms"] for t in table if t["server"] == name and t["turn"] == 1)
     summary["ours_over_stock_cache"] = (summary["rapidmoe"]["ttft_cache_ms"]
                                         / summary["llama-server"]["ttft_cache_ms"])
     stem = Path(model).stem
     meta = {"model": str(model), "command": "python bench/bench_server.py " + " ".join(sys.argv[1:]),
             "threads": args.threads, "conversations": args.conversations, "turns": args.turns,
-            "n_predict": args.n_predict, "user_words": args.user_words, "loadavg_at_end": os.getloadavg(),
+            "n_predict": args.n_predict, "user_words": args.user_words, "system_words": args.system_words,
+            "residual": str(args.residual) if args.residual else None, "n_critical": args.n_critical,
+            "stock_model": str(args.stock_model or model), "flash_attn": args.flash_attn,
+            "cpu": _cpu_name(), "loadavg_at_end": os.getloadavg(),
             "cpus": os.cpu_count(), "summary": summary, "per_turn": table, "rows": rows}
     atomic_write(out_dir / f"server-prefix-cache-{stem}.json", json.dumps(meta, indent=2) + "\n")
     lines = [f"# Prompt (prefix) cache, multi-turn TTFT: rapidmoe-cli serve vs stock llama-server ({stem})", "",
-             f"`{meta['command']}`; {args.threads} thread(s), 2 slots; {args.conversations} conversations of "
-             f"{args.turns} turns, each turn appending a ~{args.user_words}-word user message and the previous "
-             f"{args.n_predict}-token answer (greedy); every turn sent with `cache_prompt` true and false; "
-             f"load average at the end {meta['loadavg_at_end'][0]:.1f} on {os.cpu_count()} CPUs.", "",
+             f"`{meta['command']}`; {meta['cpu']}, {args.threads} thread(s), {args.parallel} slot(s), flash "
+             f"attention {args.flash_attn}; rapidmoe on `{Path(model).name}`"
+             + (f" + `{Path(args.residual).name}` at r = {args.n_critical}" if args.residual else "")
+             + f", llama-server on `{Path(meta['stock_model']).name}`; {args.conversations} conversation(s) of "
+             f"{args.turns} turns on a {args.system_words}-word system prompt, each turn appending a "
+             f"~{args.user_words}-word user message and the previous {args.n_predict}-token answer (greedy); "
+             + ("every turn sent with `cache_prompt` true and false; " if args.uncached == "all" else
+                "turn 1 sent with `cache_prompt` true and false, later turns with true only; ")
+             + f"load average at the end {meta['loadavg_at_end'][0]:.1f} on {os.cpu_count()} CPUs.", "",
              "Turns 2 and later (mean TTFT):", "",
-             "| server | TTFT with cache ms | TTFT without cache ms | speedup |", "|---|---|---|---|"]
+             "| server | turn 1 TTFT ms | TTFT with cache ms | TTFT without cache ms | speedup |",
+             "|---|---|---|---|---|"]
     for name in ("rapidmoe", "llama-server"):
         v = summary[name]
-        lines.append(f"| {name} | {v['ttft_cache_ms']:.1f} | {v['ttft_nocache_ms']:.1f} | {v['speedup']:.2f}x |")
+        lines.append(f"| {name} | {v['turn1_ms']:.1f} | {v['ttft_cache_ms']:.1f} | {_ms(v['ttft_nocache_ms'])} | "
+                     + ("-" if math.isnan(v["speedup"]) else f"{v['speedup']:.2f}x") + " |")
     lines += ["", f"rapidmoe / llama-server TTFT with the cache: {summary['ours_over_stock_cache']:.2f}", "",
               "Per turn (mean over conversations):", "",
-              "| server | turn | prompt tokens | cached tokens | TTFT cache ms | TTFT no cache ms |",
-              "|---|---|---|---|---|---|"]
+              "| server | turn | prompt tokens | cached tokens | TTFT cache ms | TTFT / turn 1 | TTFT no cache ms |",
+              "|---|---|---|---|---|---|---|"]
     for t in table:
         lines.append(f"| {t['server']} | {t['turn']} | {t['prompt_tokens']:.0f} | {t['cached_tokens']:.0f} | "
-                     f"{t['ttft_cache_ms']:.1f} | {t['ttft_nocache_ms']:.1f} |")
+                     f"{t['ttft_cache_ms']:.1f} | {t['over_turn1']:.3f} | {_ms(t['ttft_nocache_ms'])} |")
     atomic_write(out_dir / f"server-prefix-cache-{stem}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -216,20 +244,32 @@ def main() -> int:
     ap.add_argument("--conversations", type=int, default=2)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--user-words", type=int, default=40)
+    ap.add_argument("--system-words", type=int, default=60, help="--multi-turn: words of each system prompt")
+    ap.add_argument("--uncached", choices=("all", "first"), default="all",
+                    help="--multi-turn: send every turn with the cache off too, or only the first")
+    ap.add_argument("--parallel", type=int, default=2, help="--multi-turn: slots of each server")
+    ap.add_argument("--residual", type=Path, default=None, help="--multi-turn: our sidecar (.wr.gguf) for --model")
+    ap.add_argument("-r", "--n-critical", type=int, default=1, help="--multi-turn: r with --residual")
+    ap.add_argument("--stock-model", type=Path, default=None, help="--multi-turn: llama-server's GGUF (--model)")
+    ap.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
 
     stock_bin = build_stock(["llama-server"])
-    out_dir = ROOT / "bench" / "results"
+    out_dir = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     logs = ROOT / "bench" / "out"
     logs.mkdir(parents=True, exist_ok=True)
     if args.multi_turn:
         model = args.model or small_model(logs)
-        common = ["-c", str(args.ctx), "-t", str(args.threads)]
+        stock_model = args.stock_model or model
+        common = ["-c", str(args.ctx), "-t", str(args.threads), "-fa", args.flash_attn]
+        ours_extra = ["--residual", str(args.residual), "-r", str(args.n_critical)] if args.residual else []
         servers = {
-            "rapidmoe": ServerProc(model, "--parallel", "2", *common, log_path=logs / "bench-cache-rapidmoe.log",
-                                   ready_timeout=300),
-            "llama-server": ServerProc(model, "-m", str(model), "--parallel", "2", *common, "-tb",
+            "rapidmoe": ServerProc(model, "--parallel", str(args.parallel), *common, *ours_extra,
+                                   log_path=logs / "bench-cache-rapidmoe.log", ready_timeout=300),
+            "llama-server": ServerProc(stock_model, "-m", str(stock_model), "--parallel", str(args.parallel), *common,
+                                       "-tb",
                                        str(args.threads), "--cache-ram", "0", "--no-ui",
                                        log_path=logs / "bench-cache-stock.log", cmd=[str(stock_bin / "llama-server")],
                                        ready_timeout=300),
@@ -237,7 +277,8 @@ def main() -> int:
         try:
             for s in servers.values():  # warm up
                 one_request(s.port, _prompt(10_000, 20), 4)
-            rows = multi_turn(servers, args.conversations, args.turns, args.n_predict, args.user_words)
+            rows = multi_turn(servers, args.conversations, args.turns, args.n_predict, args.user_words,
+                              args.system_words, args.uncached == "all")
         finally:
             for s in servers.values():
                 s.stop()

@@ -15,9 +15,10 @@ every turn is sent twice to each server, with `cache_prompt` true and false, one
 hundred tokens takes long enough to matter). Writes <--out-dir>/server-prefix-cache-<model>.{json,md} (default
 bench/results).
 For an agent's long system prompt at the speed users run: `--system-words 8000 --turns 3 --conversations 1
---uncached first` on the bench model's pair (`--model WQ --residual WR -r 1`) against stock on its own file
-(`--stock-model Q4_K_M.gguf`), flash attention on for both (`--flash-attn on`); `--uncached first` sends turns 2 and
-later with the cache only (turn 1 has nothing cached either way), and the report gives each turn's TTFT over turn 1's.
+--uncached none` on the bench model's pair (`--model WQ --residual WR -r 1`) against stock on its own file
+(`--stock-model Q4_K_M.gguf`), flash attention on for both (`--flash-attn on`); `--uncached none` sends every turn
+with the cache only (turn 1 has nothing cached either way: an 8k resend costs minutes), and the report gives each
+turn's TTFT over turn 1's.
 """
 from __future__ import annotations
 
@@ -147,9 +148,9 @@ def run_level(port: int, concurrency: int, rate: float, n_requests: int, n_predi
 
 
 def multi_turn(servers: dict[str, ServerProc], n_conv: int, n_turns: int, n_predict: int,
-               user_words: int, system_words: int = 60, uncached_all: bool = True) -> list[dict[str, Any]]:
-    """Each conversation's turns in order; each turn on every server with the cache on, then off (from turn 2 on
-    only with `uncached_all`)."""
+               user_words: int, system_words: int = 60, uncached: str = "all") -> list[dict[str, Any]]:
+    """Each conversation's turns in order; each turn on every server with the cache on, then off (`uncached`: every
+    turn, the first only, or none)."""
     rows: list[dict[str, Any]] = []
     for conv in range(n_conv):
         history = {name: f"Conversation {conv}. System: " + _prompt(50_000 + conv, system_words) for name in servers}
@@ -157,7 +158,8 @@ def multi_turn(servers: dict[str, ServerProc], n_conv: int, n_turns: int, n_pred
             user = f" User: {_prompt(60_000 + 100 * conv + turn, user_words)}. Assistant:"
             for name, s in servers.items():
                 history[name] += user
-                for cache in (True, False) if uncached_all or turn == 0 else (True,):
+                for cache in (True, False) if uncached == "all" or (uncached == "first" and turn == 0) \
+                        else (True,):
                     r = one_request(s.port, history[name], n_predict, cache_prompt=cache)
                     if "error" in r:
                         raise RuntimeError(f"{name} turn {turn}: {r['error']}")
@@ -209,8 +211,9 @@ def multi_turn_report(args: argparse.Namespace, model: Path, rows: list[dict[str
              + f", llama-server on `{Path(meta['stock_model']).name}`; {args.conversations} conversation(s) of "
              f"{args.turns} turns on a {args.system_words}-word system prompt, each turn appending a "
              f"~{args.user_words}-word user message and the previous {args.n_predict}-token answer (greedy); "
-             + ("every turn sent with `cache_prompt` true and false; " if args.uncached == "all" else
-                "turn 1 sent with `cache_prompt` true and false, later turns with true only; ")
+             + {"all": "every turn sent with `cache_prompt` true and false; ",
+                "first": "turn 1 sent with `cache_prompt` true and false, later turns with true only; ",
+                "none": "every turn sent with `cache_prompt` true only (turn 1 has nothing cached); "}[args.uncached]
              + f"load average at the end {meta['loadavg_at_end'][0]:.1f} on {os.cpu_count()} CPUs.", "",
              "Turns 2 and later (mean TTFT):", "",
              "| server | turn 1 TTFT ms | TTFT with cache ms | TTFT without cache ms | speedup |",
@@ -245,8 +248,9 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--user-words", type=int, default=40)
     ap.add_argument("--system-words", type=int, default=60, help="--multi-turn: words of each system prompt")
-    ap.add_argument("--uncached", choices=("all", "first"), default="all",
-                    help="--multi-turn: send every turn with the cache off too, or only the first")
+    ap.add_argument("--uncached", choices=("all", "first", "none"), default="all",
+                    help="--multi-turn: send every turn with the cache off too, only the first, or none (turn 1 with "
+                    "the cache on has nothing cached: its TTFT is the uncached one)")
     ap.add_argument("--parallel", type=int, default=2, help="--multi-turn: slots of each server")
     ap.add_argument("--residual", type=Path, default=None, help="--multi-turn: our sidecar (.wr.gguf) for --model")
     ap.add_argument("-r", "--n-critical", type=int, default=1, help="--multi-turn: r with --residual")
@@ -278,7 +282,7 @@ def main() -> int:
             for s in servers.values():  # warm up
                 one_request(s.port, _prompt(10_000, 20), 4)
             rows = multi_turn(servers, args.conversations, args.turns, args.n_predict, args.user_words,
-                              args.system_words, args.uncached == "all")
+                              args.system_words, args.uncached)
         finally:
             for s in servers.values():
                 s.stop()

@@ -67,11 +67,13 @@ WRITER = """
 import os, signal, sys, time
 from pathlib import Path
 from rapidmoe.atomic import outputs
-# the defaults, whatever this process inherited (under nohup SIGHUP is ignored, and an ignored signal is left alone)
+# the defaults, whatever this process inherited (under nohup SIGHUP is ignored, in a shell's background job SIGINT,
+# so Python installs no KeyboardInterrupt handler; an ignored signal is rightly left alone)
 SIGS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGALRM)
 for s in SIGS:
     signal.signal(s, signal.SIG_DFL)
-signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGS)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGS + (signal.SIGINT,))
 out = Path(sys.argv[1])
 with outputs([out / "a.gguf", out / "b.gguf"]) as (ta, tb):
     ta.write_bytes(b"half")

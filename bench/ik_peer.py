@@ -90,12 +90,16 @@ def _source_of(build: Path) -> Path:
 
 
 def _commit(src: Path) -> str:
-    """The source's commit: its git checkout's HEAD, or the .ik-commit export_source wrote."""
-    out = subprocess.run(["git", "-C", str(src), "rev-parse", "--short=9", "HEAD"], capture_output=True, text=True)
-    if out.returncode == 0:
-        return out.stdout.strip()
+    """The source's commit: the .ik-commit export_source wrote, or HEAD of a git checkout rooted at src (a source
+    exported into another repository's tree, e.g. build/ik-src here, must not report that repository's HEAD)."""
     exported = src / ".ik-commit"
-    return exported.read_text().strip()[:9] if exported.exists() else "unknown"
+    if exported.exists():
+        return exported.read_text().strip()[:9]
+    top = subprocess.run(["git", "-C", str(src), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != src.resolve():
+        return "unknown"
+    out = subprocess.run(["git", "-C", str(src), "rev-parse", "--short=9", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
 def llama_bench(ik: IkBuild, model: Path, pp: int, tg: int, threads: int = 2, depth: int = 0,

@@ -160,7 +160,7 @@ def to_markdown(result: dict[str, Any]) -> str:
              f"median of {result['reps']} pass(es); ik_llama.cpp {result['ik_commit']}; {result['cpu']}", ""]
     for kv in result["kv"]:
         for what, key in (("decode", "tg_tps"), ("prefill", "pp_tps")):
-            lines += [f"### {what} tok/s, KV cache {kv} (ratio to stock Q4_K_M at the same depth)", "",
+            lines += [f"### {what} tok/s, KV cache {kv} (ratio to {result['baseline']} at the same depth)", "",
                       "| variant | " + " | ".join(f"depth {d}" for d in depths) + " |",
                       "|---|" + "---|" * len(depths)]
             base = {r["depth"]: r[key] for r in rows if r["kv"] == kv and r["variant"] == result["baseline"]}

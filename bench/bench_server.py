@@ -14,11 +14,12 @@ every turn is sent twice to each server, with `cache_prompt` true and false, one
 (send -> first text chunk) is recorded per turn. Default model: the `small` synthetic qwen3moe (prefill of a few
 hundred tokens takes long enough to matter). Writes <--out-dir>/server-prefix-cache-<model>.{json,md} (default
 bench/results).
-For an agent's long system prompt at the speed users run: `--system-words 8000 --turns 3 --conversations 1
---uncached none` on the bench model's pair (`--model WQ --residual WR -r 1`) against stock on its own file
-(`--stock-model Q4_K_M.gguf`), flash attention on for both (`--flash-attn on`); `--uncached none` sends every turn
-with the cache only (turn 1 has nothing cached either way: an 8k resend costs minutes), and the report gives each
-turn's TTFT over turn 1's.
+For an agent's long system prompt at the speed users run: `--system-words 7400 --turns 3 --conversations 1
+--uncached none --parallel 1 --ctx 8192` (7.5k tokens of system prompt: llama-server caps a slot at the bench
+model's 8192-token training context, and answers a longer prompt with an error event) on the bench model's pair
+(`--model WQ --residual WR -r 1`) against stock on its own file (`--stock-model Q4_K_M.gguf`), flash attention on for
+both (`--flash-attn on`); `--uncached none` sends every turn with the cache only (turn 1 has nothing cached either
+way: an 8k resend costs minutes), and the report gives each turn's TTFT over turn 1's.
 """
 from __future__ import annotations
 
@@ -88,10 +89,17 @@ def one_request(port: int, prompt: str, n_predict: int, cache_prompt: bool = Fal
     n_tokens = n_prompt = n_cached = 0
     text = []
     for ev in read_events(r):
+        if not ev.startswith(b"data: "):  # an SSE comment (llama-server's keep-alive while a long prompt runs)
+            if ev.startswith(b":"):
+                continue
+            return {"error": ev.decode(errors="replace")[:500]}
         payload = ev[len(b"data: "):]
         if payload == b"[DONE]":
             continue
-        d = json.loads(payload)
+        try:
+            d = json.loads(payload)
+        except json.JSONDecodeError:  # an `error:` event (e.g. llama-server's context limit), not a chunk
+            return {"error": ev.decode(errors="replace")[:500]}
         if d["choices"] and d["choices"][0].get("text"):
             now = time.perf_counter()
             t_first = t_first or now

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import pair_dir, pyplot
+from common import cpu_name, pair_dir, pyplot
 from ik_peer import locate_or_build, tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,11 +253,9 @@ def main() -> int:
                 per[d]["pp"].append(v["pp"])
             print(f"rep {rep} KV {kv} {name} ({time.perf_counter() - t0:.0f} s): " +
                   ", ".join(f"d{d} tg {v['tg']:.2f} pp {v['pp']:.1f}" for d, v in sorted(res.items())), flush=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU")
     result = {"command": " ".join(["python", "bench/bench_depth.py", *sys.argv[1:]]), "threads": args.threads,
               "pp": args.pp, "tg": args.tg, "reps": args.reps, "kv": kvs, "depths": depths,
-              "ik_commit": ik.commit if ik is not None else None, "cpu": cpu,
+              "ik_commit": ik.commit if ik is not None else None, "cpu": cpu_name(),
               "baseline": next((n for n in points if n.startswith("stock ")), next(iter(points))),
               "rows": _median_rows(times)}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,9 +25,7 @@ Writes --out (JSON) and its .md table.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
 import re
 import struct
 import subprocess
@@ -36,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import cpu_name, kl_at_bytes
 from ik_peer import locate_or_build, tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +81,9 @@ def write_legacy_imatrix(model: Path, calib: Path, out: Path, chunks: int, n_ctx
         buf += struct.pack("<i", len(enc)) + enc + struct.pack("<ii", 1, mean.size) + mean.tobytes()
     dataset = calib.name.encode()
     buf += struct.pack("<ii", chunks, len(dataset)) + dataset
-    out.write_bytes(bytes(buf))
+    tmp = out.with_name(out.name + ".partial")  # a stopped run leaves no file that the next would take as done
+    tmp.write_bytes(bytes(buf))
+    tmp.rename(out)
 
 
 def quantize(quant: Path, src: Path, out: Path, qtype: str, experts_only: bool, imatrix: Path | None) -> None:
@@ -114,22 +115,12 @@ def kl(perplexity: Path, model: Path, base: Path, text: Path, chunks: int, n_ctx
             "top1": float(top.group(1)) / 100}
 
 
-def stock_at(points: list[tuple[float, float]], bits: float) -> float | None:
-    """Stock KL at `bits`: log KL linear in bits between the neighbouring stock points (None outside them)."""
-    pts = sorted(points)
-    for (b0, k0), (b1, k1) in itertools.pairwise(pts):
-        if b0 <= bits <= b1:
-            f = (bits - b0) / (b1 - b0) if b1 > b0 else 0.0
-            return math.exp(math.log(k0) + f * (math.log(k1) - math.log(k0)))
-    return None
-
-
 def to_markdown(res: dict[str, Any]) -> str:
     lines = [f"`{res['command']}`", "",
              f"Model `{res['model']}`; KL(F16 || variant) by ik_llama.cpp {res['ik_commit']}'s llama-perplexity over "
              f"{res['chunks']} chunks of {res['n_ctx']} tokens of `{res['text']}` (the second half of each chunk "
              f"scored); files by its llama-quantize; {res['cpu']}.", ""]
-    for scope in ("experts", "whole"):
+    for scope in dict.fromkeys(r["scope"] for r in res["rows"]):  # the scopes the run measured
         lines += [f"### {'routed experts only (all else Q8_0)' if scope == 'experts' else 'whole model (ik mixes)'}",
                   "", "| variant | file MB | bits / expert weight | KL (± SE) | KL p99 | top-1 same | "
                   "stock KL at these bits | KL / stock |", "|---|---|---|---|---|---|---|---|"]
@@ -173,8 +164,10 @@ def main() -> int:
     t0 = time.perf_counter()
     base = work / "base.kld"
     if not base.exists():
+        tmp = base.with_name(base.name + ".partial")
         _run([str(ppl), "-m", str(args.model), "-f", str(text), "-c", str(args.n_ctx), "-b", str(args.n_ctx),
-              "--chunks", str(args.chunks), "-t", "2", "--kl-divergence-base", str(base)], "F16 base logits")
+              "--chunks", str(args.chunks), "-t", "2", "--kl-divergence-base", str(tmp)], "F16 base logits")
+        tmp.rename(base)
     imats: dict[str, Path | None] = {"": None}
     if args.imatrix:
         dat = work / "imatrix.dat"
@@ -198,11 +191,9 @@ def main() -> int:
     for r in rows:  # the stock line of the same scope and imatrix choice
         line = [(x["bits"], x["kl"]) for x in rows if x["scope"] == r["scope"] and x["imatrix"] == r["imatrix"]
                 and x["type"] in stock]
-        r["stock_at"] = stock_at(line, r["bits"])
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU")
+        r["stock_at"] = kl_at_bytes(line, r["bits"])[0]  # bits for bytes: log KL linear between neighbours
     res = {"command": " ".join(["python", "bench/bench_ik_types.py", *sys.argv[1:]]), "model": str(args.model),
-           "text": str(text), "chunks": args.chunks, "n_ctx": args.n_ctx, "ik_commit": ik.commit, "cpu": cpu,
+           "text": str(text), "chunks": args.chunks, "n_ctx": args.n_ctx, "ik_commit": ik.commit, "cpu": cpu_name(),
            "seconds": time.perf_counter() - t0, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))

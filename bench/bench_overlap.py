@@ -47,22 +47,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 OUT = ROOT / "bench" / "out"
 
-from common import ensure_synthetic  # noqa: E402
+from common import cpu_name, ensure_synthetic  # noqa: E402
 
 PROMPT = b"The mixture of experts routes every token to a few experts, and the rest of the network is dense. " * 8
 
 
 def machine() -> str:
     """CPU model and core count (platform.processor() is empty on Linux)."""
-    name = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()}, {name}, {os.cpu_count()} cores"
+    return f"{platform.machine()}, {cpu_name()}, {os.cpu_count()} cores"
 
 
 def split_pair(args: argparse.Namespace) -> tuple[Path, Path]:

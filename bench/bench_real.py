@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_ik_speed import run_ours  # noqa: E402  (bench/ on the path first)
+from common import cpu_name  # noqa: E402
 from ik_peer import run_llama_bench  # noqa: E402
 from stock_llama import build_stock  # noqa: E402
 
@@ -80,10 +81,8 @@ print("RESULT " + json.dumps({"load_s": t1 - t0, "anon": b[0] - a[0], "file": b[
 
 
 def machine() -> dict[str, Any]:
-    cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                if x.startswith("model name")), platform.processor())
     mem = int(next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")).split()[1])
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "mem_gib": round(mem / (1 << 20), 1),
+    return {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)), "mem_gib": round(mem / (1 << 20), 1),
             "kernel": platform.release()}
 
 

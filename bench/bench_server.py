@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tools"))
 
+from common import cpu_name  # noqa: E402
 from server_proc import ServerProc  # noqa: E402
 from stock_llama import build_stock  # noqa: E402
 
@@ -56,11 +57,6 @@ WORDS = ("time river stone light garden window morning silver quiet market lette
 
 def _ms(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.1f}"
-
-
-def _cpu_name() -> str:
-    return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")), "unknown CPU")
 
 
 def small_model(folder: Path) -> Path:
@@ -89,17 +85,14 @@ def one_request(port: int, prompt: str, n_predict: int, cache_prompt: bool = Fal
     n_tokens = n_prompt = n_cached = 0
     text = []
     for ev in read_events(r):
-        if not ev.startswith(b"data: "):  # an SSE comment (llama-server's keep-alive while a long prompt runs)
-            if ev.startswith(b":"):
-                continue
+        if ev.startswith(b":"):  # an SSE comment (llama-server's keep-alive while a long prompt runs)
+            continue
+        if not ev.startswith(b"data: "):  # an `error:` event (e.g. llama-server's context limit)
             return {"error": ev.decode(errors="replace")[:500]}
         payload = ev[len(b"data: "):]
         if payload == b"[DONE]":
             continue
-        try:
-            d = json.loads(payload)
-        except json.JSONDecodeError:  # an `error:` event (e.g. llama-server's context limit), not a chunk
-            return {"error": ev.decode(errors="replace")[:500]}
+        d = json.loads(payload)
         if d["choices"] and d["choices"][0].get("text"):
             now = time.perf_counter()
             t_first = t_first or now
@@ -209,7 +202,7 @@ def multi_turn_report(args: argparse.Namespace, model: Path, rows: list[dict[str
             "n_predict": args.n_predict, "user_words": args.user_words, "system_words": args.system_words,
             "residual": str(args.residual) if args.residual else None, "n_critical": args.n_critical,
             "stock_model": str(args.stock_model or model), "flash_attn": args.flash_attn,
-            "cpu": _cpu_name(), "loadavg_at_end": os.getloadavg(),
+            "cpu": cpu_name(), "loadavg_at_end": os.getloadavg(),
             "cpus": os.cpu_count(), "summary": summary, "per_turn": table, "rows": rows}
     atomic_write(out_dir / f"server-prefix-cache-{stem}.json", json.dumps(meta, indent=2) + "\n")
     lines = [f"# Prompt (prefix) cache, multi-turn TTFT: rapidmoe-cli serve vs stock llama-server ({stem})", "",

@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import json
 import math
+import platform
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,17 @@ import numpy as np
 from rapidmoe.paths import vocab_dir
 from rapidmoe.resplit import Preset, convert, get_preset
 from rapidmoe.synthetic import spec_for, write_model
+
+
+def cpu_name() -> str:
+    """The CPU's model name, as results name the machine (/proc/cpuinfo; platform.processor() is empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

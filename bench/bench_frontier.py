@@ -20,7 +20,7 @@ frontier line, and our ratios to it. Stock llama.cpp's own llama-bench on Q4_K_M
 numbers come from a Python harness, ik's from llama-bench, and that row shows how far the two harnesses differ.
 The harness runs without flash attention (llama_cpp.Llama's default, the same for our and stock's rows, and the KL
 is measured so), while both llama-benches run with it: about 9 % of our decode and prefill on the bench model
-(bench/results/ik-speed-qwen3moe-bench-zen5-avx512.md). bench_ik_speed.py times ours with flash attention, as
+(bench/results/archive/ik-speed-qwen3moe-bench-zen5-avx512.md). bench_ik_speed.py times ours with flash attention, as
 llama-bench does.
 Repetitions run variants in alternating order; medians are reported (the machine is shared and noisy).
 

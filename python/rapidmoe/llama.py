@@ -381,6 +381,17 @@ class Llama(llama_cpp.Llama):
         no such tensor."""
         return str(_core.tensor_buffer(self._model.model, name))
 
+    # llama.cpp's handles, for code that calls its C API itself (the server): the model's is llama_cpp.Llama's
+    # `model`; these name what llama_cpp keeps private (`_model`).
+    @property
+    def vocab(self) -> Any:
+        """The model's vocabulary handle (llama_vocab_p), which llama.cpp's llama_vocab_* functions take."""
+        return self._model.vocab
+
+    def n_embd_out(self) -> int:
+        """Width of the model's output embeddings (llama_model_n_embd_out: n_embd unless the model projects)."""
+        return int(llama_cpp.llama_model_n_embd_out(self.model))
+
     def eval(self, tokens: Sequence[int]) -> None:
         super().eval(tokens)
         self.raise_worker_error()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The experts-only quality frontier: stock ggml types on the routed experts against our presets x r, all else fixed.
 
-Issue 22. Every variant differs from the others only in its routed-expert tensors (`ffn_{gate,up,down}_exps`):
+Every variant differs from the others only in its routed-expert tensors (`ffn_{gate,up,down}_exps`):
 every other 2-D matrix is Q8_0, norms, router and biases F32, byte for byte the same in every file (checked).
 
 - Stock: the routed experts in one stock type (Q2_K ... Q6_K) each, made with ggml's own quantization through
@@ -578,7 +578,7 @@ def to_markdown(r: dict[str, Any]) -> str:
     has_im = any(x["kind"] == "stock+imatrix" for x in rows)
     im = r["imatrix"]
     lines = [
-        f"Experts-only frontier (issue 22): `{Path(r['model']).name}` ({r['model_mb']:.1f} MB), top-{r['top_k']}. "
+        f"Experts-only frontier: `{Path(r['model']).name}` ({r['model_mb']:.1f} MB), top-{r['top_k']}. "
         "Every variant differs only in its routed-expert tensors; every other matrix is Q8_0, norms and router F32, "
         f"the same bytes in every file (checked: {'yes' if all(r['checks']['non_expert_identical'].values()) else 'NO'}"
         f"; non-expert types {', '.join(r['checks']['non_expert_types'])}).", "",

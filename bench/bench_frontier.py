@@ -413,8 +413,8 @@ def to_markdown(r: dict[str, Any]) -> str:
 
 
 def quality_per_byte(rows: list[dict[str, Any]]) -> list[str]:
-    """Markdown lines: each of our points against stock's K-quant line at the same bytes read per token (issue 22's
-    whole-model measure: lower KL at equal bytes is better quality per byte, whatever the speed)."""
+    """Markdown lines: each of our points against stock's K-quant line at the same bytes read per token (the
+    whole-model measure of quality: lower KL at equal bytes is better quality per byte, whatever the speed)."""
     line = [(x["mb_per_token"], x["kl_mean"]) for x in rows
             if x["kind"] == "stock" and str(x["variant"]).removeprefix("stock ") in K_QUANTS]
     ours = [x for x in rows if x["kind"] == "ours"]

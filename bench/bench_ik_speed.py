@@ -45,10 +45,10 @@ WORK = ROOT / "bench" / "out" / "frontier-work"
 PYTHON_LOOP = " (Python loop)"  # the name suffix of a point of ours timed through the earlier harness (--python-loop)
 
 # One point of ours in a fresh process. pp: a prompt batch, the last token's logits only (as llama-bench's pp).
-# Decode, as llama-bench's tg times it (from stop 37, 2026-12-03): one random token per llama_decode (the low-level
+# Decode, as llama-bench's tg times it (since 2026-12-03): one random token per llama_decode (the low-level
 # call, not Llama.eval), llama_synchronize, no logits read, after one untimed step; before, the decode loop ran
 # through Llama.eval with every step's logits copied and the greedy token picked in Python, which read 1.09-1.18x
-# slower in this stop's runs (cfg "python_loop": that loop, for comparisons with earlier results).
+# slower when the two were compared (cfg "python_loop": that loop, for comparisons with earlier results).
 OURS = r"""
 import json, random, sys, time, numpy as np
 from rapidmoe import Llama

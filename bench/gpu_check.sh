@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU check for a machine with one NVIDIA GPU (the lent H200: 16 cores, no network), < 10 minutes:
+# One prepared GPU check for a machine with one NVIDIA GPU (e.g. an H200 machine: 16 cores, no network), < 10 minutes:
 #   1. CUDA build of the patched tree for this GPU's architecture only (tools/cuda_build_check.sh: cuBLAS from the
 #      toolkit or the installed nvidia-cublas wheel; build dir build/cuda is reused when it is still there, so a
 #      second call on a warm machine only relinks what changed); its import check runs on the GPU;
@@ -12,7 +12,7 @@
 # Usage: bench/gpu_check.sh [--build-only | --no-build] [gpu_check.py options, e.g. --sections exactness,stock]
 #        bench/gpu_check.sh --cpu [--site DIR]   the dry run without a GPU: same driver, -ngl 0, tiny sizes, the
 #                                     installed package or the build in DIR (tests/ci/test_gpu_check.py)
-# On the lent machine (nothing can be fetched there): carry the Python packages its image lacks as wheels in .whl/
+# On a GPU machine without network access (nothing can be fetched there): carry the Python packages its image lacks as wheels in .whl/
 # (bench/gpu_check_wheels.sh makes them here); this script installs them into a private folder. The build takes
 # a few minutes on 16 cores (docs/execution.md): with the 10-minute limit per call, run `--build-only` first
 # and the check right after it (the machine stays warm for 30 s and keeps build/cuda).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Python packages bench/gpu_check.sh needs that the lent GPU machine's image (Python 3.12, PyTorch's venv;
+# The Python packages bench/gpu_check.sh needs that the GPU machine's image (Python 3.12, PyTorch's venv;
 # /work/.library/device/KINDS.md lists what it has) lacks, downloaded here as wheels into .whl/ (git-ignored via
 # .git/info/exclude) to travel with the working tree (`carry: [".whl"]`): gguf (the pin's gguf-py) and diskcache.
 # Everything else the package imports (numpy, typer, tqdm, jinja2, typing-extensions, pyyaml, requests) and

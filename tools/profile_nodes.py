@@ -11,7 +11,7 @@ this says which nodes take the wall time, and which of them leave a thread idle 
 
 --depth N times the decode steps after a context of N tokens (llama-bench's -d: the context is computed first, in
 batches of 512, untimed); -ctk/-ctv pick the KV cache's types (f16, q8_0, ...), --fa flash attention (auto, as
-llama-bench). --stock-way runs MODEL as the issues' "stock way" does: no sidecar, llama.cpp's CPU repacking off
+llama-bench). --stock-way runs MODEL the "stock way": no sidecar, llama.cpp's CPU repacking off
 (repack=False) and every RAPIDMOE_* kernel switch off (STOCK_WAY_ENV): what upstream's kernels do with the same file.
 
 Usage: python tools/profile_nodes.py MODEL.wq.gguf [--residual WR.gguf -r 1 | --stock-way] [-t 2] [--steps 64]
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Every kernel switch of ours off (the value each reads as "off"): with repack=False and no sidecar, the "stock
-# way" of running a file through our build, which issue 50 measured against.
+# way" of running a file through our build: upstream's kernels on the same file.
 STOCK_WAY_ENV = dict.fromkeys((
     "RAPIDMOE_CLAIM", "RAPIDMOE_FA_DECODE", "RAPIDMOE_GEMM", "RAPIDMOE_HUGE_PAGES", "RAPIDMOE_MOE_SUM",
     "RAPIDMOE_ONE_ROW", "RAPIDMOE_Q2_K_REPACK", "RAPIDMOE_Q3_K_REPACK", "RAPIDMOE_Q6_K_REPACK", "RAPIDMOE_Q8_0_REPACK",

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train a small qwen3moe model from scratch on the CPU, export it as a GGUF stock llama.cpp loads, and check it.
 
-Issue 22 states its quality results on two trained models: tiny-moe-a (../shared/models/tiny-moe-a, 16 experts,
+RapidMoE's quality results use two trained models: tiny-moe-a (../shared/models/tiny-moe-a, 16 experts,
 top-4, trained on Python documentation, fortunes, the KJV and the Jargon File) and the model this tool makes,
 tiny-moe-b by default: another routing regime (32 experts, top-8) trained on other text (the Python standard
 library's own source files). Reproducible: the corpus, its split, the weights' initialisation and the batches all
@@ -675,7 +675,7 @@ def readme(report: dict[str, Any], out: Path) -> str:
     lines = [
         f"# {report['name']}: tiny trained qwen3moe model (evaluation and calibration model)", "",
         "A small Mixture-of-Experts language model trained from scratch on a CPU with tools/train_moe.py, exported as "
-        "a GGUF that stock llama.cpp loads as `qwen3moe`. The second trained model of issue 22 next to tiny-moe-a, "
+        "a GGUF that stock llama.cpp loads as `qwen3moe`. The second trained model of RapidMoE's quality results next to tiny-moe-a, "
         f"in another routing regime ({cfg.n_expert} experts, top-{cfg.n_expert_used}) and trained on other text (the "
         "Python standard library's source code). Its router was learned during training, so expert choice depends "
         "on the input (see the routing table).", "",

@@ -675,7 +675,7 @@ def readme(report: dict[str, Any], out: Path) -> str:
     lines = [
         f"# {report['name']}: tiny trained qwen3moe model (evaluation and calibration model)", "",
         "A small Mixture-of-Experts language model trained from scratch on a CPU with tools/train_moe.py, exported as "
-        "a GGUF that stock llama.cpp loads as `qwen3moe`. The second trained model of RapidMoE's quality results next to tiny-moe-a, "
+        "a GGUF that stock llama.cpp loads as `qwen3moe`. The second trained model next to tiny-moe-a, "
         f"in another routing regime ({cfg.n_expert} experts, top-{cfg.n_expert_used}) and trained on other text (the "
         "Python standard library's source code). Its router was learned during training, so expert choice depends "
         "on the input (see the routing table).", "",

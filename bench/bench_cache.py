@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from rapidmoe.cache import (
+from rapidmoe.placement import ExpertFrequency, get_shape_set, plan
+from rapidmoe.placement.cache import (
     ExpertCacheConfig,
     LRUCache,
     MoEpicCache,
@@ -50,7 +51,6 @@ from rapidmoe.cache import (
     scale_routing,
     wq_expert_bytes,
 )
-from rapidmoe.placement import ExpertFrequency, get_shape_set, plan
 from rapidmoe.placement.cost import CostModel, ModelCosts
 from rapidmoe.placement.machine import MACHINES
 from rapidmoe.placement.tensors import read_gguf_shapes

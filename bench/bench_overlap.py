@@ -38,8 +38,8 @@ import numpy as np
 from rapidmoe import Llama
 from rapidmoe.atomic import write_text
 from rapidmoe.cache import ExpertCacheConfig
-from rapidmoe.cache.moepic import moe_layers_of
 from rapidmoe.ggufio import GGUFFile
+from rapidmoe.placement.cache.moepic import moe_layers_of
 from rapidmoe.resplit import convert, get_preset
 from rapidmoe.rpc import RPCServer
 

@@ -239,8 +239,8 @@ def _moepic_half(ctx: Ctx, device: str) -> dict[str, Any]:
     """moepic at half the routed WQ: split 0.5 (rounded to the down type's blocks), as many tops per layer as half
     the layer's expert bytes hold (every expert's at most)."""
     from rapidmoe.cache import ExpertCacheConfig, MoEpicSettings  # noqa: PLC0415  (after use_package, for --site)
-    from rapidmoe.cache.moepic import moe_layers_of, moepic_layers  # noqa: PLC0415  (after use_package, for --site)
     from rapidmoe.modelfile import read_model_info  # noqa: PLC0415  (after use_package, for --site)
+    from rapidmoe.placement.cache.moepic import moe_layers_of, moepic_layers  # noqa: PLC0415  (after use_package, for --site)
 
     n_expert = read_model_info(ctx.wq).n_expert
     layers = moe_layers_of(ctx.wq)

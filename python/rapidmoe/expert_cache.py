@@ -1,12 +1,10 @@
-"""Deprecated (one release): the expert cache moved to the package rapidmoe.cache: `ExpertCacheConfig` and the
-policy names in rapidmoe.cache.config, the model-file helpers in rapidmoe.cache.moepic, the run-time checks,
-counters and refresh in rapidmoe.cache.runtime. This module re-exports the names it had."""
+"""Deprecated (one release): the expert cache moved: `ExpertCacheConfig` and the policy names to
+rapidmoe.placement.cache.config, the model-file helpers to rapidmoe.placement.cache.moepic, the run-time checks,
+counters and refresh to rapidmoe.cache.runtime. This module re-exports the names it had."""
 from __future__ import annotations
 
 import warnings
 
-from .cache.config import CachePolicy
-from .cache.moepic import MoEpicLayer, moe_layers_of, moepic_for_cache, moepic_layers, wq_expert_bytes
 from .cache.runtime import (
     CacheRefresher,
     ExpertCacheLayer,
@@ -15,6 +13,8 @@ from .cache.runtime import (
     check_device,
     check_expert_cache,
 )
+from .placement.cache.config import CachePolicy
+from .placement.cache.moepic import MoEpicLayer, moe_layers_of, moepic_for_cache, moepic_layers, wq_expert_bytes
 
 CACHE_POLICIES = tuple(p.value for p in CachePolicy)
 

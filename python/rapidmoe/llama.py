@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._runtime import _core, llama_cpp
-from .cache.config import LEGACY_KEYWORDS, ExpertCacheConfig, config_from_keywords
-from .cache.moepic import MoEpicLayer, moe_layers_of
 from .cache.runtime import ExpertCache, ExpertCacheStats, RefreshStats
 from .errors import ModelFileError, RapidMoEError
 from .modelfile import generation_problem, read_model_info
 from .overlap import OverlapStats, overlap_mode
 from .overrides import BufferOverrides, build_overrides
+from .placement.cache.config import LEGACY_KEYWORDS, ExpertCacheConfig, config_from_keywords
+from .placement.cache.moepic import MoEpicLayer, moe_layers_of
 from .residual import MoELayerCounters, ResidualInfo, load_residual_info
 from .rpc import RPCDevice, model_devices, register_rpc_servers
 from .stream import check_min_batch, set_stream_min_batch

@@ -4,7 +4,7 @@ Recorded by `Llama(trace=PATH)` (`rapidmoe-cli run --trace FILE`, `serve --trace
 eval callback (`_core.TensorCapture`, the mechanism UMIA calibration uses) copies `ffn_moe_topk-<il>` (the experts
 llama.cpp selected, I32) and `ffn_moe_weights-<il>` (the router's probabilities of those experts, before any
 renormalisation: what UMIA's arbitration reads) each time a batch is computed. Read with `read_trace`; replayed by
-the cache simulator (`rapidmoe.cache.simulator`, `bench/bench_cache.py`).
+the cache simulator (`rapidmoe.placement.cache.simulator`, `bench/bench_cache.py`).
 
 File layout (little-endian):
 

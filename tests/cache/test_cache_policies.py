@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from rapidmoe.cache.config import CachePolicyError, MoEpicSettings
-from rapidmoe.cache.moepic import hit_curve, moepic_config, plan_moepic, split_fixed_point, top_rows
-from rapidmoe.cache.routing import routing_stats, scale_routing
-from rapidmoe.cache.simulator import LRUCache, MoEpicCache, RapidMoECache, StaticCache, replay
 from rapidmoe.cli.app import app
 from rapidmoe.placement import PlanError, get_shape_set
+from rapidmoe.placement.cache.config import CachePolicyError, MoEpicSettings
+from rapidmoe.placement.cache.moepic import hit_curve, moepic_config, plan_moepic, split_fixed_point, top_rows
+from rapidmoe.placement.cache.routing import routing_stats, scale_routing
+from rapidmoe.placement.cache.simulator import LRUCache, MoEpicCache, RapidMoECache, StaticCache, replay
 from rapidmoe.placement.cost import CostModel, ModelCosts, umia_costs
 from rapidmoe.placement.machine import MACHINES, MachineError, MachineProfile, load_machine
 from rapidmoe.placement.schemes import compare_schemes

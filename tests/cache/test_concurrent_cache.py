@@ -14,7 +14,7 @@ from cache_reference import eval_runs, expert_shape, prompt_tokens, without_tile
 from testkit import EXACT_PRESET
 
 from rapidmoe import Llama
-from rapidmoe.cache.moepic import moe_layers_of
+from rapidmoe.placement.cache.moepic import moe_layers_of
 
 pytestmark = pytest.mark.native
 

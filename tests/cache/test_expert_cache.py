@@ -18,8 +18,8 @@ from testkit import EXACT_PRESET
 from rapidmoe import Llama, RapidMoEError
 from rapidmoe._runtime import _core
 from rapidmoe.cache import ExpertCacheConfig
-from rapidmoe.cache.moepic import moe_layers_of
 from rapidmoe.ggufio import GGUFFile
+from rapidmoe.placement.cache.moepic import moe_layers_of
 from rapidmoe.rpc import RPCServer
 
 

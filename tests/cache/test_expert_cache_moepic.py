@@ -2,7 +2,7 @@
 the rest fetched per ubatch, the next layer's predicted experts assembled ahead), and the transfer queue every policy
 copies through. Logits equal the all-CPU run at every step while tops are evicted under a budget smaller than one
 layer's experts, with copies overlapped or waited for at once; the runtime's hits, bytes fetched on demand and
-ahead equal the simulator's replay (rapidmoe.cache.simulator.MoEpicCache) of the trace recorded in the same run."""
+ahead equal the simulator's replay (placement.cache.simulator.MoEpicCache) of the trace recorded in the same run."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,11 +15,11 @@ from cache_reference import PlainLlama, step_logits
 from testkit import ROOT, repeated_text
 
 from rapidmoe import Llama, RapidMoEError
-from rapidmoe.cache.config import CachePolicy, ExpertCacheConfig, MoEpicSettings, RefreshSettings
-from rapidmoe.cache.moepic import moe_layers_of, moepic_layers, wq_expert_bytes
-from rapidmoe.cache.simulator import LRUCache, MoEpicCache, RapidMoECache, ReplayPolicy, replay
 from rapidmoe.cli.budget import cache_placement
 from rapidmoe.placement import GPU
+from rapidmoe.placement.cache.config import CachePolicy, ExpertCacheConfig, MoEpicSettings, RefreshSettings
+from rapidmoe.placement.cache.moepic import moe_layers_of, moepic_layers, wq_expert_bytes
+from rapidmoe.placement.cache.simulator import LRUCache, MoEpicCache, RapidMoECache, ReplayPolicy, replay
 from rapidmoe.placement.realize import plan_for_model, realize
 from rapidmoe.resplit import convert, get_preset
 from rapidmoe.rpc import RPCServer

@@ -1,7 +1,7 @@
 """The runtime cache policies on the RPC stand-in: rapidmoe (the expert cache refreshed between decode steps) and
 lru (each ubatch's missing experts copied into least recently used slots before the layer computes). Logits equal
 the all-CPU run at every step while experts move, and the runtime's hits, copies and bytes equal the simulator's
-replay (rapidmoe.cache.simulator) of the trace recorded in the same run."""
+replay (rapidmoe.placement.cache.simulator) of the trace recorded in the same run."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 
 from rapidmoe import Llama, RapidMoEError
 from rapidmoe._runtime import _core
-from rapidmoe.cache.config import ExpertCacheConfig, RefreshSettings
-from rapidmoe.cache.moepic import moe_layers_of, wq_expert_bytes
-from rapidmoe.cache.simulator import LRUCache, RapidMoECache, replay
 from rapidmoe.cli.app import app
+from rapidmoe.placement.cache.config import ExpertCacheConfig, RefreshSettings
+from rapidmoe.placement.cache.moepic import moe_layers_of, wq_expert_bytes
+from rapidmoe.placement.cache.simulator import LRUCache, RapidMoECache, replay
 from rapidmoe.placement.planner import GPU
 from rapidmoe.placement.realize import plan_for_model
 from rapidmoe.rpc import RPCServer

@@ -15,8 +15,8 @@ from testkit import repeated_text
 
 from rapidmoe import Llama, RapidMoEError
 from rapidmoe._runtime import _core
-from rapidmoe.cache.moepic import moe_layers_of
 from rapidmoe.ggufio import GGUFFile, tensor_f32
+from rapidmoe.placement.cache.moepic import moe_layers_of
 from rapidmoe.trace import MAGIC, TraceError, TraceHeader, TraceWriter, read_trace
 
 TEXT = repeated_text(2)

@@ -1,16 +1,11 @@
-"""The expert cache, in one place: which experts of each MoE layer a device holds, and how that set changes.
+"""The expert cache of a loaded model: which experts of each MoE layer a device holds, and how that set changes.
 
-- config: `CachePolicy` (static, rapidmoe, lru, moepic), `RefreshSettings`, `MoEpicSettings` and
-  `ExpertCacheConfig`, the argument that asks `rapidmoe.Llama(..., expert_cache=...)` for a cache.
-- simulator: the policies replayed over routing traces and priced with the planner's cost model (`replay`).
-- moepic: MoEpic's split-ratio fixed point and its plan for a model file; the model file's MoE layers and expert
-  bytes.
-- routing: routing statistics of a trace and synthetic routing for shapes we cannot run.
-- runtime: the cache of a loaded model (`ExpertCache`, what `Llama.expert_cache` returns), its checks and
-  counters (rapidmoe.cache.runtime; not re-exported here: it is the engine's side).
+- runtime: the cache of a loaded model (`ExpertCache`, what `Llama.expert_cache` returns), its checks against the
+  model, the rapidmoe policy's refresh and the counters.
 
-The names below load their module on first use, so `rapidmoe.cache.config` (the CLI's option types) imports without
-numpy and the planner.
+What a cache is asked to be (`ExpertCacheConfig` and its settings) is planning, with the policies' replay and
+MoEpic's solver: rapidmoe.placement.cache. The argument's names are importable from here too
+(`rapidmoe.cache.ExpertCacheConfig`), loaded on first use, so this package imports without numpy and the planner.
 """
 from __future__ import annotations
 
@@ -18,56 +13,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .config import (
+    from ..placement.cache.config import (
         CachePolicy,
         CachePolicyError,
         ExpertCacheConfig,
-        MoEpicConfig,
         MoEpicSettings,
         RefreshSettings,
     )
-    from .moepic import (
-        MoEpicLayer,
-        hit_curve,
-        moe_layers_of,
-        moepic_config,
-        moepic_for_cache,
-        moepic_layers,
-        plan_moepic,
-        top_rows,
-        wq_expert_bytes,
-    )
-    from .routing import RoutingStats, routing_stats, scale_routing
-    from .simulator import (
-        LRUCache,
-        MoEpicCache,
-        RapidMoECache,
-        ReplayPolicy,
-        ReplayResult,
-        StaticCache,
-        refresh_swaps,
-        replay,
-    )
 
-_LAZY = {
-    **dict.fromkeys(("CachePolicy", "CachePolicyError", "ExpertCacheConfig", "MoEpicConfig", "MoEpicSettings",
-                     "RefreshSettings"), ".config"),
-    **dict.fromkeys(("MoEpicLayer", "hit_curve", "moe_layers_of", "moepic_config", "moepic_for_cache",
-                     "moepic_layers", "plan_moepic", "top_rows", "wq_expert_bytes"), ".moepic"),
-    **dict.fromkeys(("RoutingStats", "routing_stats", "scale_routing"), ".routing"),
-    **dict.fromkeys(("LRUCache", "MoEpicCache", "RapidMoECache", "ReplayPolicy", "ReplayResult", "StaticCache",
-                     "refresh_swaps", "replay"), ".simulator"),
-}
+_CONFIG = ("CachePolicy", "CachePolicyError", "ExpertCacheConfig", "MoEpicSettings", "RefreshSettings")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    if name in _CONFIG:
+        return getattr(importlib.import_module("..placement.cache.config", __name__), name)
     raise AttributeError(f"module 'rapidmoe.cache' has no attribute {name!r}")
 
 
-__all__ = ["CachePolicy", "CachePolicyError", "ExpertCacheConfig", "LRUCache", "MoEpicCache", "MoEpicConfig",
-           "MoEpicLayer", "MoEpicSettings", "RapidMoECache", "RefreshSettings", "ReplayPolicy", "ReplayResult",
-           "RoutingStats", "StaticCache", "hit_curve", "moe_layers_of", "moepic_config", "moepic_for_cache",
-           "moepic_layers", "plan_moepic", "refresh_swaps", "replay", "routing_stats", "scale_routing", "top_rows",
-           "wq_expert_bytes"]
+__all__ = ["CachePolicy", "CachePolicyError", "ExpertCacheConfig", "MoEpicSettings", "RefreshSettings"]

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import RapidMoEError
-from .config import CachePolicy, ExpertCacheConfig, RefreshSettings
-from .moepic import MoEpicLayer, moe_layers_of, moepic_layers, wq_expert_bytes
-from .simulator import refresh_swaps
+from ..placement.cache.config import CachePolicy, ExpertCacheConfig, RefreshSettings
+from ..placement.cache.moepic import MoEpicLayer, moe_layers_of, moepic_layers, wq_expert_bytes
+from ..placement.cache.simulator import refresh_swaps
 
 
 def _native() -> Any:

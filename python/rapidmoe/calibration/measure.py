@@ -17,11 +17,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..cache.config import ExpertCacheConfig
-from ..cache.moepic import moe_layers_of
 from ..errors import RapidMoEError
 from ..ggufio import GGUFFile
 from ..modelfile import read_model_info
+from ..placement.cache.config import ExpertCacheConfig
+from ..placement.cache.moepic import moe_layers_of
 from ..placement.machine import load_machine
 from ..placement.tensors import read_gguf_shapes
 from ..resplit.presets import get_preset

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from ..cache.config import CachePolicy, ExpertCacheConfig
+from ..placement.cache.config import CachePolicy, ExpertCacheConfig
 
 if TYPE_CHECKING:
     from ..placement.realize import LlamaPlacement
@@ -51,7 +51,7 @@ def cache_placement(model: Path, place: LlamaPlacement, policy: CachePolicy, fre
         return place
     if policy is not CachePolicy.moepic:
         return {**place, "expert_cache": dataclasses.replace(cache, policy=policy)}
-    from ..cache.moepic import moepic_for_cache  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..placement.cache.moepic import moepic_for_cache  # noqa: PLC0415  (lazy: keeps --help fast)
 
     settings = moepic_for_cache(model, cache.experts or {}, frequency_path=freq)
     log.info("moepic: split %s, tops per layer %s (the device memory of the planned cache, MoEpic's fixed point on "

@@ -13,7 +13,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..cache.config import CachePolicy as CachePolicy  # re-exported: run and serve default --cache-policy with it
+from ..placement.cache.config import (
+    CachePolicy as CachePolicy,  # re-exported: run and serve default --cache-policy with it
+)
 
 ModelArg = Annotated[Optional[Path], typer.Argument(
     help="GGUF model file (MoE). Default: the tiny synthetic model, made once and cached.",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import warnings
 
-from ..cache.config import CachePolicy, CachePolicyError, MoEpicConfig, MoEpicSettings, RefreshSettings
-from ..cache.moepic import (
+from .cache.config import CachePolicy, CachePolicyError, MoEpicConfig, MoEpicSettings, RefreshSettings
+from .cache.moepic import (
     HitCurve,
     SplitSolution,
     hit_curve,
@@ -16,8 +16,8 @@ from ..cache.moepic import (
     split_fixed_point,
     top_rows,
 )
-from ..cache.routing import RoutingStats, chance_reuse, routing_stats, scale_routing
-from ..cache.simulator import (
+from .cache.routing import RoutingStats, chance_reuse, routing_stats, scale_routing
+from .cache.simulator import (
     Access,
     LRUCache,
     MoEpicCache,
@@ -27,7 +27,7 @@ from ..cache.simulator import (
     refresh_swaps,
     replay,
 )
-from ..cache.simulator import ReplayPolicy as Policy
+from .cache.simulator import ReplayPolicy as Policy
 
 # the old tuple, in its old order, spelled by the one enum
 POLICIES = tuple(p.value for p in (CachePolicy.static, CachePolicy.lru, CachePolicy.moepic, CachePolicy.rapidmoe))

@@ -1,6 +1,6 @@
 """The cost model: how long a step (one batch of tokens through the model) takes under a placement, on a machine.
 
-One model for the planner (`plan --machine`: tok/s of each scheme), the cache simulator (rapidmoe.cache.simulator,
+One model for the planner (`plan --machine`: tok/s of each scheme), the cache simulator (placement.cache.simulator,
 which prices every replayed step with it) and UMIA (`umia_costs`: the projected per-slot costs of its latency model R).
 
 Every part is a roofline: the time to read its bytes or to do its FLOPs, whichever is longer, on the device that

@@ -10,10 +10,10 @@ from typing import Any, TypedDict
 
 from typing_extensions import NotRequired  # typing has it from Python 3.11
 
-from ..cache.config import ExpertCacheConfig
 from ..errors import ModelFileError
 from ..resplit.presets import Preset
 from ..resplit.sidecar import read_sidecar_meta
+from .cache.config import ExpertCacheConfig
 from .frequency import load_frequency
 from .planner import DEFAULT_RESERVE, NOT_EXPRESSIBLE, Plan, PlanError, plan
 from .tensors import read_gguf_shapes

@@ -1,7 +1,7 @@
 """Which expert-caching scheme to use on a machine: every scheme priced by the cost model from the plan's frequency
 table (expected values, no trace), the fastest decode chosen unless the user names one.
 
-Schemes (rapidmoe.cache.simulator has their replayable form):
+Schemes (rapidmoe.placement.cache.simulator has their replayable form):
   stock     llama.cpp's `-ot exps=CPU` with an all-Q4 model: every routed expert on the CPU, run after the GPU
   static    RESplit's planner cache: the hottest WQ experts on the GPU, misses + critical residuals on the CPU
   lru       GPU-centric on-demand loading of Q4 experts, LRU per layer (hit rate estimated from the frequency table:
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from ..cache.config import CachePolicy
-from ..cache.moepic import hit_curve, moepic_config
 from ..resplit.presets import Preset
+from .cache.config import CachePolicy
+from .cache.moepic import hit_curve, moepic_config
 from .cost import CostModel, ModelCosts
 from .frequency import ExpertFrequency
 from .machine import MachineProfile

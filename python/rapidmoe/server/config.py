@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..cache.config import ExpertCacheConfig
+from ..placement.cache.config import ExpertCacheConfig
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..placement.cost import CostModel
+from ..cost import CostModel
 from .config import CachePolicyError, RefreshSettings
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from ..errors import RapidMoEError
+from ...errors import RapidMoEError
 
 
 class CachePolicy(str, Enum):

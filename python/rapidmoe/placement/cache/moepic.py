@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ggml_types import block_bytes, block_size
-from ..ggufio import GGUFFile
-from ..placement.cost import CostModel, ModelCosts
-from ..placement.frequency import load_frequency
-from ..placement.machine import MACHINES
-from ..placement.tensors import read_gguf_shapes
+from ...ggml_types import block_bytes, block_size
+from ...ggufio import GGUFFile
+from ..cost import CostModel, ModelCosts
+from ..frequency import load_frequency
+from ..machine import MACHINES
+from ..tensors import read_gguf_shapes
 from .config import CachePolicyError, MoEpicConfig, MoEpicSettings
 
 HitCurve = Callable[[float], float]

@@ -340,7 +340,7 @@ def test_strict_grammar_starts_at_the_opener(tiny_qwen: Path) -> None:
 
     llm = Llama(str(tiny_qwen), n_ctx=64, verbose=False)
     try:
-        vocab = llm._model.vocab
+        vocab = llm.vocab
         n_vocab = int(lc.llama_vocab_n_tokens(vocab))
 
         def tokenize(text: bytes) -> list[int]:

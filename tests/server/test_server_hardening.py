@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 from server_proc import ServerProc, read_all, sse_json
 
-from rapidmoe.server import app, routes
+from rapidmoe.server import app
+from rapidmoe.server.api import serving
 from rapidmoe.server.config import ServerConfig
 from rapidmoe.server.errors import ApiError
 
@@ -298,7 +299,7 @@ def test_shutdown_aborts_a_running_decode(tiny_qwen: Path, tmp_path: Path) -> No
 
 class _FakeServer:
     def __init__(self) -> None:
-        self.state = routes.AppState(ServerConfig(model=Path("m.gguf")))
+        self.state = serving.AppState(ServerConfig(model=Path("m.gguf")))
 
     def active(self, delta: int) -> None:
         pass
@@ -349,7 +350,7 @@ def test_no_error_after_the_header_deadline_answered(line: bytes, head: bytes, s
 def _heads_written(code: int) -> list[bytes]:
     """The head of a `code` answer written each way: a route's reply, http.server's send_error, a raw answer."""
     h = _handler()
-    h._send(routes.Reply(code, b"{}"))
+    h._send(serving.Reply(code, b"{}"))
     h2 = _handler()
     h2.send_error(code, "x")
     heads = [out.partition(b"\r\n\r\n")[0] for out in
@@ -380,7 +381,7 @@ def test_error_mid_stream_ends_the_stream_without_a_second_status_line() -> None
         raise ValueError("a bug")
 
     h, aborted = _handler(), []
-    h._dispatch = lambda *a: routes.Stream(chunks(), lambda: aborted.append(True))
+    h._dispatch = lambda *a: serving.Stream(chunks(), lambda: aborted.append(True))
     h._handle("POST")
     out = h.wfile.getvalue()
     assert out.count(b"HTTP/1.1 ") == 1 and out.startswith(b"HTTP/1.1 200 ")
@@ -395,7 +396,7 @@ def test_error_mid_stream_ends_the_stream_without_a_second_status_line() -> None
         h._sent = True
         raise RuntimeError("after the headers")
 
-    h._dispatch = lambda *a: routes.Stream(iter(()), lambda: None)
+    h._dispatch = lambda *a: serving.Stream(iter(()), lambda: None)
     h._send_stream = fails_after_headers
     h._handle("POST")
     assert h.wfile.getvalue().count(b"HTTP/1.1 ") == 1 and h.close_connection

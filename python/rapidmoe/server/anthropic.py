@@ -1,7 +1,7 @@
 """Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) mapped onto the chat path.
 
 A Messages request is checked field by field and turned into an OpenAI chat body (`to_chat`), which then goes
-through the same template, sampling and tool-call parsing as /v1/chat/completions (routes.chat_setup). The
+through the same template, sampling and tool-call parsing as /v1/chat/completions (api/chat_path.py). The
 answer's parsed pieces (toolcalls.Delta: reasoning, content, tool calls) become Anthropic content blocks
 (`Blocks`: thinking, text, tool_use), whole or as Anthropic's SSE events. Every request field, message key,
 content block type and tool key this server does not implement is a 400 naming it; nothing is ignored.

@@ -4,7 +4,8 @@ Here: binding, a cap on open connections, deadlines for a request's headers and 
 timeout, body size limit, Content-Length or chunked request bodies (read in body.py), HEAD answered as GET without
 the body, JSON errors for malformed requests (never http.server's HTML page), `Retry-After` on every 503 and
 `x-should-retry: false` on every 501, API key (constant-time), 503 while loading, CORS, chunked SSE writes,
-disconnect detection, one log line per request. Endpoint logic is in routes.py; inference in engine.py.
+disconnect detection, one log line per request. The route table is routes.py, the endpoints api/ (one module per
+API family); inference is engine.py.
 """
 from __future__ import annotations
 
@@ -22,11 +23,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from .._runtime import llama_cpp as lc
 from ..errors import ModelFileError, RapidMoEError
 from ..llama import Llama
 from ..modelfile import require_moe
 from ..umia import load_policy
 from . import anthropic, legacy_chat, routes, sse
+from .api import native, page
+from .api.serving import AppState, Reply, Request, Stream
 from .body import BodyReader
 from .chat import CHATML, ChatTemplate
 from .config import ServerConfig
@@ -36,7 +40,7 @@ from .pooling import pooling_type
 
 log = logging.getLogger(__name__)
 
-PUBLIC = {"/health", "/v1/health", *routes.WEB_FILES}  # no API key
+PUBLIC = {"/health", "/v1/health", *page.WEB_FILES}  # no API key
 # needed (as in llama-server): health and the chat page, which asks for the key itself
 
 
@@ -113,7 +117,7 @@ class _HeaderDeadlines:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
-    state: routes.AppState
+    state: AppState
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int) -> None:
         super().__init__(address, handler)
@@ -271,7 +275,7 @@ class Handler(BaseHTTPRequestHandler):
         self.server.active(1)
         try:
             reply = self._dispatch(method, path, st)
-            if isinstance(reply, routes.Stream):
+            if isinstance(reply, Stream):
                 status = self._send_stream(reply)
                 n_tokens = reply.n_tokens[0]
             else:
@@ -288,7 +292,7 @@ class Handler(BaseHTTPRequestHandler):
                 log.error("%s %s: %s after the headers were sent", method, path, e.message)
                 self.close_connection = True
             else:
-                self._send(routes.Reply(e.status, e.to_bytes()))
+                self._send(Reply(e.status, e.to_bytes()))
         except (TimeoutError, BrokenPipeError, ConnectionResetError):
             status = 499
             self.close_connection = True
@@ -302,7 +306,7 @@ class Handler(BaseHTTPRequestHandler):
                     err = ApiError(500, "server_error", "internal server error")
                     if path in routes.ANTHROPIC_PATHS:
                         err = anthropic.error(err)
-                    self._send(routes.Reply(500, err.to_bytes()))
+                    self._send(Reply(500, err.to_bytes()))
                 except OSError:
                     self.close_connection = True
         finally:
@@ -311,7 +315,7 @@ class Handler(BaseHTTPRequestHandler):
             st.requests.add(route, status)
             log.info("%s %s %d %d tokens %.1f ms", method, path, status, n_tokens, 1e3 * (time.perf_counter() - t0))
 
-    def _dispatch(self, method: str, path: str, st: routes.AppState) -> routes.Reply | routes.Stream:
+    def _dispatch(self, method: str, path: str, st: AppState) -> Reply | Stream:
         body = self._read_body(st)  # any method's: a body left unread would be taken for the next request
         if st.closing:
             self.close_connection = True
@@ -332,10 +336,10 @@ class Handler(BaseHTTPRequestHandler):
             if path in other:
                 raise ApiError(405, "invalid_request_error", f"{method} is not allowed on {path}")
             raise not_found("File Not Found")
-        return handler(st, routes.Request(method, path + ("?" + urlsplit(self.path).query if "?" in self.path
+        return handler(st, Request(method, path + ("?" + urlsplit(self.path).query if "?" in self.path
                                                            else ""), body, self._gone))
 
-    def _read_body(self, st: routes.AppState) -> bytes:
+    def _read_body(self, st: AppState) -> bytes:
         """The body as its headers frame it: chunked, Content-Length or none; within --body-timeout and --max-body
         (body.py). Any error closes the connection: the unread rest must not be taken for the next request."""
         try:
@@ -412,7 +416,7 @@ class Handler(BaseHTTPRequestHandler):
         if origin:
             self.send_header("Access-Control-Allow-Credentials", "true")
 
-    def _send(self, r: routes.Reply) -> None:
+    def _send(self, r: Reply) -> None:
         self.send_response(r.status)
         self._cors()
         self.send_header("Content-Type", r.content_type)
@@ -427,7 +431,7 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(r.body)
         self.wfile.flush()
 
-    def _send_stream(self, s: routes.Stream) -> int:
+    def _send_stream(self, s: Stream) -> int:
         self.send_response(200)
         self._cors()
         self.send_header("Content-Type", "text/event-stream")
@@ -463,7 +467,7 @@ class Handler(BaseHTTPRequestHandler):
                 close()
 
 
-def _load(config: ServerConfig, st: routes.AppState) -> Llama:
+def _load(config: ServerConfig, st: AppState) -> Llama:
     """Load the model (HTTP already answering 503), then hand the engine to the routes."""
     info = require_moe(config.model)
     threads = config.threads or engine_threads()
@@ -492,7 +496,6 @@ def _load(config: ServerConfig, st: routes.AppState) -> Llama:
         except Exception:
             llm.close()
             raise
-    vocab = llm._model
     md = llm.metadata
     template = config.chat_template or md.get("tokenizer.chat_template") or CHATML
     if config.jinja and template == "chatml":  # the one built-in name llama-server's Jinja path takes
@@ -501,17 +504,23 @@ def _load(config: ServerConfig, st: routes.AppState) -> Llama:
         llm.close()
         raise RapidMoEError("--no-jinja: llama.cpp has no built-in format for this chat template; give "
                             f"--chat-template NAME ({', '.join(legacy_chat.builtin_names())}) or drop --no-jinja")
-    bos = vocab.token_get_text(llm.token_bos()) if llm.token_bos() >= 0 else ""
-    eos = vocab.token_get_text(llm.token_eos()) if llm.token_eos() >= 0 else ""
+    bos = _token_text(llm, llm.token_bos()) if llm.token_bos() >= 0 else ""
+    eos = _token_text(llm, llm.token_eos()) if llm.token_eos() >= 0 else ""
     st.template = ChatTemplate(template, bos, eos, jinja=config.jinja, kwargs=dict(config.chat_template_kwargs),
-                               add_bos=bool(vocab.add_bos_token()), add_eos=bool(vocab.add_eos_token()))
+                               add_bos=bool(lc.llama_vocab_get_add_bos(llm.vocab)),
+                               add_eos=bool(lc.llama_vocab_get_add_eos(llm.vocab)))
     st.add_bos = md.get("tokenizer.ggml.add_bos_token", "true") != "false"
-    st.model_meta = routes.model_meta(llm, str(config.model))
+    st.model_meta = native.model_meta(llm, str(config.model))
     st.engine = Engine(llm, n_parallel=config.parallel, queue_size=config.queue_size, n_batch=config.n_batch,
                        queue_timeout=config.queue_timeout, embeddings=config.embeddings)
     log.info("model loaded: %s (%s), %d slots x %d tokens of context", config.model, info.architecture,
              config.parallel, st.engine.n_ctx_slot)
     return llm
+
+
+def _token_text(llm: Llama, token: int) -> str:
+    """A token's text as the vocabulary holds it (the chat template's bos_token and eos_token)."""
+    return str(lc.llama_vocab_get_text(llm.vocab, token).decode("utf-8"))
 
 
 def engine_threads() -> int:
@@ -521,13 +530,13 @@ def engine_threads() -> int:
     return max(1, (os.cpu_count() or 2) - 1)
 
 
-def make_server(config: ServerConfig) -> tuple[_Server, routes.AppState]:
+def make_server(config: ServerConfig) -> tuple[_Server, AppState]:
     handler = type("ConfiguredHandler", (Handler,), {"timeout": config.timeout})
     try:
         server = _Server((config.host, config.port), handler, config.max_connections)
     except OSError as e:
         raise RapidMoEError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
-    server.state = routes.AppState(config)
+    server.state = AppState(config)
     return server, server.state
 
 

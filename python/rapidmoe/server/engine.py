@@ -222,10 +222,10 @@ class Engine:
                  embeddings: bool = False) -> None:
         self.llm = llm
         self._ctx = llm.ctx
-        self._vocab = llm._model.vocab
+        self._vocab = llm.vocab
         self.embeddings = embeddings  # embedding tickets are taken (serve --embedding)
         self.pooling = int(lc.llama_pooling_type(self._ctx))  # --pooling, else the model's
-        self.n_embd_out = int(lc.llama_model_n_embd_out(llm._model.model))
+        self.n_embd_out = llm.n_embd_out()
         self.n_ubatch = int(lc.llama_n_ubatch(self._ctx))
         self._embd_on = False  # the last step was an embedding step (the context's embeddings are on)
         self._mem = lc.llama_get_memory(self._ctx)

@@ -1,7 +1,7 @@
 """/infill's prompt: llama-server's fill-in-the-middle layout (`format_prompt_infill`, tools/server/server-common.cpp).
 
 Token arithmetic over a tokenizer and the vocabulary's FIM token ids, and the checks of the request's infill fields;
-the route (routes.infill) generates from the prompt as /completion does. Nothing here touches the engine.
+the route (api/native.infill) generates from the prompt as /completion does. Nothing here touches the engine.
 """
 from __future__ import annotations
 

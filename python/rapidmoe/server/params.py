@@ -104,7 +104,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "continue_final_message": (_off(False), "continuing the last message"),
     "add_generation_prompt": (_off(True), ""),
     "reasoning_format": (lambda v: v in ("none", "auto", "deepseek"), "\"none\", \"auto\" or \"deepseek\""),
-    # the chat routes implement these (routes.CHAT_FIELDS); elsewhere, as in llama-server, there is no thinking
+    # the chat routes implement these (api/openai.CHAT_FIELDS); elsewhere, as in llama-server, there is no thinking
     "reasoning_budget_tokens": (_off(-1), "reasoning budgets apply to chat requests"),
     "thinking_budget_tokens": (_off(-1), "reasoning budgets apply to chat requests"),
     "reasoning_budget_message": (_off(""), "reasoning budgets apply to chat requests"),
@@ -348,6 +348,40 @@ def choice_seed(seed: int, j: int) -> int:
     """The seed of a prompt's completion j: seed + j (mod 2^32, never SEED_RANDOM), so `n` completions with a
     fixed seed differ and are reproducible; a random seed stays random."""
     return seed if seed == SEED_RANDOM else (seed + j) % SEED_RANDOM
+
+
+@dataclass(frozen=True)
+class Output:
+    """How a completion request wants its answers (/completion and /infill, /v1/completions, /v1/chat/completions),
+    read once per request by native_output or oai_output, after its prompts and choices."""
+
+    stream: bool = False  # SSE as the tokens come, else one whole answer
+    timings_per_token: bool = False  # llama-server's: `timings` in every streamed chunk
+    include_usage: bool = False  # OpenAI's `stream_options.include_usage`: a last chunk with the usage
+    return_tokens: bool = False  # native: each answer's token ids
+    response_fields: tuple[str, ...] = ()  # native: only these fields of each answer (`a/b` paths)
+
+
+def native_output(body: dict[str, Any]) -> Output:
+    """The native route's answer options: `stream`, `response_fields`, `return_tokens`, `timings_per_token` (read
+    in this order, so a request with several bad fields gets the same error as ever)."""
+    stream = get_bool(body, "stream", False)
+    v = body.get("response_fields")
+    if v is not None and (not isinstance(v, list) or not all(isinstance(x, str) for x in v)):
+        raise invalid_request("\"response_fields\" must be an array of strings")
+    return Output(stream=stream, response_fields=tuple(v or ()), return_tokens=get_bool(body, "return_tokens", False),
+                  timings_per_token=get_bool(body, "timings_per_token", False))
+
+
+def oai_output(body: dict[str, Any]) -> Output:
+    """The OpenAI routes' answer options: `stream`, `stream_options.include_usage`, `timings_per_token` (in this
+    order)."""
+    stream = get_bool(body, "stream", False)
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise invalid_request("\"stream_options\" must be an object")
+    return Output(stream=stream, include_usage=get_bool(opts, "include_usage", False),
+                  timings_per_token=get_bool(body, "timings_per_token", False))
 
 
 def generation_from(body: dict[str, Any], *, n_vocab: int, default_n_predict: int, default_seed: int,

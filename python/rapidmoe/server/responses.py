@@ -7,6 +7,7 @@ from __future__ import annotations
 import secrets
 import string
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,7 +129,7 @@ def native_final(m: Meta, f: Finished, content: str, prompt: str, settings: dict
     return out
 
 
-def pick_fields(res: dict[str, Any], paths: list[str]) -> dict[str, Any]:
+def pick_fields(res: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
     """llama-server's `response_fields`: only these fields, a path `a/b` answered under the key "a/b"; missing
     ones left out without an error."""
     if not paths:

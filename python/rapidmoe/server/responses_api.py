@@ -1,7 +1,7 @@
 """OpenAI's Responses API (`POST /v1/responses`) mapped onto the chat path.
 
 A Responses request is checked field by field and turned into an OpenAI chat body (`to_chat`), which then goes
-through the same template, sampling and tool-call parsing as /v1/chat/completions (routes.chat_setup). The
+through the same template, sampling and tool-call parsing as /v1/chat/completions (api/chat_path.py). The
 answer's parsed pieces (toolcalls.Delta) become output items (`Items`: reasoning, message, function_call), whole
 or as the Responses stream's events. Fields this server does not implement (stored responses, reasoning summaries,
 built-in tools, images and files, ...) are a 400 naming them. Pure data shaping: no engine, no sockets.

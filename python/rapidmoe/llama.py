@@ -8,19 +8,18 @@ from __future__ import annotations
 import ctypes
 import inspect
 import os
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ._runtime import _core, llama_cpp
-from .cache.runtime import ExpertCache, ExpertCacheStats, RefreshStats
+from .cache.runtime import ExpertCache
 from .errors import ModelFileError, RapidMoEError
 from .modelfile import generation_problem, read_model_info
 from .overlap import OverlapStats, overlap_mode
 from .overrides import BufferOverrides, build_overrides
-from .placement.cache.config import LEGACY_KEYWORDS, ExpertCacheConfig, config_from_keywords
-from .placement.cache.moepic import MoEpicLayer, moe_layers_of
+from .placement.cache.config import ExpertCacheConfig
+from .placement.cache.moepic import moe_layers_of
 from .residual import MoELayerCounters, ResidualInfo, load_residual_info
 from .rpc import RPCDevice, model_devices, register_rpc_servers
 from .stream import check_min_batch, set_stream_min_batch
@@ -101,9 +100,7 @@ class Llama(llama_cpp.Llama):
         computes them, the CPU the rest, each slot exactly as that backend alone would; the routed experts must be
         in CPU memory (override_tensor="exps=CPU"; CPU weight repacking is turned off). Policies static, rapidmoe,
         lru and moepic (docs/execution.md). The loaded cache, its counters and its current set:
-        `llm.expert_cache` (rapidmoe.cache.runtime.ExpertCache; None without one). Deprecated, for one release:
-        expert_cache={layer: [ids]} with the keywords expert_cache_device, expert_cache_policy,
-        expert_cache_refresh, expert_cache_moepic and expert_cache_async (a DeprecationWarning).
+        `llm.expert_cache` (rapidmoe.cache.runtime.ExpertCache; None without one).
     prefill_stream: with an expert cache on a device, ubatches of at least this many tokens compute the cached
         layers' WQ on that device from the stacked experts the scheduler copies there (stock llama.cpp's op offload
         for big batches) instead of the misses on the CPU; 0 (default) never. `rapidmoe-cli plan --machine` prints
@@ -137,13 +134,12 @@ class Llama(llama_cpp.Llama):
         verify_residual: bool = True,
         n_seq_max: int = 1,
         rpc_servers: Sequence[str] | None = None,
-        expert_cache: ExpertCacheConfig | Mapping[int, Sequence[int]] | None = None,
+        expert_cache: ExpertCacheConfig | None = None,
         prefill_stream: int = 0,
         trace: str | os.PathLike[str] | None = None,
         repack: bool = True,
         **kwargs: Any,
     ) -> None:
-        legacy = {k: kwargs.pop(k) for k in LEGACY_KEYWORDS if k in kwargs}
         unknown = sorted(set(kwargs) - _LLAMA_CPP_ARGS)
         if unknown:  # llama_cpp.Llama would ignore them: a misspelt option must not run with its default
             raise TypeError(f"Llama got unexpected keyword argument(s): {', '.join(unknown)}")
@@ -176,7 +172,7 @@ class Llama(llama_cpp.Llama):
             raise RapidMoEError(f"overlap_threads must be >= 1, got {overlap_threads}")
         self._overlap_threads = overlap_threads
         self._prefill_stream = check_min_batch(prefill_stream)
-        self.expert_cache_config = _cache_config(expert_cache, legacy)
+        self.expert_cache_config = _cache_config(expert_cache)
         self._cache: ExpertCache | None = None
         if self.expert_cache_config is not None:
             if skip_noncritical:
@@ -415,44 +411,6 @@ class Llama(llama_cpp.Llama):
         if cache is not None:
             cache.after_decode(n_tokens)
 
-    # --- deprecated (one release): the expert cache's readers on Llama; `llm.expert_cache` has them ---------------
-
-    def _deprecated_cache(self, old: str, new: str) -> ExpertCache:
-        warnings.warn(f"Llama.{old} is deprecated: use llm.expert_cache.{new}", DeprecationWarning, stacklevel=3)
-        if self._cache is None:
-            raise RapidMoEError("no expert cache (pass expert_cache=ExpertCacheConfig(...))")
-        return self._cache
-
-    def expert_cache_stats(self, reset: bool = False) -> ExpertCacheStats:
-        """Deprecated: `llm.expert_cache.stats(reset)`."""
-        return self._deprecated_cache("expert_cache_stats()", "stats()").stats(reset)
-
-    def expert_cache_refresh_stats(self) -> RefreshStats:
-        """Deprecated: `llm.expert_cache.refresh_stats()`."""
-        return self._deprecated_cache("expert_cache_refresh_stats()", "refresh_stats()").refresh_stats()
-
-    def expert_cache_bytes(self, reset: bool = False) -> dict[int, tuple[int, int]]:
-        """Deprecated: `llm.expert_cache.bytes(reset)`."""
-        return self._deprecated_cache("expert_cache_bytes()", "bytes()").bytes(reset)
-
-    def expert_cache_wait_us(self, reset: bool = False) -> dict[int, int]:
-        """Deprecated: `llm.expert_cache.wait_us(reset)`."""
-        return self._deprecated_cache("expert_cache_wait_us()", "wait_us()").wait_us(reset)
-
-    @property
-    def expert_cache_moepic(self) -> list[MoEpicLayer]:
-        """Deprecated: `llm.expert_cache.moepic`."""
-        return self._deprecated_cache("expert_cache_moepic", "moepic").moepic
-
-    def expert_cache_copies(self, reset: bool = False) -> dict[int, int]:
-        """Deprecated: `llm.expert_cache.copies(reset)`."""
-        return self._deprecated_cache("expert_cache_copies()", "copies()").copies(reset)
-
-    @property
-    def expert_cache_set(self) -> dict[int, list[int]]:
-        """Deprecated: `llm.expert_cache.experts`."""
-        return self._deprecated_cache("expert_cache_set", "experts").experts
-
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
         """llama_cpp.Llama.tokenize on a stack that fits the text: llama.cpp's std::regex pre-tokenizer recurses
         once per character of a line, so a long one would overflow the thread's stack and kill the process
@@ -513,19 +471,8 @@ def _as_policy(policy: Policy | str | os.PathLike[str]) -> Policy:
     raise PolicyError(f"policy must be a rapidmoe.umia.Policy or a JSON file path, got {type(policy).__name__}")
 
 
-def _cache_config(expert_cache: ExpertCacheConfig | Mapping[int, Sequence[int]] | None,
-                  legacy: dict[str, Any]) -> ExpertCacheConfig | None:
-    """Llama's expert_cache argument as a config: as given, or built from the deprecated spelling (a mapping
-    and the expert_cache_* keywords), which warns once."""
-    if isinstance(expert_cache, ExpertCacheConfig):
-        if legacy:
-            raise TypeError(f"Llama got expert_cache=ExpertCacheConfig(...) and {', '.join(sorted(legacy))}: the "
-                            "config holds them all")
-        return expert_cache
-    if expert_cache is None and not legacy:
-        return None
-    old = ([] if expert_cache is None else ["expert_cache={layer: [ids]}"]) + [f"{k}=..." for k in legacy]
-    new = ([] if expert_cache is None else ["experts=..."]) + [f"{LEGACY_KEYWORDS[k]}=..." for k in legacy]
-    warnings.warn(f"Llama({', '.join(old)}) is deprecated: pass "
-                  f"expert_cache=rapidmoe.cache.ExpertCacheConfig({', '.join(new)})", DeprecationWarning, stacklevel=3)
-    return config_from_keywords(expert_cache, legacy)
+def _cache_config(expert_cache: ExpertCacheConfig | None) -> ExpertCacheConfig | None:
+    if expert_cache is not None and not isinstance(expert_cache, ExpertCacheConfig):
+        raise TypeError("Llama's expert_cache takes a rapidmoe.cache.ExpertCacheConfig(experts=..., device=...), "
+                        f"got {type(expert_cache).__name__}")
+    return expert_cache

@@ -6,7 +6,6 @@ and with the default kernels different only where tests/cache_reference.py says)
 count made in numpy from the router's probabilities; bad requests are refused with one clear line."""
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -222,48 +221,13 @@ def test_bad_requests_are_refused(make_tiny, rpc: RPCServer) -> None:  # type: i
     refused("does not combine", skip_noncritical=True)
     with pytest.raises(RapidMoEError, match="needs experts="):
         ExpertCacheConfig(device="CPU")
+    with pytest.raises(TypeError, match=r"takes a rapidmoe\.cache\.ExpertCacheConfig"):  # the mapping of old
+        Llama(path, n_ctx=64, verbose=False, expert_cache={il: [0]})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unexpected keyword argument"):  # the expert_cache_* keywords of old
+        Llama(path, n_ctx=64, verbose=False, expert_cache_device=rpc.device.buffer_type)
     llm = Llama(path, n_ctx=64, verbose=False)
     try:
         assert llm.expert_cache is None and llm.expert_cache_config is None
     finally:
         llm.close()
 
-
-def test_old_keywords_still_work_and_warn(make_tiny, rpc: RPCServer) -> None:  # type: ignore[no-untyped-def]
-    """The spelling before ExpertCacheConfig, kept one release: expert_cache={layer: ids} with the expert_cache_*
-    keywords builds the same config (one DeprecationWarning naming the new spelling; the same refusals), and the
-    Llama readers (expert_cache_stats, ...) answer as the handle llm.expert_cache does, each with a warning."""
-    assert not [n for n in inspect.signature(Llama.__init__).parameters if n.startswith("expert_cache_")]
-    path = make_tiny("qwen3moe")
-    il = moe_layers_of(path)[0]
-    dev = rpc.device.buffer_type
-    with pytest.warns(DeprecationWarning, match=r"ExpertCacheConfig\(experts=\.\.\., device=\.\.\., policy=") as w:
-        llm = Llama(path, n_ctx=64, verbose=False, n_threads=2, rpc_servers=[rpc.endpoint], n_gpu_layers=-1,
-                    override_tensor="exps=CPU", expert_cache={il: [0, 1]}, expert_cache_device=dev,
-                    expert_cache_policy="lru")
-    assert len([x for x in w if issubclass(x.category, DeprecationWarning)]) == 1
-    try:
-        assert llm.expert_cache_config == ExpertCacheConfig(experts={il: [0, 1]}, device=dev, policy="lru")
-        assert llm.expert_cache is not None
-        llm.eval(prompt_tokens(path)[:8])
-        with pytest.warns(DeprecationWarning, match=r"llm\.expert_cache\.stats\(\)"):
-            old = llm.expert_cache_stats()
-        assert old == llm.expert_cache.stats() and old.slots > 0
-        with pytest.warns(DeprecationWarning, match=r"llm\.expert_cache\.copies\(\)"):
-            assert llm.expert_cache_copies() == llm.expert_cache.copies()
-        with pytest.warns(DeprecationWarning, match=r"llm\.expert_cache\.experts"):
-            assert llm.expert_cache_set == llm.expert_cache.experts and llm.expert_cache.experts[il] == [0, 1]
-        with pytest.raises(TypeError, match="the config holds them all"):
-            Llama(path, verbose=False, expert_cache=llm.expert_cache_config, expert_cache_device=dev)
-    finally:
-        llm.close()
-    with pytest.warns(DeprecationWarning), pytest.raises(RapidMoEError, match="one of"):
-        Llama(path, verbose=False, expert_cache_policy="belady")
-    with pytest.warns(DeprecationWarning), pytest.raises(RapidMoEError, match="needs experts="):
-        Llama(path, n_ctx=64, verbose=False, expert_cache_device="CPU")
-    plain = Llama(path, n_ctx=64, verbose=False)
-    try:
-        with pytest.warns(DeprecationWarning), pytest.raises(RapidMoEError, match="no expert cache"):
-            plain.expert_cache_stats()
-    finally:
-        plain.close()

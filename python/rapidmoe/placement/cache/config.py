@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 from ...errors import RapidMoEError
 
@@ -140,19 +139,3 @@ class ExpertCacheConfig:
             raise RapidMoEError('ExpertCacheConfig needs experts={layer: [expert ids]} (or policy="moepic" with '
                                 "moepic=MoEpicSettings(...))")
 
-
-# the keyword arguments Llama took before ExpertCacheConfig (deprecated) -> the config's fields
-LEGACY_KEYWORDS = {"expert_cache_device": "device", "expert_cache_policy": "policy",
-                   "expert_cache_refresh": "refresh", "expert_cache_moepic": "moepic",
-                   "expert_cache_async": "async_copies"}
-
-
-def config_from_keywords(experts: Mapping[int, Sequence[int]] | None,
-                         keywords: Mapping[str, Any]) -> ExpertCacheConfig | None:
-    """The config the deprecated spelling asked for (`expert_cache={layer: ids}` and LEGACY_KEYWORDS), with the
-    same checks; None where it asked for no cache (no experts, no device, the static policy, no settings)."""
-    fields = {LEGACY_KEYWORDS[k]: v for k, v in keywords.items()}
-    if (experts is None and fields.get("device") is None and fields.get("policy", "static") == "static"
-            and fields.get("refresh") is None and fields.get("moepic") is None):
-        return None
-    return ExpertCacheConfig(experts=experts, **fields)

@@ -116,7 +116,7 @@ class RefreshStats:
 
 class CacheRefresher:
     """The rapidmoe policy at run time: after each decode step, the per-expert routing counts the cache's route op
-    kept (since the last step) feed decayed scores, and `cache.simulator.refresh_swaps` (the simulator's
+    kept (since the last step) feed decayed scores, and `placement.cache.simulator.refresh_swaps` (the simulator's
     own decision) names the swaps; each is one `expert_cache_replace` (the incoming expert's WQ copied into the
     outgoing one's slot). Steps must not overlap a decode (the caller runs them between llama_decode calls)."""
 

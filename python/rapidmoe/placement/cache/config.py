@@ -1,7 +1,7 @@
 """What an expert cache is asked to be: the policy names, the rapidmoe policy's refresh and MoEpic's settings, and
 `ExpertCacheConfig`, the one argument that asks `rapidmoe.Llama` for a per-expert WQ cache
 (`Llama(..., expert_cache=ExpertCacheConfig(experts={layer: [ids]}, device="RPC0[...]"))`). Pure data and checks
-that need no model; the checks against a model and the run-time handle are in cache.runtime.
+that need no model; the checks against a model and the run-time handle are in rapidmoe.cache.runtime.
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ class ExpertCacheConfig:
         right before its device work (default); False: each batch of copies is waited for as soon as it is queued
         (the serial order).
 
-    What the loaded model then does: `Llama.expert_cache` (cache.runtime.ExpertCache)."""
+    What the loaded model then does: `Llama.expert_cache` (rapidmoe.cache.runtime.ExpertCache)."""
 
     experts: Mapping[int, Sequence[int]] | None = None
     device: str | None = None

@@ -50,10 +50,10 @@ from rapidmoe.calibration.imatrix import collect_imatrix
 from rapidmoe.calibration.mix import Sensitivity, allocate, measure_sensitivity, mix_preset
 from rapidmoe.ggml_types import fit_type, ggml_type
 from rapidmoe.ggufio import GGUFFile, Tensor, copy_metadata, n_rows, tensor_rows
+from rapidmoe.moe_tensors import is_expert, parse_expert
 from rapidmoe.resplit import Preset, convert, get_preset
 from rapidmoe.resplit.convert import _add_quant_info, _byte_shape, _target_type
 from rapidmoe.resplit.imatrix import Imatrix, write_imatrix
-from rapidmoe.resplit.typechoice import EXPERT_RE
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -103,20 +103,20 @@ def expert_elements(path: Path) -> dict[int, int]:
     """Per MoE layer: the weights of one routed expert (gate + up + down)."""
     out: dict[int, int] = {}
     for t in GGUFFile(path).tensors:
-        m = EXPERT_RE.match(t.name)
-        if m:
-            out[int(m.group(1))] = out.get(int(m.group(1)), 0) + t.n_elements // int(t.shape[2])
+        e = parse_expert(t.name)
+        if e is not None:
+            out[e.layer] = out.get(e.layer, 0) + t.n_elements // int(t.shape[2])
     return out
 
 
 def expert_bits(path: Path) -> float:
     """Bits per routed-expert weight stored in a GGUF (= read per token: every expert is read whole)."""
-    ts = [t for t in GGUFFile(path).tensors if EXPERT_RE.match(t.name)]
+    ts = [t for t in GGUFFile(path).tensors if is_expert(t.name)]
     return 8 * sum(t.n_bytes for t in ts) / sum(t.n_elements for t in ts)
 
 
 def tensor_types(path: Path, experts: bool) -> dict[str, str]:
-    return {t.name: t.tensor_type.name for t in GGUFFile(path).tensors if bool(EXPERT_RE.match(t.name)) == experts}
+    return {t.name: t.tensor_type.name for t in GGUFFile(path).tensors if is_expert(t.name) == experts}
 
 
 def _write_other(w: GGUFWriter, t: Tensor, qt: GGMLQuantizationType) -> None:
@@ -150,7 +150,7 @@ def stock_experts_file(src: Path, ty: str, out: Path, imatrix: Imatrix | None) -
     copy_metadata(reader, w)
     plan: list[tuple[Tensor, GGMLQuantizationType]] = []
     for t in reader.tensors:
-        if EXPERT_RE.match(t.name):
+        if is_expert(t.name):
             qt = ggml_type(fit_type(ty, int(t.shape[0])))
         else:
             qt = _target_type(t, Q8_OTHER)
@@ -165,7 +165,7 @@ def stock_experts_file(src: Path, ty: str, out: Path, imatrix: Imatrix | None) -
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for t, qt in plan:
-        if not EXPERT_RE.match(t.name):
+        if not is_expert(t.name):
             _write_other(w, t, qt)
             continue
         n_in, n_out, n_expert = (int(x) for x in t.shape)
@@ -287,8 +287,8 @@ def with_mixes(src: Path, presets: list[Preset], args: argparse.Namespace,
 def same_bytes(a: Path, b: Path, experts: bool) -> bool:
     """Whether two GGUFs hold byte-identical data in all their routed-expert (or all their other) tensors."""
     fa, fb = GGUFFile(a), GGUFFile(b)
-    ta = {t.name: t for t in fa.tensors if bool(EXPERT_RE.match(t.name)) == experts}
-    tb = {t.name: t for t in fb.tensors if bool(EXPERT_RE.match(t.name)) == experts}
+    ta = {t.name: t for t in fa.tensors if is_expert(t.name) == experts}
+    tb = {t.name: t for t in fb.tensors if is_expert(t.name) == experts}
     if ta.keys() != tb.keys():
         return False
     ma, mb = fa.memmap(), fb.memmap()

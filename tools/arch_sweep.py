@@ -31,8 +31,8 @@ from stock_llama import build_stock
 
 from rapidmoe.errors import RapidMoEError
 from rapidmoe.ggufio import GGUFFile, copy_metadata, tensor_f32
+from rapidmoe.moe_tensors import GATE_UP, is_expert, parse_expert
 from rapidmoe.resplit import convert, get_preset
-from rapidmoe.resplit.typechoice import EXPERT_RE
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -102,7 +102,7 @@ def write_f32_expert_model(src: Path, wq: Path, out: Path) -> None:
     w = GGUFWriter(out, arch=str(base.get("general.architecture")))
     copy_metadata(base, w)
     for t in base.tensors:
-        if EXPERT_RE.match(t.name):
+        if is_expert(t.name):
             w.add_tensor(t.name, np.ascontiguousarray(tensor_f32(source.tensor(t.name)), dtype=np.float32))
         elif t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             w.add_tensor(t.name, np.array(t.data))
@@ -124,7 +124,8 @@ def ours(src: Path, work: Path) -> ArchResult:
     arch = str(g.get("general.architecture"))
     res = ArchResult(arch, src.name, k=int(g.get(f"{arch}.expert_used_count", 0)))
     names = {t.name for t in g.tensors}
-    res.layout = "gate_up/down" if any(n.endswith("ffn_gate_up_exps.weight") for n in names) else "gate/up/down"
+    merged = any((e := parse_expert(n)) is not None and e.role == GATE_UP for n in names)
+    res.layout = "gate_up/down" if merged else "gate/up/down"
     toks = _tokens(len(g.get("tokenizer.ggml.tokens", [])) or 128)
     (work / "tokens.json").write_text(json.dumps(toks))
     try:

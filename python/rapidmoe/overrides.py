@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ._runtime import _core
 from .errors import RapidMoEError
+from .moe_tensors import LLAMA_FFN_EXPS_REGEX
 
 
 class TensorBuftOverride(ctypes.Structure):
@@ -19,15 +20,11 @@ class TensorBuftOverride(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
-# llama.cpp common.h: LLM_FFN_EXPS_REGEX and llm_ffn_block_regex()
-FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
-
-
 def n_cpu_moe_patterns(n: int) -> list[str]:
     """Patterns that keep the routed experts of the first n layers on the CPU (llama.cpp's --n-cpu-moe)."""
     if n < 0:
         raise RapidMoEError(f"n_cpu_moe must be >= 0, got {n}")
-    return [rf"blk\.{i}{FFN_EXPS_REGEX}" for i in range(n)]
+    return [rf"blk\.{i}{LLAMA_FFN_EXPS_REGEX}" for i in range(n)]  # llama.cpp's llm_ffn_block_regex()
 
 
 def parse_override_tensor(spec: str | Sequence[str] | None) -> list[tuple[str, str]]:

@@ -4,7 +4,6 @@ per-layer counters turned into a readable form. The graph work itself is C++ (sr
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,9 +11,8 @@ import numpy as np
 
 from .errors import ModelFileError
 from .ggufio import GGUFFile
+from .moe_tensors import STACKED, parse_expert
 from .resplit.sidecar import check_pair, open_gguf
-
-_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|wr|hi|rf)$")
 
 
 @dataclass(frozen=True)
@@ -56,12 +54,12 @@ class ResidualInfo:
 def _per_expert_bytes(f: GGUFFile, role: str | None = None) -> dict[int, int]:
     out: dict[int, int] = {}
     for t in f.tensors:
-        m = _EXPERT.match(t.name)
-        if m and (role is None or m.group(2) == role):
+        e = parse_expert(t.name, STACKED)
+        if e is not None and (role is None or e.role == role):
             if len(t.shape) < 3 or int(t.shape[2]) < 1:  # experts stacked in the third dimension
                 raise ModelFileError(f"{f.path} is damaged: expert tensor {t.name} has shape {list(t.shape)}, not "
                                      "[n_in, n_out, n_expert]")
-            out[int(m.group(1))] = out.get(int(m.group(1)), 0) + t.n_bytes // int(t.shape[2])
+            out[e.layer] = out.get(e.layer, 0) + t.n_bytes // int(t.shape[2])
     return out
 
 

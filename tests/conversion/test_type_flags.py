@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
+from rapidmoe.moe_tensors import is_expert
 from rapidmoe.resplit.presets import OTHER_TYPES, PRESETS, WQ_TYPES, WR_TYPES, get_preset
 from rapidmoe.resplit.report import flag_exceptions
-from rapidmoe.resplit.typechoice import EXPERT_RE, plan_expert, tensor_choice
+from rapidmoe.resplit.typechoice import plan_expert, tensor_choice
 
 # a two-layer qwen3moe-like table (ggml order: row length first), with one attention matrix whose rows of 100 values
 # no quantized type's block divides, and one layer whose experts' rows (96) no K-quant super-block divides
@@ -32,7 +33,7 @@ def _report(preset: Any, table: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     """What the converter records of the types it writes (the report's tensors, fallbacks and other_tensors)."""
     tensors, fallbacks, others = [], [], {}
     for name, shape in table.items():
-        if EXPERT_RE.match(name):
+        if is_expert(name):
             plan = plan_expert(name, shape, preset)
             copy = plan.role == "down" and preset.down_mode == "copy"
             tensors.append({"name": name, "wq_type": plan.wq, "sidecar_type": plan.hi, "sidecar_is_copy": copy})

@@ -30,8 +30,8 @@ from tqdm import tqdm
 from ..errors import RapidMoEError
 from ..ggml_types import bits_per_weight, fit_type, ggml_type
 from ..ggufio import GGUFFile, Tensor, copy_metadata, tensor_rows
+from ..moe_tensors import GATE, GATE_UP, is_expert, parse_expert
 from ..resplit.presets import DOWN_COPY_TYPES, MIX_WQ_TYPES, NEEDS_IMATRIX, MixEntry, Preset, format_mix
-from ..resplit.typechoice import EXPERT_RE
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def measure_sensitivity(src: str | os.PathLike[str], text: str, types: Sequence[
             raise RapidMoEError(f"mix type {ty} needs an importance matrix, which the measurement does not take; "
                                 f"choose among {', '.join(t for t in MIX_WQ_TYPES if t not in NEEDS_IMATRIX)}")
     reader = GGUFFile(src_p)
-    experts = [t for t in reader.tensors if EXPERT_RE.match(t.name)]
+    experts = [t for t in reader.tensors if is_expert(t.name)]
     if not experts:
         raise RapidMoEError(f"{src_p} has no routed-expert tensors: nothing to choose types for")
     tok = Llama(src_p, n_ctx=n_ctx, vocab_only=True, verbose=False)
@@ -148,13 +148,13 @@ def measure_sensitivity(src: str | os.PathLike[str], text: str, types: Sequence[
     with tempfile.TemporaryDirectory(prefix="rapidmoe-mix-", dir=work_dir) as tmp:
         variant = Path(tmp) / "variant.gguf"
         for t in tqdm(experts, desc="mix", unit="tensor", disable=not progress):
-            m = EXPERT_RE.match(t.name)
-            assert m is not None
-            role = "gate" if m.group(2) == "gate_up" else m.group(2)
+            e = parse_expert(t.name)
+            assert e is not None
+            role = GATE if e.role == GATE_UP else e.role
             for ty in types:
                 _write_variant(reader, t, ty, variant)
                 used = fit_type(ty, int(t.shape[0]))
-                out.append(Sensitivity(int(m.group(1)), role, ty, scorer.kl(variant), int(t.n_elements),
+                out.append(Sensitivity(e.layer, role, ty, scorer.kl(variant), int(t.n_elements),
                                        bits_per_weight(used)))
                 variant.unlink()
     log.info("mix: %d tensors x %d types measured over %d chunks of %d tokens", len(experts), len(types),

@@ -1,14 +1,16 @@
 """`rapidmoe-cli inspect`: a GGUF's MoE structure and, for RESplit files, the WQ/WR pairing and bits."""
 from __future__ import annotations
 
-import re
 from collections import Counter
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|wr|hi)$")
+from ..moe_tensors import COPY, RESIDUAL, WEIGHT, parse_expert
+
+# the forms listed: a model's weights and the residual codec's sidecar tensors
+LISTED_FORMS = (WEIGHT, RESIDUAL, COPY)
 
 
 def inspect(
@@ -46,9 +48,9 @@ def inspect(
     n_bytes: Counter[tuple[str, str, str]] = Counter()
     n_elems: Counter[tuple[str, str, str]] = Counter()
     for t in r.tensors:
-        m = EXPERT.match(t.name)
-        if m:
-            key = (m.group(2), m.group(3), t.tensor_type.name)
+        e = parse_expert(t.name, LISTED_FORMS)
+        if e is not None:
+            key = (e.role, e.suffix, t.tensor_type.name)
             kinds[key] += 1
             n_bytes[key] += int(t.n_bytes)
             n_elems[key] += int(t.n_elements)

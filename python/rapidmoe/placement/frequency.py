@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import RapidMoEError
+from ..moe_tensors import DOWN, parse_expert
 from ..resplit.imatrix import read_imatrix
 
 
@@ -77,9 +77,6 @@ def _rows_to_layers(rows: np.ndarray, layers: list[int], n_layer: int, source: s
                          f"({n_layer} layers in all)")
 
 
-_IMATRIX_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(up|gate|gate_up)_exps\.weight$")
-
-
 def read_frequency(path: str | os.PathLike[str], layers: list[int], n_layer: int) -> dict[int, np.ndarray]:
     """Raw per-layer counts from a .npy, .json or GGUF imatrix file (see the module docstring)."""
     p = Path(path)
@@ -117,9 +114,9 @@ def _from_imatrix(p: Path) -> dict[int, np.ndarray]:
     im = read_imatrix(p)
     out: dict[int, np.ndarray] = {}
     for name, c in im.counts.items():
-        m = _IMATRIX_EXPERT.match(name)
-        if m and int(m.group(1)) not in out:
-            out[int(m.group(1))] = np.asarray(c, dtype=np.float64).reshape(-1)
+        e = parse_expert(name)  # gate's, up's or gate_up's counts: the tokens routed to each expert
+        if e is not None and e.role != DOWN and e.layer not in out:
+            out[e.layer] = np.asarray(c, dtype=np.float64).reshape(-1)
     if not out:
         raise FrequencyError(f"{p}: imatrix has no routed-expert entries (blk.N.ffn_up_exps.weight); "
                              "it cannot give expert frequencies")

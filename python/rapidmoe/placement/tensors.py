@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import ModelFileError
 from ..ggufio import GGUFFile
 from ..modelfile import require_moe
-from ..resplit.typechoice import EXPERT_RE  # llama.cpp's routed-expert tensors (RESplit's, and -ot's)
+from ..moe_tensors import is_expert, parse_expert
 
 # parts of a model, in the order the report lists them
 ATTENTION = "attention"
@@ -33,7 +33,7 @@ KV_CACHE_BYTES_PER_ELEMENT = 2  # llama.cpp's default F16 K/V cache
 
 def classify(name: str) -> str:
     """The part of the model a tensor belongs to, from its llama.cpp GGUF name."""
-    if EXPERT_RE.match(name):
+    if is_expert(name):
         return ROUTED
     if name == "token_embd.weight":
         return EMBEDDINGS
@@ -74,8 +74,8 @@ class TensorShape:
     @property
     def role(self) -> str | None:
         """'gate', 'up', 'down' or 'gate_up' for a routed-expert tensor, else None."""
-        m = EXPERT_RE.match(self.name)
-        return m.group(2) if m else None
+        e = parse_expert(self.name)
+        return e.role if e is not None else None
 
 
 @dataclass(frozen=True)

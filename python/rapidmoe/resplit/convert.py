@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,13 +28,14 @@ from ..errors import ModelFileError, RapidMoEError
 from ..ggml_types import fits_rows, ggml_type
 from ..ggufio import GGUFFile, Tensor, abandon_writer, copy_metadata, n_rows, plan_files, tensor_rows
 from ..modelfile import require_moe
+from ..moe_tensors import GATE_UP, SCALE, is_expert, moe_layers, parse_expert
 from . import sidecar
 from .fingerprint import sample_digests
 from .imatrix import Imatrix
 from .presets import NEEDS_IMATRIX, REFINE_WQ, Preset, parse_mix
 from .refine import QK_K, decode_refine, encode_refine
 from .report import ErrorAccumulator, TensorReport
-from .typechoice import EXPERT_RE, ExpertPlan, check_expert_plan, exact_mixture, plan_expert, tensor_choice
+from .typechoice import ExpertPlan, check_expert_plan, exact_mixture, plan_expert, tensor_choice
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,6 @@ log = logging.getLogger(__name__)
 LAYER_ROLE_SETS = (frozenset({"gate", "up", "down"}), frozenset({"gate_up", "down"}))
 INPUT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
                GGMLQuantizationType.Q8_0)
-# per-expert scales of the routed experts (llama.cpp's ffn_{gate,up,down}_exps.scale, [n_expert])
-EXPERT_SCALE_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.scale$")
 
 
 @dataclass(frozen=True)
@@ -124,7 +122,7 @@ def _refine_obstacle(reader: GGUFFile, experts: list[Tensor], preset: str) -> st
     """What the refine codec does not take, as the message that refuses it: merged gate_up experts, per-expert
     scales, rows that are not whole Q3_K super-blocks (it has no fallback type). None: the model is fine."""
     for t in experts:
-        if t.name.endswith("ffn_gate_up_exps.weight"):
+        if (e := parse_expert(t.name)) is not None and e.role == GATE_UP:
             return (f"tensor {t.name}: preset {preset} (the refine codec) does not take merged gate_up experts (its "
                     "kernels refine gate, up and down as separate tensors); use a residual preset (cpu, dense, ...) "
                     "for this model")
@@ -133,7 +131,7 @@ def _refine_obstacle(reader: GGUFFile, experts: list[Tensor], preset: str) -> st
             return (f"tensor {t.name} has rows of {n_in} values; preset {preset} (the refine codec) needs rows that "
                     f"are whole {REFINE_WQ} super-blocks of {QK_K} and has no fallback type: use a residual preset, "
                     "whose types fall back as llama-quantize's do")
-    scaled = [t.name for t in reader.tensors if EXPERT_SCALE_RE.match(t.name)]
+    scaled = [t.name for t in reader.tensors if parse_expert(t.name, (SCALE,)) is not None]
     if scaled:
         return (f"tensor {scaled[0]}: preset {preset} (the refine codec) does not take routed experts with per-expert "
                 "scales (its kernels do not apply them to the refinement); use a residual preset (cpu, dense, ...) "
@@ -155,15 +153,15 @@ def expert_layers(reader: GGUFFile, src: Path) -> dict[int, dict[str, Tensor]]:
     """The routed-expert tensors by layer and role, checked to be what RESplit splits (ModelFileError otherwise):
     stacked [n_in, n_out, n_expert] in a full-precision type, gate+up+down or gate_up+down in every MoE layer, one
     expert count per layer."""
-    experts = [t for t in reader.tensors if EXPERT_RE.match(t.name)]
+    experts = [t for t in reader.tensors if is_expert(t.name)]
     if not experts:
         raise ModelFileError(f"{src} has no routed-expert tensors (blk.N.ffn_{{gate,up,down}}_exps.weight or "
                              "ffn_gate_up_exps.weight): nothing for RESplit to split")
     layers: dict[int, dict[str, Tensor]] = {}
     for t in experts:
-        m = EXPERT_RE.match(t.name)
-        assert m is not None
-        layers.setdefault(int(m.group(1)), {})[m.group(2)] = t
+        e = parse_expert(t.name)
+        assert e is not None
+        layers.setdefault(e.layer, {})[e.role] = t
         if GGMLQuantizationType(int(t.tensor_type)) not in INPUT_TYPES:
             raise ModelFileError(f"tensor {t.name} is {t.tensor_type.name}; RESplit needs F32/F16/BF16/Q8_0 "
                                  "input (convert from the original weights, not from a low-bit quantization)")
@@ -195,10 +193,10 @@ class _Converter:
 
     # -- validation -------------------------------------------------------------------------------------
     def expert_tensors(self) -> list[Tensor]:
-        return [t for t in self.reader.tensors if EXPERT_RE.match(t.name)]
+        return [t for t in self.reader.tensors if is_expert(t.name)]
 
     def moe_layers(self) -> list[int]:
-        return sorted({int(m.group(1)) for t in self.expert_tensors() if (m := EXPERT_RE.match(t.name))})
+        return moe_layers(t.name for t in self.expert_tensors())
 
     def validate(self) -> None:
         layers = expert_layers(self.reader, self.src)
@@ -231,8 +229,8 @@ class _Converter:
                                      "tensor, which takes gate's entry; give the types as a gate entry")
 
     def merged_layers(self) -> list[int]:
-        return sorted({int(m.group(1)) for t in self.expert_tensors() if (m := EXPERT_RE.match(t.name))
-                       and m.group(2) == "gate_up"})
+        return sorted({e.layer for t in self.expert_tensors() if (e := parse_expert(t.name))
+                       and e.role == GATE_UP})
 
     def validate_refine(self, experts: list[Tensor]) -> None:
         obstacle = _refine_obstacle(self.reader, experts, self.preset.name)
@@ -353,11 +351,11 @@ class _Converter:
         mixture = _mixture_types(self.src, p.other_mixture) if p.other_mixture is not None else None
         overrides = p.tensor_types({t.name for t in self.reader.tensors})
         for t in self.reader.tensors:
-            m = EXPERT_RE.match(t.name)
-            if m:
+            e = parse_expert(t.name)
+            if e is not None:
                 wq_t = ggml_type(self.plans[t.name].wq)
                 _add_quant_info(wq, t.name, _byte_shape(t, wq_t), wq_t)
-                side_name = self.sidecar_names[t.name] = sidecar.sidecar_name(t.name, m.group(2), p.down_mode)
+                side_name = self.sidecar_names[t.name] = sidecar.sidecar_name(t.name, e.role, p.down_mode)
                 if p.is_refine:  # one bit per weight: I8 bytes, ne = [n_in/8, n_out, n_expert]
                     n_in, n_out, n_expert = (int(x) for x in t.shape)
                     _add_quant_info(wr, side_name, (n_expert, n_out, n_in // 8), GGMLQuantizationType.I8)

@@ -15,11 +15,9 @@ from dataclasses import dataclass
 
 from ..errors import ModelFileError
 from ..ggml_types import fit_type, fits_rows
+from ..moe_tensors import parse_expert
 from .presets import REFINE_WR, Preset
 
-# llama.cpp's routed-expert tensors, stacked as its shared MoE builder reads them (blk.N.ffn_{gate,up,down}_exps or
-# the merged ffn_gate_up_exps, each [n_in, n_out, n_expert]): the tensors RESplit splits and -ot patterns match
-EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 # kept F32 (outside a mixture): norms, the router (ffn_gate_inp), biases, DeepSeek's expert-selection bias
 KEEP_F32_RE = re.compile(r"(_norm|_inp|\.bias$|exp_probs_b)")
 NORM_RE = re.compile(r"_norm")
@@ -46,12 +44,12 @@ class ExpertPlan:
 def plan_expert(name: str, shape: tuple[int, ...], preset: Preset) -> ExpertPlan:
     """The types of a routed-expert tensor's WQ and sidecar parts (shape in ggml order: rows of shape[0]): the
     preset's, or its mix's entry for the tensor's layer and role."""
-    m = EXPERT_RE.match(name)
-    if m is None:
+    e = parse_expert(name)
+    if e is None:
         raise ValueError(f"{name} is not a routed-expert tensor")
-    role = m.group(2)
+    role = e.role
     n_in = int(shape[0])
-    wq, hi = preset.expert_types(int(m.group(1)), role)
+    wq, hi = preset.expert_types(e.layer, role)
     asked = {"wq": wq, "sidecar": hi}
     # the refine codec's sidecar (REFINE1: one bit per weight) is no ggml type and has no fallback (the converter
     # refuses rows that are not whole Q3_K super-blocks)

@@ -52,6 +52,7 @@ from rapidmoe.ggml_types import fit_type, ggml_type
 from rapidmoe.ggufio import GGUFFile, Tensor, copy_metadata, n_rows, tensor_rows
 from rapidmoe.moe_tensors import is_expert, parse_expert
 from rapidmoe.resplit import Preset, convert, get_preset
+from rapidmoe.resplit.codecs import codec_of
 from rapidmoe.resplit.convert import _add_quant_info, _byte_shape, _target_type
 from rapidmoe.resplit.imatrix import Imatrix, write_imatrix
 
@@ -252,7 +253,7 @@ def our_pair(src: Path, preset: Preset, work: Path, imatrix: Imatrix | None = No
     d = work / f"{src.stem}.{preset.name}{'.imat' if imatrix is not None else ''}"
     wq, wr, rep = d / f"{src.stem}.wq.gguf", d / f"{src.stem}.wr.gguf", d / f"{src.stem}.resplit.json"
     if imatrix is None and wq.exists() and wr.exists() and rep.exists() and \
-            json.loads(rep.read_text()).get("preset") == json.loads(json.dumps(dataclasses.asdict(preset))):
+            json.loads(rep.read_text()).get("preset") == json.loads(json.dumps(preset.record())):
         return wq, wr, False
     convert(src, d, preset, imatrix=imatrix, progress=False, report_experts=1, force=True)
     return wq, wr, True
@@ -278,7 +279,7 @@ def with_mixes(src: Path, presets: list[Preset], args: argparse.Namespace,
     out = list(presets)
     for b in (float(x) for x in args.mix_bits.split(",") if x):
         for p in presets:
-            if not p.is_refine:
+            if codec_of(p).no_mix is None:
                 out.append(dataclasses.replace(mix_preset(p, allocate(sens, b)), name=f"{p.name}+mix{b:g}"))
     return out, {"calib": str(calib), "types": types, "chunks": args.mix_chunks, "seconds": seconds,
                  "sensitivity": [dataclasses.asdict(x) for x in sens]}
@@ -475,7 +476,7 @@ def main() -> int:
               "threads": args.threads, "n_ctx": args.n_ctx, "chunks": n_chunks, "kl_tokens": n_chunks * args.n_ctx,
               "eval": str(eval_path), "imatrix": {"chunks": args.imatrix_chunks, "seconds": imatrix_s}
               if imatrix is not None else None,
-              "presets": {p.name: {**dataclasses.asdict(p), "bits": p.bits(sorted(expert_elements(src)))}
+              "presets": {p.name: {**p.record(), "bits": p.bits(sorted(expert_elements(src)))}
                           for p in presets},
               "mix": mix_info,
               "checks": checks, "files_s": files_s, "total_s": time.perf_counter() - t_start, "rows": rows,

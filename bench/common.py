@@ -1,7 +1,6 @@
 """Shared by the benchmarks: KL divergence and top-1 agreement between two models' logits, synthetic models, plots."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
 import json
@@ -169,6 +168,6 @@ def ensure_pair(model: Path, work: Path, spec: str) -> tuple[Path, Path]:
     preset = spec_preset(spec)
     # reused only when made with this very preset (an edited mix file is converted again)
     if not (wq.exists() and wr.exists() and rep.exists()
-            and json.loads(rep.read_text()).get("preset") == json.loads(json.dumps(dataclasses.asdict(preset)))):
+            and json.loads(rep.read_text()).get("preset") == json.loads(json.dumps(preset.record()))):
         convert(model, d, preset, progress=True, report_experts=1, force=True)
     return wq, wr

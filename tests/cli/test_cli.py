@@ -123,12 +123,12 @@ def test_convert_picks_the_machines_preset(tiny_qwen: Path, tmp_path: Path, monk
 def test_convert_auto_falls_back_where_the_refine_codec_cannot_go(tiny_qwen: Path, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the CPU default is a refine preset and the model is one the codec refuses (resplit.convert
-    .refine_obstacle: merged gate_up experts, per-expert scales, rows not whole Q3_K super-blocks; its cases are
+    .codec_obstacle: merged gate_up experts, per-expert scales, rows not whole Q3_K super-blocks; its cases are
     tested in test_refine_codec.py), auto takes CPU_FALLBACK and says why, instead of failing the conversion."""
     monkeypatch.setattr(budget, "gpu_devices", lambda: [])
     monkeypatch.setattr(presets, "CPU_DEFAULT", "refine-hq")
     converter = importlib.import_module("rapidmoe.resplit.convert")  # (the package's `convert` is the function)
-    monkeypatch.setattr(converter, "refine_obstacle", lambda model, preset: f"{preset} cannot: test reason")
+    monkeypatch.setattr(converter, "codec_obstacle", lambda model, preset: f"{preset} cannot: test reason")
     res = runner.invoke(app, ["convert", str(tiny_qwen), "-o", str(tmp_path / "o"), "--name", "m"])
     assert res.exit_code == 0, res.output
     assert "preset auto: refine-hq (no GPU found)" in res.output

@@ -17,7 +17,8 @@ from testkit import ROOT
 from rapidmoe import ModelFileError
 from rapidmoe.ggufio import GGUFFile, copy_metadata, tensor_rows
 from rapidmoe.resplit import Preset, check_pair, convert, get_preset, read_sidecar_meta
-from rapidmoe.resplit.convert import refine_obstacle
+from rapidmoe.resplit.codecs import codec_of
+from rapidmoe.resplit.convert import codec_obstacle
 from rapidmoe.resplit.imatrix import Imatrix
 from rapidmoe.resplit.refine import (
     BLOCK_BYTES,
@@ -212,8 +213,9 @@ def test_presets_refuse_incomplete_refine() -> None:
         p = get_preset(name)
         assert p.bits() == {"wq": 3.4375, "wr_gate_up": 1.0, "down_sidecar": 1.0, "sidecar": 1.0,
                             "critical": 4.4375, "total_stored": 4.4375}
-        assert p.is_refine and p.codec == "q3k-refine1"
+        assert p.codec == codec_of(p).name == codec_of(p).sidecar_id == "q3k-refine1"
     assert get_preset("dense").bits()["critical"] == 7.9375 and get_preset("dense").codec is None
+    assert codec_of(get_preset("dense")).name == "residual" and codec_of(get_preset("dense")).sidecar_id is None
 
 
 @pytest.fixture(scope="module")
@@ -273,9 +275,9 @@ def test_convert_refuses_what_the_codec_does_not_take(micro: Path, tmp_path: Pat
         convert(short, tmp_path / "o3", get_preset("refine-q8"), progress=False)
     assert not any((tmp_path / d).exists() and any((tmp_path / d).iterdir()) for d in ("o1", "o2", "o3"))
     # convert --preset auto asks the same question first (its answer: the refusal's message, or None)
-    assert refine_obstacle(micro) is None
+    assert codec_obstacle(micro, "refine") is None
     for bad, what in ((merged, "merged gate_up"), (scaled, "per-expert scales"), (short, "rows of 128 values")):
-        why = refine_obstacle(bad, "refine-hq")
+        why = codec_obstacle(bad, "refine-hq")
         assert why is not None and what in why and "preset refine-hq" in why
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from rapidmoe.moe_tensors import is_expert
+from rapidmoe.resplit.codecs import codec_of
 from rapidmoe.resplit.presets import OTHER_TYPES, PRESETS, WQ_TYPES, WR_TYPES, get_preset
 from rapidmoe.resplit.report import flag_exceptions
 from rapidmoe.resplit.typechoice import plan_expert, tensor_choice
@@ -26,7 +27,7 @@ TABLE: dict[str, tuple[int, ...]] = {
     "blk.1.ffn_gate_exps.weight": (96, 512, 8), "blk.1.ffn_up_exps.weight": (96, 512, 8),
     "blk.1.ffn_down_exps.weight": (512, 96, 8),
 }
-REFINE = [n for n, p in PRESETS.items() if p.is_refine]
+REFINE = [n for n, p in PRESETS.items() if codec_of(p).name == "q3k-refine1"]
 
 
 def _report(preset: Any, table: dict[str, tuple[int, ...]]) -> dict[str, Any]:
@@ -55,7 +56,8 @@ def test_other_type_sets_every_non_expert_matrix_or_says_why(name: str, other: s
     to the flag: issue 48); the routers stay F32 and the odd matrix takes F16 where the type's blocks do not fit its
     rows, and exactly those are named."""
     preset = get_preset(name, other=other)
-    report = _report(preset, {n: s for n, s in TABLE.items() if not (preset.is_refine and s[0] == 96)})
+    refine = codec_of(preset).name == "q3k-refine1"
+    report = _report(preset, {n: s for n, s in TABLE.items() if not (refine and s[0] == 96)})
     left = {n for n, t in report["other_tensors"].items() if t["dims"] >= 2 and t["type"] != other}
     lines = flag_exceptions(report, {"--other-type": other})
     assert _named(lines) == left, lines

@@ -31,6 +31,7 @@ from ..errors import RapidMoEError
 from ..ggml_types import bits_per_weight, fit_type, ggml_type
 from ..ggufio import GGUFFile, Tensor, copy_metadata, tensor_rows
 from ..moe_tensors import GATE, GATE_UP, is_expert, parse_expert
+from ..resplit.codecs import codec_of
 from ..resplit.presets import DOWN_COPY_TYPES, MIX_WQ_TYPES, NEEDS_IMATRIX, MixEntry, Preset, format_mix
 
 log = logging.getLogger(__name__)
@@ -215,8 +216,9 @@ def choose_mix(src: str | os.PathLike[str], text: str, preset: Preset, budget_bi
                threads: int | None = None, progress: bool = True) -> tuple[Preset, list[Sensitivity]]:
     """`preset` with per-layer/per-role WQ types measured on `text` to fit `budget_bits` (mean WQ bits per routed
     weight), and the measurements."""
-    if preset.is_refine:
-        raise RapidMoEError(f"preset {preset.name} is the refine codec, whose Q3_K base is fixed: it takes no mix")
+    codec = codec_of(preset)
+    if codec.no_mix is not None:
+        raise RapidMoEError(f"preset {preset.name} is {codec.title}, which {codec.no_mix}: it takes no mix")
     sens = measure_sensitivity(src, text, types, n_ctx=n_ctx, chunks=chunks, threads=threads, progress=progress)
     choice = allocate(sens, budget_bits)
     return mix_preset(preset, choice), sens

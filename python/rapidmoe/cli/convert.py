@@ -46,7 +46,8 @@ def convert(
     from ..calibration.imatrix import collect_imatrix  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit import convert as run_convert  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit import get_preset, read_imatrix, write_imatrix  # noqa: PLC0415  (lazy: keeps --help fast)
-    from ..resplit.convert import refine_obstacle  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..resplit.codecs import DEFAULT, codec_of  # noqa: PLC0415  (lazy: keeps --help fast)
+    from ..resplit.convert import codec_obstacle  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit.parallel import Interrupted  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit.presets import CPU_FALLBACK, default_preset  # noqa: PLC0415  (lazy: keeps --help fast)
     from ..resplit.report import flag_exceptions, format_table  # noqa: PLC0415  (lazy: keeps --help fast)
@@ -56,10 +57,13 @@ def convert(
         gpus = gpu_devices()
         preset = default_preset(bool(gpus))
         typer.echo(f"preset auto: {preset} ({'GPU: ' + ', '.join(gpus) if gpus else 'no GPU found'})")
-        # refine_obstacle checks the file as the conversion would first: an unusable one is refused in one line
-        if get_preset(preset).is_refine and (why := refine_obstacle(model, preset)) is not None:
+        # the residual codec takes every model RESplit splits (its types fall back as llama-quantize's do); another may
+        # refuse one. codec_obstacle checks the file as the conversion would first: an unusable one is refused in
+        # one line
+        codec = codec_of(get_preset(preset))
+        if codec.name != DEFAULT and (why := codec_obstacle(model, preset)) is not None:
             preset = CPU_FALLBACK
-            typer.echo(f"preset auto: {preset} instead, as the refine codec cannot take this model ({why})")
+            typer.echo(f"preset auto: {preset} instead, as {codec.title} cannot take this model ({why})")
     try:
         given = {"wq": wq, "wr": wr, "down_mode": down, "other": other, "mix": mix}
         p = get_preset(preset, **{k: v for k, v in given.items() if v is not None})

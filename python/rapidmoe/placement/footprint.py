@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..ggml_types import tensor_bytes
+from ..resplit.codecs import codec_of
 from ..resplit.presets import Preset
 from .resident import Repacks, machine_repacks, used_in_place
 from .tensors import ROUTED, ModelShapes
@@ -54,20 +55,11 @@ def footprint(model: ModelShapes, rule: TypeRule, preset: Preset | None = None,
         experts[t.layer] = experts.get(t.layer, 0) + n // t.shape[2]  # experts are the outermost dimension
         experts_in_place[t.layer] = experts_in_place.get(t.layer, True) and plain
         if preset is not None:
-            label = _sidecar_label(t.role or "", preset)
+            codec = codec_of(preset)
+            label = codec.footprint_label(t.role or "", preset)
             nb = sidecar_bytes(t, preset)
             sidecar[label] = sidecar.get(label, 0) + nb
             # the refine codec's bit planes have no repacked layout; a residual is repacked where the experts are
-            side_plain = preset.is_refine or plain or used_in_place(t, sidecar_type(t, preset), repacks, k)
+            side_plain = not codec.sidecar_repacks or plain or used_in_place(t, sidecar_type(t, preset), repacks, k)
             sidecar_in_place[label] = sidecar_in_place.get(label, 0) + (nb if side_plain else 0)
     return Footprint(parts, experts, sidecar, model.n_expert, in_place, experts_in_place, sidecar_in_place)
-
-
-def _sidecar_label(role: str, preset: Preset) -> str:
-    if preset.is_refine:
-        return "refinement bits (REFINE1, gate/up/down)"
-    if role == "down":
-        if preset.down_mode == "copy":
-            return f"down copy ({preset.down_hi})"
-        return f"WR down residual ({preset.wr})"
-    return f"WR gate/up residual ({preset.wr})"

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..errors import RapidMoEError
+from ..resplit.codecs import codec_of
 from ..resplit.presets import Preset
 from .footprint import Footprint, footprint
 from .frequency import ExpertFrequency
@@ -160,8 +161,10 @@ def plan(model: ModelShapes, scheme: str = "resplit", *, preset: Preset | None =
     else:
         fp = footprint(model, q4_k_m_types(model))
         types = "Q4_K_M-like: llama-quantize's Q4_K_M type rules"
-    # the refine codec computes its critical slots on the CPU from the WQ experts themselves: they stay in DRAM
-    cpu_experts = scheme == "resplit" and preset is not None and preset.is_refine
+    # a codec (the refine codec) that computes its critical slots on the CPU from the WQ experts themselves: they
+    # stay in DRAM
+    codec = codec_of(preset) if scheme == "resplit" and preset is not None else None
+    cpu_experts = codec.title if codec is not None and codec.cpu_experts else None
     b = _Builder(model, fp, scheme, n_ctx, reserve, gpu_mem, freq, form, cpu_experts)
     return b.build(types, cpu_mem)
 
@@ -181,7 +184,8 @@ class _Builder:
     gpu_mem: int | None
     freq: ExpertFrequency
     form: str = "WQ"  # what the routed experts' main form is called in the rows
-    cpu_experts: bool = False  # every routed expert in DRAM whatever the GPU budget (the refine codec)
+    # every routed expert in DRAM whatever the GPU budget: the codec (its title) whose critical slots need them there
+    cpu_experts: str | None = None
 
     def base_rows(self, device: str) -> list[Row]:
         """Everything but the routed experts and the sidecar: parts, KV cache, reserve. llama.cpp keeps the token
@@ -209,7 +213,7 @@ class _Builder:
         elif self.scheme == "cpu-offload" or self.cpu_experts:
             cached = {}
             if self.cpu_experts:
-                notes.append("the refine codec computes its critical experts on the CPU from the WQ experts "
+                notes.append(f"{self.cpu_experts} computes its critical experts on the CPU from the WQ experts "
                              "themselves: every routed expert stays in DRAM")
         elif self.scheme == "full-gpu":
             cached = {il: tuple(range(self.model.n_expert)) for il in self.fp.expert_bytes}

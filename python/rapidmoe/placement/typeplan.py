@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from ..ggml_types import fit_type, fits_rows, tensor_bytes
+from ..ggml_types import fit_type, fits_rows
+from ..resplit.codecs import codec_of
 from ..resplit.presets import Preset
 from ..resplit.typechoice import KEEP_F32_RE, plan_expert, tensor_type
 from .tensors import ModelShapes, TensorShape
@@ -64,11 +65,9 @@ def sidecar_type(t: TensorShape, preset: Preset) -> str:
 
 
 def sidecar_bytes(t: TensorShape, preset: Preset) -> int:
-    """Bytes of a routed-expert tensor's sidecar counterpart: one bit per weight for the refine codec's bit plane,
-    else the size of its ggml type."""
-    if preset.is_refine:
-        return math.prod(t.shape) // 8
-    return tensor_bytes(sidecar_type(t, preset), t.shape)
+    """Bytes of a routed-expert tensor's sidecar counterpart, as its codec writes it (the refine codec's bit plane:
+    one bit per weight; a residual or copy: the size of its ggml type)."""
+    return math.prod(codec_of(preset).sidecar_tensor(t.shape, sidecar_type(t, preset))[1])
 
 
 def _use_more_bits(i: int, n: int) -> bool:

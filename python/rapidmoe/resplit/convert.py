@@ -1,11 +1,10 @@
 """RESplit conversion: a full-precision MoE GGUF -> `<name>.wq.gguf` (runs in stock llama.cpp) + `<name>.wr.gguf`.
 
-Streams tensor by tensor and expert by expert: W -> WQ = q(W); WR = q(W - deq(WQ)) for gate/up (and down in
-residual mode) or a high-precision copy of down. Every (de)quantization is ggml's own, through rapidmoe._core,
-so the residual is taken against exactly what the kernels dequantize. With a refine preset (the "q3k-refine1"
-codec, refine.py) every routed expert of gate, up and down is encoded by refine.encode_refine instead: WQ gets its
-Q3_K bytes, the sidecar its refinement bits (`.rf`, I8 [n_in/8, n_out, n_expert]). Outputs appear only when
-complete.
+Streams tensor by tensor and expert by expert, each routed expert encoded by the preset's codec (codecs/): the
+residual codec's W -> WQ = q(W); WR = q(W - deq(WQ)) for gate/up (and down in residual mode) or a high-precision
+copy of down, every (de)quantization ggml's own through rapidmoe._core, so the residual is taken against exactly
+what the kernels dequantize; the refine codec's ("q3k-refine1", refine.py) Q3_K bytes in WQ and refinement bits in
+the sidecar (`.rf`, I8 [n_in/8, n_out, n_expert]). Outputs appear only when complete.
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,15 @@ from tqdm import tqdm
 
 from ..atomic import OutputError, make_dir, outputs, replace_all
 from ..errors import ModelFileError, RapidMoEError
-from ..ggml_types import fits_rows, ggml_type
+from ..ggml_types import ggml_type
 from ..ggufio import GGUFFile, Tensor, abandon_writer, copy_metadata, n_rows, plan_files, tensor_rows
 from ..modelfile import require_moe
 from ..moe_tensors import GATE_UP, SCALE, is_expert, moe_layers, parse_expert
 from . import sidecar
+from .codecs import DEFAULT, codec_of
 from .fingerprint import sample_digests
 from .imatrix import Imatrix
-from .presets import NEEDS_IMATRIX, REFINE_WQ, Preset, parse_mix
-from .refine import QK_K, decode_refine, encode_refine
+from .presets import NEEDS_IMATRIX, Preset, get_preset, parse_mix
 from .report import ErrorAccumulator, TensorReport
 from .typechoice import ExpertPlan, check_expert_plan, exact_mixture, plan_expert, tensor_choice
 
@@ -97,9 +96,10 @@ def _pair_id(reader: GGUFFile, src: Path, preset: Preset, imatrix_digest: str) -
     """Deterministic id shared by both outputs: source tensor table and sampled tensor data (so two models of one
     layout, other seeds or fine-tunes, get different ids) + preset + imatrix."""
     h = hashlib.sha256()
-    h.update(json.dumps(asdict(preset), sort_keys=True).encode())
-    if preset.codec is not None:  # the sidecar's codec (absent for the classic residual/copy sidecars)
-        h.update(f"codec {preset.codec}".encode())
+    h.update(json.dumps(preset.record(), sort_keys=True).encode())
+    codec = codec_of(preset)
+    if codec.name != DEFAULT:  # the sidecar's codec (absent for the classic residual/copy sidecars)
+        h.update(f"codec {codec.name}".encode())
     h.update(imatrix_digest.encode())
     h.update(str(reader.size).encode())
     for t in reader.tensors:
@@ -118,35 +118,22 @@ def _imatrix_digest(im: Imatrix | None) -> str:
     return h.hexdigest()
 
 
-def _refine_obstacle(reader: GGUFFile, experts: list[Tensor], preset: str) -> str | None:
-    """What the refine codec does not take, as the message that refuses it: merged gate_up experts, per-expert
-    scales, rows that are not whole Q3_K super-blocks (it has no fallback type). None: the model is fine."""
-    for t in experts:
-        if (e := parse_expert(t.name)) is not None and e.role == GATE_UP:
-            return (f"tensor {t.name}: preset {preset} (the refine codec) does not take merged gate_up experts (its "
-                    "kernels refine gate, up and down as separate tensors); use a residual preset (cpu, dense, ...) "
-                    "for this model")
-        n_in = int(t.shape[0])
-        if n_in % QK_K:
-            return (f"tensor {t.name} has rows of {n_in} values; preset {preset} (the refine codec) needs rows that "
-                    f"are whole {REFINE_WQ} super-blocks of {QK_K} and has no fallback type: use a residual preset, "
-                    "whose types fall back as llama-quantize's do")
+def _obstacle(reader: GGUFFile, experts: list[Tensor], preset: Preset) -> str | None:
+    """What the preset's codec does not take in this model, as the message that refuses it (the refine codec: merged
+    gate_up experts, per-expert scales, rows that are not whole Q3_K super-blocks). None: the model is fine."""
+    listed = [(t.name, e.role, tuple(int(x) for x in t.shape)) for t in experts if (e := parse_expert(t.name))]
     scaled = [t.name for t in reader.tensors if parse_expert(t.name, (SCALE,)) is not None]
-    if scaled:
-        return (f"tensor {scaled[0]}: preset {preset} (the refine codec) does not take routed experts with per-expert "
-                "scales (its kernels do not apply them to the refinement); use a residual preset (cpu, dense, ...) "
-                "for this model")
-    return None
+    return codec_of(preset).obstacle(listed, scaled, preset.name)
 
 
-def refine_obstacle(src: Path, preset: str = "refine") -> str | None:
-    """Why the refine presets cannot convert the model at `src` (convert's refusal), or None where they can. `convert
-    --preset auto` asks before it picks one, so the file is checked as convert checks it first (ModelFileError: not
-    a readable MoE GGUF, or routed experts RESplit cannot split)."""
+def codec_obstacle(src: Path, preset: str) -> str | None:
+    """Why the codec of the preset named `preset` cannot convert the model at `src` (convert's refusal), or None
+    where it can. `convert --preset auto` asks before it picks a preset, so the file is checked as convert checks it
+    first (ModelFileError: not a readable MoE GGUF, or routed experts RESplit cannot split)."""
     require_moe(src)
     reader = GGUFFile(src)
     layers = expert_layers(reader, src)
-    return _refine_obstacle(reader, [t for roles in layers.values() for t in roles.values()], preset)
+    return _obstacle(reader, [t for roles in layers.values() for t in roles.values()], get_preset(preset))
 
 
 def expert_layers(reader: GGUFFile, src: Path) -> dict[int, dict[str, Tensor]]:
@@ -190,6 +177,7 @@ class _Converter:
         self.totals = ErrorAccumulator()
         self.others: dict[str, dict[str, object]] = {}  # non-expert tensor -> its type, dims and the rule's words
         self.sidecar_names: dict[str, str] = {}  # routed-expert tensor -> its sidecar tensor
+        self.codec = codec_of(preset)
 
     # -- validation -------------------------------------------------------------------------------------
     def expert_tensors(self) -> list[Tensor]:
@@ -201,8 +189,9 @@ class _Converter:
     def validate(self) -> None:
         layers = expert_layers(self.reader, self.src)
         experts = self.expert_tensors()
-        if self.preset.is_refine:
-            self.validate_refine(experts)
+        obstacle = _obstacle(self.reader, experts, self.preset)
+        if obstacle is not None:
+            raise ModelFileError(obstacle)
         if self.preset.mix:
             self.validate_mix(layers)
         self.plans = {t.name: plan_expert(t.name, tuple(int(x) for x in t.shape), self.preset) for t in experts}
@@ -232,11 +221,6 @@ class _Converter:
         return sorted({e.layer for t in self.expert_tensors() if (e := parse_expert(t.name))
                        and e.role == GATE_UP})
 
-    def validate_refine(self, experts: list[Tensor]) -> None:
-        obstacle = _refine_obstacle(self.reader, experts, self.preset.name)
-        if obstacle is not None:
-            raise ModelFileError(obstacle)
-
     def fallbacks(self) -> list[str]:
         return [d for pl in self.plans.values() for d in pl.describe_fallbacks()]
 
@@ -249,74 +233,34 @@ class _Converter:
         return {int(e) for e in picks}
 
     def convert_expert(self, t: Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """One routed-expert tensor, expert by expert through its codec's reference encoder: (WQ bytes [n_expert,
+        n_out, WQ row], sidecar bytes [n_expert, n_out, sidecar row]). The report's "wq_only" is deq(WQ)'s error,
+        "critical" the critical slot's weights', against the codec's reference types."""
         from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
 
-        p = self.preset
-        if p.is_refine:
-            return self.convert_expert_refine(t)
-        plan = self.plans[t.name]
-        role = plan.role
+        plan, codec = self.plans[t.name], self.codec
         n_in, n_out, n_expert = (int(x) for x in t.shape)
-        wq_t = int(ggml_type(plan.wq))
-        copy_down = role == "down" and p.down_mode == "copy"
-        hi_t = int(ggml_type(plan.hi))
+        copy = codec.is_copy(plan.role, self.preset)
         imat = self.imatrix.weights_for(t.name, n_expert, n_in) if self.imatrix is not None else None
-        wq_out = np.empty((n_expert, n_out, _core.row_size(wq_t, n_in)), dtype=np.uint8)
-        hi_out = np.empty((n_expert, n_out, _core.row_size(hi_t, n_in)), dtype=np.uint8)
-        rep = TensorReport(t.name, role, plan.wq, plan.hi, copy_down, fallbacks=plan.describe_fallbacks())
-        ref_types = [name for name in ("Q4_K", "Q8_0") if fits_rows(name, n_in)]  # others: not comparable
+        wq_out = np.empty((n_expert, n_out, _core.row_size(int(ggml_type(plan.wq)), n_in)), dtype=np.uint8)
+        hi_out = np.empty(codec.sidecar_tensor((n_in, n_out, n_expert), plan.hi)[1], dtype=np.uint8)
+        rep = TensorReport(t.name, plan.role, plan.wq, plan.hi, copy, fallbacks=plan.describe_fallbacks())
+        ref_types = codec.reference_types(n_in)
         sample = self.sample_experts(n_expert)
         for e in range(n_expert):
             w = tensor_rows(t, e * n_out, n_out)
             im = imat[e] if imat is not None else None
-            q = _core.quantize(w, wq_t, im)
-            dq = _core.dequantize(q, wq_t, n_in)
-            wq_out[e] = q
-            if copy_down:
-                hi = _core.quantize(w, hi_t, im)
-                crit = _core.dequantize(hi, hi_t, n_in)
-            else:
-                hi = _core.quantize(w - dq, hi_t, im)
-                crit = dq + _core.dequantize(hi, hi_t, n_in)
-            hi_out[e] = hi
+            enc = codec.encode(w, plan.wq, plan.hi, copy, im)
+            wq_out[e], hi_out[e] = enc.wq, enc.sidecar
             refs = {}
             if e in sample:
                 for name in ref_types:
                     rt = int(ggml_type(name))
                     refs[name] = _core.dequantize(_core.quantize(w, rt, im), rt, n_in)
-            rep.add(w, dq, crit, refs)
+            rep.add(w, enc.base, enc.critical, refs)
         self.reports.append(rep)
         self.totals.merge(rep.acc)
         return wq_out, hi_out
-
-    def convert_expert_refine(self, t: Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """The refine codec, expert by expert: (Q3_K bytes [n_expert, n_out, n_in/256*110], refinement bits
-        [n_expert, n_out, n_in/8]). The report's "wq_only" is the base's error, "critical" the refined weights';
-        the references add ggml's own Q3_K (the base's stock counterpart)."""
-        from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
-
-        plan = self.plans[t.name]
-        n_in, n_out, n_expert = (int(x) for x in t.shape)
-        imat = self.imatrix.weights_for(t.name, n_expert, n_in) if self.imatrix is not None else None
-        wq_t = int(ggml_type(REFINE_WQ))
-        wq_out = np.empty((n_expert, n_out, _core.row_size(wq_t, n_in)), dtype=np.uint8)
-        rf_out = np.empty((n_expert, n_out, n_in // 8), dtype=np.uint8)
-        rep = TensorReport(t.name, plan.role, REFINE_WQ, self.preset.wr, False, fallbacks=plan.describe_fallbacks())
-        sample = self.sample_experts(n_expert)
-        for e in range(n_expert):
-            w = tensor_rows(t, e * n_out, n_out)
-            im = imat[e] if imat is not None else None
-            wq_out[e], rf_out[e] = encode_refine(w, im)
-            base, refined = decode_refine(wq_out[e], rf_out[e], n_in)
-            refs = {}
-            if e in sample:
-                for name in ("Q3_K", "Q4_K", "Q8_0"):
-                    rt = int(ggml_type(name))
-                    refs[name] = _core.dequantize(_core.quantize(w, rt, im), rt, n_in)
-            rep.add(w, base, refined, refs)
-        self.reports.append(rep)
-        self.totals.merge(rep.acc)
-        return wq_out, rf_out
 
     # -- the whole file -----------------------------------------------------------------------------------
     def run(self, wq_tmp: Path, wr_tmp: Path, pair_id: str, progress: bool) -> None:
@@ -355,13 +299,9 @@ class _Converter:
             if e is not None:
                 wq_t = ggml_type(self.plans[t.name].wq)
                 _add_quant_info(wq, t.name, _byte_shape(t, wq_t), wq_t)
-                side_name = self.sidecar_names[t.name] = sidecar.sidecar_name(t.name, e.role, p.down_mode)
-                if p.is_refine:  # one bit per weight: I8 bytes, ne = [n_in/8, n_out, n_expert]
-                    n_in, n_out, n_expert = (int(x) for x in t.shape)
-                    _add_quant_info(wr, side_name, (n_expert, n_out, n_in // 8), GGMLQuantizationType.I8)
-                else:
-                    hi = ggml_type(self.plans[t.name].hi)
-                    _add_quant_info(wr, side_name, _byte_shape(t, hi), hi)
+                side_name = self.sidecar_names[t.name] = self.codec.sidecar_name(t.name, e.role, p)
+                side_t, side_shape = self.codec.sidecar_tensor(tuple(int(x) for x in t.shape), self.plans[t.name].hi)
+                _add_quant_info(wr, side_name, side_shape, side_t)
                 plan.append((t, None))
             else:
                 qt, why = _target_choice(t, p, mixture, overrides)
@@ -376,8 +316,8 @@ class _Converter:
         return plan
 
     def write(self, wq: GGUFWriter, wr: GGUFWriter, pair_id: str, progress: bool) -> None:
-        """The reference writer: one tensor after another, routed experts one expert at a time through numpy (the
-        refine codec) or ggml (the residual presets) on this thread."""
+        """The reference writer: one tensor after another, routed experts one expert at a time through their codec's
+        reference encoder (numpy for the refine codec, ggml for the residual codec) on this thread."""
         from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
 
         plan = self.header(wq, wr, pair_id)
@@ -497,9 +437,9 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], preset
 def _report(conv: _Converter, src: Path, preset: Preset, imatrix: Imatrix | None, pair_id: str, seconds: float,
             wq_files: list[Path], wr_files: list[Path]) -> dict[str, object]:
     return {
-        "source": str(src), "preset": asdict(preset),
+        "source": str(src), "preset": preset.record(),
         "bits": preset.bits(conv.moe_layers(), conv.merged_layers()), "pair_id": pair_id,
-        **({"codec": preset.codec} if preset.codec is not None else {}),
+        **({"codec": conv.codec.name} if conv.codec.name != DEFAULT else {}),
         "imatrix": imatrix is not None, "seconds": round(seconds, 3),
         "files": {"wq_bytes": sum(p.stat().st_size for p in wq_files),
                   "wr_bytes": sum(p.stat().st_size for p in wr_files), "source_bytes": conv.reader.size},

@@ -31,10 +31,10 @@ from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from ..errors import ModelFileError, RapidMoEError
-from ..ggml_types import fits_rows, ggml_type
+from ..ggml_types import ggml_type
 from ..ggufio import FilePlan as Shard
 from ..ggufio import Tensor, n_rows, pad_to_alignment, write_at
-from .presets import REFINE_WQ
+from .codecs import Codec
 from .report import TensorReport
 
 if TYPE_CHECKING:
@@ -46,7 +46,6 @@ JOURNAL_VERSION = 1
 # the items' outputs and error sums depend on the encoder: bump when the compiled encoder's bytes change
 ENCODER_VERSION = 1
 ITEM_BYTES = 16 << 20  # source bytes per work item (at least one expert or one row): bounds a worker's memory
-MODE_RESIDUAL, MODE_COPY, MODE_REFINE = 0, 1, 2
 
 
 def default_threads() -> int:
@@ -79,9 +78,10 @@ class Item:
 
 @dataclass
 class ExpertJob:
-    """What encode_experts needs for one routed-expert tensor (shared by its items)."""
+    """What encode_experts needs for one routed-expert tensor (shared by its items); mode None: the codec has no
+    compiled encoder, its own (codec.encode) runs on the worker thread."""
 
-    mode: int
+    mode: int | None
     wq_type: int
     hi_type: int
     wq_row: int
@@ -90,26 +90,33 @@ class ExpertJob:
     sampled: set[int]
     imatrix: np.ndarray | None  # float32 [n_expert, n_in]
     report: TensorReport
+    codec: Codec
+    wq: str  # the types (ExpertPlan's), for the codec's own encoder
+    hi: str
+    copy: bool
 
 
 def _expert_job(conv: _Converter, t: Tensor) -> ExpertJob:
-    from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
-
-    p, plan = conv.preset, conv.plans[t.name]
-    n_in, _, n_expert = (int(x) for x in t.shape)
+    plan, codec = conv.plans[t.name], conv.codec
+    n_in, n_out, n_expert = (int(x) for x in t.shape)
     imat = conv.imatrix.weights_for(t.name, n_expert, n_in) if conv.imatrix is not None else None
     sampled = conv.sample_experts(n_expert)
-    if p.is_refine:
-        refs = ["Q3_K", "Q4_K", "Q8_0"]
-        rep = TensorReport(t.name, plan.role, REFINE_WQ, p.wr, False, fallbacks=plan.describe_fallbacks())
-        return ExpertJob(MODE_REFINE, 0, 0, n_in // 256 * 110, n_in // 8, [int(ggml_type(r)) for r in refs], sampled,
-                         imat, rep)
-    copy_down = plan.role == "down" and p.down_mode == "copy"
-    wq_t, hi_t = int(ggml_type(plan.wq)), int(ggml_type(plan.hi))
-    refs = [name for name in ("Q4_K", "Q8_0") if fits_rows(name, n_in)]
-    rep = TensorReport(t.name, plan.role, plan.wq, plan.hi, copy_down, fallbacks=plan.describe_fallbacks())
-    return ExpertJob(MODE_COPY if copy_down else MODE_RESIDUAL, wq_t, hi_t, _core.row_size(wq_t, n_in),
-                     _core.row_size(hi_t, n_in), [int(ggml_type(r)) for r in refs], sampled, imat, rep)
+    copy = codec.is_copy(plan.role, conv.preset)
+    refs = [int(ggml_type(r)) for r in codec.reference_types(n_in)]
+    rep = TensorReport(t.name, plan.role, plan.wq, plan.hi, copy, fallbacks=plan.describe_fallbacks())
+    c = codec.compiled(plan.wq, plan.hi, copy, n_in)
+    if c is not None:
+        return ExpertJob(c.mode, c.wq_type, c.hi_type, c.wq_row, c.hi_row, refs, sampled, imat, rep, codec, plan.wq,
+                         plan.hi, copy)
+    hi_row = codec.sidecar_tensor((n_in, n_out, n_expert), plan.hi)[1][-1]
+    return ExpertJob(None, int(ggml_type(plan.wq)), 0, _row_bytes(plan.wq, n_in), hi_row, refs, sampled, imat, rep,
+                     codec, plan.wq, plan.hi, copy)
+
+
+def _row_bytes(ty: str, n: int) -> int:
+    from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
+
+    return int(_core.row_size(int(ggml_type(ty)), n))
 
 
 def _src_row(t: Tensor) -> int:
@@ -213,10 +220,13 @@ def run_item(item: Item, jobs: dict[str, ExpertJob], files: _Files) -> tuple[str
         hi = np.empty((item.count * n_out, job.hi_row), dtype=np.uint8)
         im = job.imatrix[item.first: item.first + item.count] if job.imatrix is not None else None
         sampled = [e in job.sampled for e in range(item.first, item.first + item.count)]
-        w2, wq2, crit2, ref_w2, ref2 = _core.encode_experts(src, int(t.tensor_type), n_in, n_out, job.mode,
-                                                            job.wq_type, job.hi_type, wq, hi, im, job.ref_types,
-                                                            sampled)
-        stats = (w2, wq2, crit2, ref_w2, list(ref2))
+        if job.mode is None:
+            stats = _encode_in_python(job, t, src, item.count, wq, hi, im, sampled)
+        else:
+            w2, wq2, crit2, ref_w2, ref2 = _core.encode_experts(src, int(t.tensor_type), n_in, n_out, job.mode,
+                                                                job.wq_type, job.hi_type, wq, hi, im, job.ref_types,
+                                                                sampled)
+            stats = (w2, wq2, crit2, ref_w2, list(ref2))
         outs = [wq, hi]
     else:
         outs = [_other_rows(t, item.target, raw, item.count)]
@@ -227,6 +237,40 @@ def run_item(item: Item, jobs: dict[str, ExpertJob], files: _Files) -> tuple[str
     return h.hexdigest()[:32], stats
 
 
+def _encode_in_python(job: ExpertJob, t: Tensor, src: np.ndarray, count: int, wq: np.ndarray, hi: np.ndarray,
+                      im: np.ndarray | None, sampled: list[bool]) -> Stats:
+    """A codec without a compiled encoder: its own encode, expert by expert, with the error sums encode_experts
+    returns (report.TensorReport.add's)."""
+    from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
+
+    n_in, n_out = int(t.shape[0]), int(t.shape[1])
+    rows = _float_rows(t, src, count * n_out)
+    sums = TensorReport(t.name, job.report.role, job.wq, job.hi, job.copy)
+    for i in range(count):
+        w, ei = rows[i * n_out: (i + 1) * n_out], im[i] if im is not None else None
+        enc = job.codec.encode(w, job.wq, job.hi, job.copy, ei)
+        wq[i * n_out: (i + 1) * n_out], hi[i * n_out: (i + 1) * n_out] = enc.wq, enc.sidecar
+        refs = {str(rt): _core.dequantize(_core.quantize(w, rt, ei), rt, n_in) for rt in job.ref_types} \
+            if sampled[i] else {}
+        sums.add(w, enc.base, enc.critical, refs)
+    a = sums.acc
+    return a.w2, a.wq2, a.crit2, a.ref_w2, [a.ref2.get(str(rt), 0.0) for rt in job.ref_types]
+
+
+def _float_rows(t: Tensor, raw: np.ndarray, count: int) -> np.ndarray:
+    """`count` rows of a tensor's source bytes as float32 [count, n_per_row]."""
+    from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
+
+    src_t = GGMLQuantizationType(int(t.tensor_type))
+    n_per_row = int(t.shape[0])
+    if src_t == GGMLQuantizationType.F32:
+        return raw.view(np.float32).reshape(count, n_per_row)
+    if src_t == GGMLQuantizationType.F16:
+        return raw.view(np.float16).reshape(count, n_per_row).astype(np.float32)
+    out: np.ndarray = _core.dequantize(raw.reshape(count, -1), int(src_t), n_per_row, 1)
+    return out
+
+
 def _other_rows(t: Tensor, target: GGMLQuantizationType, raw: np.ndarray, count: int) -> np.ndarray:
     """Rows of a non-expert tensor in its WQ type, as the reference writer makes them."""
     from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
@@ -234,13 +278,7 @@ def _other_rows(t: Tensor, target: GGMLQuantizationType, raw: np.ndarray, count:
     src_t = GGMLQuantizationType(int(t.tensor_type))
     if target == src_t:  # kept as stored
         return raw
-    n_per_row = int(t.shape[0])
-    if src_t == GGMLQuantizationType.F32:
-        rows = raw.view(np.float32).reshape(count, n_per_row)
-    elif src_t == GGMLQuantizationType.F16:
-        rows = raw.view(np.float16).reshape(count, n_per_row).astype(np.float32)
-    else:
-        rows = _core.dequantize(raw.reshape(count, -1), int(src_t), n_per_row, 1)
+    rows = _float_rows(t, raw, count)
     if target == GGMLQuantizationType.F32:
         return np.ascontiguousarray(rows, dtype=np.float32)
     if target == GGMLQuantizationType.F16:
@@ -461,9 +499,7 @@ class StoppedError(Exception):
 
 
 def _ref_names(conv: _Converter, t: Tensor) -> list[str]:
-    if conv.preset.is_refine:
-        return ["Q3_K", "Q4_K", "Q8_0"]
-    return [name for name in ("Q4_K", "Q8_0") if fits_rows(name, int(t.shape[0]))]
+    return conv.codec.reference_types(int(t.shape[0]))
 
 
 def _reserve(fd: int, size: int) -> None:

@@ -1,20 +1,25 @@
-"""RESplit presets: which ggml types hold WQ (low-bit, GPU-resident), WR (residual, CPU) and the critical down path.
+"""RESplit presets: which ggml types hold WQ (low-bit, GPU-resident), WR (residual, CPU) and the critical down path,
+and which codec (codecs/) writes the sidecar.
 
 Pure data and arithmetic (no extension import): bits per weight come from ggml_types (gguf-py's block sizes).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ..ggml_types import bits_per_weight
+from .codecs import codec_of, down_modes, named_by, wq_types
+from .codecs.refine import BASE as REFINE_WQ
+from .codecs.refine import BITS as REFINE_WR
+from .codecs.refine import RefineCodec
 
-# types the converter accepts for each role (the issue's minimum set, plus what costs nothing to allow)
-WQ_TYPES = ("IQ1_M", "IQ2_XXS", "IQ2_XS", "Q2_K", "IQ3_XXS", "Q3_K")
-# a mix (per layer and role) may also give a tensor's WQ a Q4_K: the sensitive ones (calibration/mix.py)
-MIX_WQ_TYPES = (*WQ_TYPES, "Q4_K")
-WR_TYPES = ("Q2_K", "Q3_K", "Q4_K")
-DOWN_COPY_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+# the residual codec's types, named here too (convert's flags, calibration/mix.py)
+from .codecs.residual import DOWN_COPY_TYPES as DOWN_COPY_TYPES
+from .codecs.residual import MIX_WQ_TYPES as MIX_WQ_TYPES
+from .codecs.residual import WQ_TYPES as WQ_TYPES
+from .codecs.residual import WR_TYPES as WR_TYPES
+
 OTHER_TYPES = ("Q8_0", "F16", "F32")
 TENSOR_OVERRIDE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16")
 # llama-quantize's per-tensor mixtures (llama_ftype ids) for the non-expert tensors: each gets exactly the type a
@@ -23,13 +28,6 @@ TENSOR_OVERRIDE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16")
 OTHER_MIXTURES = {"Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17}
 # llama-quantize refuses these without an importance matrix (ggml asserts on the first three)
 NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS")
-DOWN_MODES = ("copy", "residual", "refine")
-# the refine codec (refine.py): WQ is Q3_K with scales fitted for a 16-level grid and the sidecar holds one
-# refinement bit per weight of every role (gate, up and down), no scales of its own
-REFINE_WR = "REFINE1"
-REFINE_WQ = "Q3_K"
-REFINE_CODEC = "q3k-refine1"  # the sidecar's rapidmoe.residual.codec
-REFINE_BITS = 1.0
 # the roles a mix entry names (a merged gate_up tensor takes gate's entry)
 MIX_ROLES = ("gate", "up", "down")
 
@@ -79,9 +77,10 @@ def format_mix(entries: Iterable[MixEntry]) -> str:
 
 @dataclass(frozen=True)
 class Preset:
-    """One RESplit configuration. down_mode 'copy': critical experts use a `down_type` copy of down (the
-    paper's choice); 'residual': down gets a WR residual like gate and up; 'refine' (with wr REFINE1 and wq Q3_K
-    only): the refine codec, one refinement bit per weight of gate, up and down (refine.py)."""
+    """One RESplit configuration. The residual codec (codecs/residual.py): down_mode 'copy': critical experts use a
+    `down_type` copy of down (the paper's choice); 'residual': down gets a WR residual like gate and up. The refine
+    codec (codecs/refine.py; wr REFINE1, down_mode 'refine' and wq Q3_K only): one refinement bit per weight of gate,
+    up and down."""
 
     name: str
     wq: str  # routed experts, every expert, all of gate/up/down: the low-precision model
@@ -95,19 +94,20 @@ class Preset:
     # per-layer / per-role routed-expert types over wq and the sidecar's (parse_mix's format; "" = none), e.g.
     # what calibration.mix.choose_mix measured on calibration text; recorded in the sidecar with the other fields
     mix: str = ""
+    # the sidecar's codec by its registry name (codecs/); None: the one the WR type and down mode name (the refine
+    # codec's REFINE1 or 'refine', else the residual codec)
+    codec: str | None = None
 
     def __post_init__(self) -> None:
-        if self.wq.upper() not in WQ_TYPES:
-            raise ValueError(f"WQ type {self.wq} not supported; choose one of {', '.join(WQ_TYPES)}")
-        if self.wr.upper() == REFINE_WR or self.down_mode == "refine":
-            self._check_refine()
-        elif self.wr.upper() not in WR_TYPES:
-            raise ValueError(f"WR type {self.wr} not supported; choose one of {', '.join((*WR_TYPES, REFINE_WR))}")
-        if self.down_mode not in DOWN_MODES:
-            raise ValueError(f"down_mode must be one of {', '.join(map(repr, DOWN_MODES))}, not {self.down_mode!r}")
-        if self.down_mode == "copy" and self.down_type.upper() not in DOWN_COPY_TYPES:
-            raise ValueError(f"down copy type {self.down_type} not supported; "
-                             f"choose one of {', '.join(DOWN_COPY_TYPES)}")
+        if self.wq.upper() not in wq_types():
+            raise ValueError(f"WQ type {self.wq} not supported; choose one of {', '.join(wq_types())}")
+        codec = codec_of(self)
+        codec.check_preset(self)
+        if self.down_mode not in codec.down_modes:
+            if self.down_mode in down_modes():
+                raise ValueError(f"{codec.title} takes down_mode {', '.join(map(repr, codec.down_modes))}, not "
+                                 f"{self.down_mode!r}")
+            raise ValueError(f"down_mode must be one of {', '.join(map(repr, down_modes()))}, not {self.down_mode!r}")
         if self.other.upper() not in OTHER_TYPES and self.other.upper() not in OTHER_MIXTURES:
             raise ValueError(f"type for other tensors {self.other} not supported; choose one of "
                              f"{', '.join(OTHER_TYPES + tuple(OTHER_MIXTURES))}")
@@ -115,38 +115,9 @@ class Preset:
             if ty is not None and ty.upper() not in TENSOR_OVERRIDE_TYPES:
                 raise ValueError(f"{role} type {ty} not supported; choose one of {', '.join(TENSOR_OVERRIDE_TYPES)}")
         if self.mix:
-            self._check_mix()
-
-    def _check_refine(self) -> None:
-        """The refine codec comes whole: WR REFINE1, down_mode 'refine' (every role refined) and WQ Q3_K."""
-        if self.wr.upper() != REFINE_WR:
-            raise ValueError(f"down_mode 'refine' is the refine codec's: it needs WR {REFINE_WR}, not {self.wr} "
-                             "(WR types are residuals with down 'copy' or 'residual')")
-        if self.down_mode != "refine":
-            raise ValueError(f"WR {REFINE_WR} (the refine codec) refines gate, up and down alike: down_mode must be "
-                             f"'refine', not {self.down_mode!r}")
-        if self.wq.upper() != REFINE_WQ:
-            raise ValueError(f"WR {REFINE_WR} refines a {REFINE_WQ} base whose scales it fits itself; WQ {self.wq} "
-                             f"cannot be refined (use WQ {REFINE_WQ}, or a residual WR type)")
-
-    def _check_mix(self) -> None:
-        """Every mix entry in the types its role takes; a down copy better than its base."""
-        if self.is_refine:
-            raise ValueError("the refine codec fits its own Q3_K base for every tensor: it takes no mix")
-        for e in parse_mix(self.mix):
-            if e.wq not in MIX_WQ_TYPES:
-                raise ValueError(f"mix entry {e}: WQ type {e.wq} not supported; choose one of "
-                                 f"{', '.join(MIX_WQ_TYPES)}")
-            wq, hi = self.expert_types(e.layer, e.role)
-            if e.role == "down" and self.down_mode == "copy":
-                if hi not in DOWN_COPY_TYPES:
-                    raise ValueError(f"mix entry {e}: down copy type {hi} not supported; choose one of "
-                                     f"{', '.join(DOWN_COPY_TYPES)}")
-                if bits_per_weight(hi) <= bits_per_weight(wq):
-                    raise ValueError(f"mix entry {e}: down's copy ({hi}) would be no better than its base ({wq}); "
-                                     f"give it a larger type (`{e.key()}={wq}/HI`)")
-            elif hi not in WR_TYPES:
-                raise ValueError(f"mix entry {e}: WR type {hi} not supported; choose one of {', '.join(WR_TYPES)}")
+            if codec.no_mix is not None:
+                raise ValueError(f"{codec.title} {codec.no_mix}: it takes no mix")
+            codec.check_mix(self, parse_mix(self.mix))
 
     def expert_types(self, layer: int | None, role: str) -> tuple[str, str]:
         """(WQ, sidecar) types asked for a routed-expert tensor of `role` in `layer`: the mix's entry for that
@@ -166,15 +137,14 @@ class Preset:
             wq, hi = own.wq, own.hi or hi
         return wq, hi
 
-    @property
-    def is_refine(self) -> bool:
-        """Whether this preset uses the refine codec (refine.py) instead of a quantized residual or copy."""
-        return self.down_mode == "refine"
-
-    @property
-    def codec(self) -> str | None:
-        """The sidecar's codec name (rapidmoe.residual.codec), or None for the classic residual/copy sidecar."""
-        return REFINE_CODEC if self.is_refine else None
+    def record(self) -> dict[str, object]:
+        """The preset's fields as the sidecar, the report and the pair id record them: `codec` only where it names
+        another codec than the WR type and down mode do (so a preset of today's codecs records what it recorded
+        before presets named their codec, and converts to the same bytes)."""
+        out = asdict(self)
+        if self.codec is None or self.codec == named_by(self.wr, self.down_mode).name:
+            del out["codec"]
+        return out
 
     def tensor_types(self, names: set[str] | frozenset[str]) -> dict[str, str]:
         """Per-tensor types that override `other` in a file with these tensor names. The token embedding's
@@ -202,6 +172,7 @@ class Preset:
         total stored. With a mix, averaged over `moe_layers` (default: the layers the mix names; none: one layer
         of role-wide entries), the `merged` layers' (one gate_up tensor) up in gate's types; without one the same
         in every layer. Requested types: a row size that needs llama-quantize's fallback is not counted here."""
+        side_bits = codec_of(self).sidecar_bits
         merged_set = set(merged)
         named = sorted({e.layer for e in parse_mix(self.mix) if e.layer is not None})
         layers: list[int | None] = [*(moe_layers if moe_layers is not None else named)] or [None]
@@ -209,11 +180,12 @@ class Preset:
         for layer in layers:
             (gwq, gwr), (uwq, uwr), (dwq, dhi) = (
                 self.expert_types(layer, "gate" if r == "up" and layer in merged_set else r) for r in MIX_ROLES)
-            down_critical = _bits(dhi) if self.down_mode == "copy" else _bits(dwq) + _bits(dhi)
-            parts["wq"] += (_bits(gwq) + _bits(uwq) + _bits(dwq)) / 3
-            parts["wr_gate_up"] += (_bits(gwr) + _bits(uwr)) / 2
-            parts["down_sidecar"] += _bits(dhi)
-            parts["critical"] += (_bits(gwq) + _bits(gwr) + _bits(uwq) + _bits(uwr) + down_critical) / 3
+            down_critical = side_bits(dhi) if self.down_mode == "copy" else bits_per_weight(dwq) + side_bits(dhi)
+            parts["wq"] += (bits_per_weight(gwq) + bits_per_weight(uwq) + bits_per_weight(dwq)) / 3
+            parts["wr_gate_up"] += (side_bits(gwr) + side_bits(uwr)) / 2
+            parts["down_sidecar"] += side_bits(dhi)
+            parts["critical"] += (bits_per_weight(gwq) + side_bits(gwr) + bits_per_weight(uwq) + side_bits(uwr)
+                                  + down_critical) / 3
         out = {k: v / len(layers) for k, v in parts.items()}
         out["sidecar"] = (2 * out["wr_gate_up"] + out["down_sidecar"]) / 3
         out["total_stored"] = out["wq"] + out["sidecar"]
@@ -241,17 +213,14 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            description="Q3_K + Q4_K residual everywhere (highest quality, largest)"),
     Preset("refine", REFINE_WQ, REFINE_WR, "refine", other="Q4_K_M", token_embd="Q8_0", output="Q4_K",
            description="the refine codec: a stock-runnable Q3_K base fitted for one refinement bit per weight of "
-                       "gate, up and down (4.44 bpw on the critical path); other tensors as cpu-fast"),
+                       "gate, up and down (4.44 bpw on the critical path); other tensors as cpu-fast",
+           codec=RefineCodec.name),
     Preset("refine-hq", REFINE_WQ, REFINE_WR, "refine", other="Q4_K_M", token_embd="Q8_0",
-           description="the refine preset with llama.cpp Q4_K_M's Q6_K output head (as cpu against cpu-fast)"),
+           description="the refine preset with llama.cpp Q4_K_M's Q6_K output head (as cpu against cpu-fast)",
+           codec=RefineCodec.name),
     Preset("refine-q8", REFINE_WQ, REFINE_WR, "refine",
-           description="the refine preset with every non-expert matrix in Q8_0 (as cpu-q8)"),
+           description="the refine preset with every non-expert matrix in Q8_0 (as cpu-q8)", codec=RefineCodec.name),
 )}
-
-
-def _bits(name: str) -> float:
-    """Bits per weight of a WQ, WR or down type (the refine codec's WR: one bit)."""
-    return REFINE_BITS if name.upper() == REFINE_WR else bits_per_weight(name)
 
 
 # `convert`'s preset when none is named: on a machine with a GPU the paper's (WQ small enough for the device), on
@@ -261,7 +230,7 @@ def _bits(name: str) -> float:
 GPU_DEFAULT = "paper"
 CPU_DEFAULT = "refine-hq"
 # auto's CPU preset for a model the refine codec cannot take (merged gate_up experts, per-expert scales, rows that
-# are not whole Q3_K super-blocks: resplit.convert.refine_obstacle): the residual preset with the same Q6_K head
+# are not whole Q3_K super-blocks: resplit.convert.codec_obstacle): the residual preset with the same Q6_K head
 CPU_FALLBACK = "cpu"
 
 
@@ -273,7 +242,7 @@ def default_preset(has_gpu: bool) -> str:
 def get_preset(name: str, **overrides: str | None) -> Preset:
     """A named preset, optionally with some of its types replaced (e.g. wq='IQ2_XS'). A new `other` is the type of
     every non-expert matrix: it replaces the preset's own token-embedding and output-head types too, unless those
-    are given as well."""
+    are given as well. A new WR type or down mode names the codec again (codecs.named_by), unless one is given."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     base = PRESETS[name]
@@ -282,4 +251,6 @@ def get_preset(name: str, **overrides: str | None) -> Preset:
         return base
     if "other" in fields:
         fields = {"token_embd": None, "output": None, **fields}
+    if "wr" in fields or "down_mode" in fields:
+        fields = {"codec": None, **fields}
     return Preset(**{**base.__dict__, **fields, "name": f"{name}+custom"})

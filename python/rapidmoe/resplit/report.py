@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from .presets import OTHER_TYPES, REFINE_WR
+from .codecs import DEFAULT, REGISTRY, Codec
+from .presets import OTHER_TYPES
 
 
 def _sq(x: np.ndarray) -> float:
@@ -74,10 +75,9 @@ class TensorReport:
                 "sidecar_is_copy": self.down_copy, "rel_error": self.acc.summary(), "fallbacks": self.fallbacks}
 
 
-def _sidecar_label(t: dict[str, Any]) -> str:
-    if t["sidecar_type"] == REFINE_WR:
-        return f"{REFINE_WR} bits"
-    return f"{t['sidecar_type']} {'copy' if t['sidecar_is_copy'] else 'res'}"
+def _codec(report: Mapping[str, Any]) -> Codec:
+    """The codec that wrote the report's sidecar (its "codec", absent: the default's; unknown here: the default)."""
+    return REGISTRY.get(report.get("codec") or DEFAULT) or REGISTRY[DEFAULT]
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -85,9 +85,11 @@ def format_table(report: dict[str, Any]) -> str:
     fitted for the refinement, ggml's own Q3_K of the same weights as a column too)."""
     refs = ("Q3_K", "Q4_K", "Q8_0") if "Q3_K" in report["total"] else ("Q4_K", "Q8_0")
     rows = [("tensor", "wq", "sidecar", "WQ only", "critical", *refs)]
+    label = _codec(report).report_label
     for t in report["tensors"]:
         e = t["rel_error"]
-        rows.append((t["name"], t["wq_type"], _sidecar_label(t), f"{e['wq_only']:.4f}", f"{e['critical']:.4f}",
+        rows.append((t["name"], t["wq_type"], label(t["sidecar_type"], t["sidecar_is_copy"]), f"{e['wq_only']:.4f}",
+                     f"{e['critical']:.4f}",
                      *(f"{e.get(r, float('nan')):.4f}" for r in refs)))
     tot = report["total"]
     rows.append(("TOTAL (routed experts)", "", "", f"{tot['wq_only']:.4f}", f"{tot['critical']:.4f}",

@@ -1,10 +1,10 @@
 """The residual sidecar's format: tensor names, metadata keys, and the check that pairs it with its base.
 
-Version 1. Tensors: `blk.N.ffn_{gate,up}_exps.wr` (residuals, and `ffn_down_exps.wr` in residual mode) or
-`blk.N.ffn_down_exps.hi` (the high-precision copy of down used by critical experts), each with the base tensor's
-shape [n_in, n_out, n_expert]. A sidecar of the refine codec (`codec` = "q3k-refine1", refine.py; absent: the
-classic residual/copy sidecar) holds instead `blk.N.ffn_{gate,up,down}_exps.rf`, I8 with ne = [n_in/8, n_out,
-n_expert]: one refinement bit per weight of the Q3_K base; `type_fallbacks` (when present) lists the parts whose row
+Version 1. Its tensors are its codec's (codecs/; `codec` names it, absent: the residual codec's classic sidecar):
+`blk.N.ffn_{gate,up}_exps.wr` (residuals, and `ffn_down_exps.wr` in residual mode) or `blk.N.ffn_down_exps.hi` (the
+high-precision copy of down used by critical experts), each with the base tensor's shape [n_in, n_out, n_expert];
+the refine codec's (`codec` = "q3k-refine1") `blk.N.ffn_{gate,up,down}_exps.rf`, I8 with ne = [n_in/8, n_out,
+n_expert]: one refinement bit per weight of the Q3_K base. `type_fallbacks` (when present) lists the parts whose row
 size made them take llama-quantize's fallback type instead of the preset's. A sidecar belongs to exactly one
 `.wq.gguf`, and the conversion records what every load checks (docs/resplit.md, Pairing): the pair id (the source's
 tensor table and sampled data, the preset, the imatrix); the base's size and tensor table (`base_layout_sha256`) and
@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,9 @@ from gguf import GGUFWriter
 
 from ..errors import ModelFileError
 from ..ggufio import GGUFFile, GGUFFormatError
+from .codecs import by_sidecar_id, codec_of, sidecar_ids
 from .fingerprint import DEFAULT_SCHEME, DIGEST_CHARS, SampleScheme, sample_digests
-from .presets import REFINE_CODEC, Preset
+from .presets import Preset
 
 FORMAT_VERSION = 1
 SIDECAR_ARCH = "rapidmoe-residual"
@@ -37,18 +37,8 @@ KEY = "rapidmoe.residual."
 FINGERPRINT_KEYS = ("samples.window", "samples.budget", "samples.min_windows", "base_samples", "data_samples",
                     "data_sha256", "header_sha256")
 _SHA_LEN = 64
-# the codecs this RapidMoE reads (rapidmoe.residual.codec; a sidecar without the key is the classic residual/copy one)
-CODECS = (REFINE_CODEC,)
 
 log = logging.getLogger(__name__)
-
-
-def sidecar_name(base_name: str, role: str, down_mode: str) -> str:
-    """The sidecar tensor of a routed-expert tensor: `.rf` (refine codec), `.hi` (down's copy) or `.wr`."""
-    stem = base_name.removesuffix(".weight")
-    if down_mode == "refine":
-        return f"{stem}.rf"
-    return f"{stem}.hi" if role == "down" and down_mode == "copy" else f"{stem}.wr"
 
 
 def _placeholder(n: int) -> str:
@@ -76,9 +66,10 @@ def add_metadata(w: GGUFWriter, *, preset: Preset, pair_id: str, base_arch: str,
     w.add_string(KEY + "base_architecture", base_arch)
     w.add_uint32(KEY + "base_block_count", n_layer)
     w.add_uint32(KEY + "base_expert_count", n_expert)
-    if preset.codec is not None:
-        w.add_string(KEY + "codec", preset.codec)
-    for k, v in asdict(preset).items():
+    sidecar_id = codec_of(preset).sidecar_id
+    if sidecar_id is not None:  # absent: the classic residual sidecar (the C++ loader's residual codec)
+        w.add_string(KEY + "codec", sidecar_id)
+    for k, v in preset.record().items():
         w.add_string(KEY + f"preset.{k}", str(v))
     if type_fallbacks:  # "<tensor> <wq|sidecar> <asked>-><used>": rows the preset's type could not take
         w.add_array(KEY + "type_fallbacks", type_fallbacks)
@@ -287,10 +278,11 @@ def check_pair(wq_path: PathOrFile, wr_path: PathOrFile, *, verify: bool = True,
     if int(meta.get("format_version", 0)) != FORMAT_VERSION:
         raise ModelFileError(f"{side.path} has sidecar format {meta.get('format_version')}, "
                              f"this RapidMoE reads {FORMAT_VERSION}")
-    codec = meta.get("codec")
-    if codec is not None and codec not in CODECS:
-        raise ModelFileError(f"sidecar {side.path} holds codec {codec!r}, which this RapidMoE does not read (it reads "
-                             f"{', '.join(CODECS)} and the classic residual/copy sidecar); not used with {base.path}")
+    codec = by_sidecar_id(meta.get("codec"))
+    if codec is None:
+        raise ModelFileError(f"sidecar {side.path} holds codec {meta.get('codec')!r}, which this RapidMoE does not "
+                             f"read (it reads {', '.join(sidecar_ids())} and the classic residual/copy sidecar); not "
+                             f"used with {base.path}")
     lacking = [k for k in ("pair_id", "base_sha256") if k not in meta]  # written by every version
     if lacking:  # a KeyError before (fuzzing: sidecar seed 100 #162, a re-signed sidecar without its pair id)
         raise ModelFileError(f"sidecar {side.path} is damaged: its header lacks {', '.join(lacking)}; not used with "
@@ -318,5 +310,9 @@ def check_pair(wq_path: PathOrFile, wr_path: PathOrFile, *, verify: bool = True,
     if verify_data or (verify and layout is None):
         _check_full(base, side, meta, fingerprinted)
         checked.append("sha256 of every byte of the base" + (" and of the sidecar's data" if fingerprinted else ""))
+    problem = codec.validate({t.name: (t.tensor_type.name, [int(x) for x in t.shape]) for t in base.tensors},
+                             meta["tensors"])
+    if problem is not None:  # the loader checks the tensors against the loaded model again (its codec id)
+        raise ModelFileError(f"sidecar {side.path} {problem}; not used with {base.path}")
     meta["checked"] = checked
     return meta

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from ..errors import ModelFileError
 from ..ggml_types import fit_type, fits_rows
 from ..moe_tensors import parse_expert
-from .presets import REFINE_WR, Preset
+from .codecs import codec_of
+from .presets import Preset
 
 # kept F32 (outside a mixture): norms, the router (ffn_gate_inp), biases, DeepSeek's expert-selection bias
 KEEP_F32_RE = re.compile(r"(_norm|_inp|\.bias$|exp_probs_b)")
@@ -34,7 +35,7 @@ class ExpertPlan:
     name: str
     role: str  # gate, up, down, gate_up
     wq: str
-    hi: str  # the sidecar tensor's type (residual, or down's copy; REFINE1: the refine codec's bits)
+    hi: str  # the sidecar tensor's type (residual, or down's copy; REFINE1: the refine codec's bits: codecs/)
     fallbacks: tuple[tuple[str, str, str], ...]  # (part, asked type, type used) where the row size forced a change
 
     def describe_fallbacks(self) -> list[str]:
@@ -51,9 +52,9 @@ def plan_expert(name: str, shape: tuple[int, ...], preset: Preset) -> ExpertPlan
     n_in = int(shape[0])
     wq, hi = preset.expert_types(e.layer, role)
     asked = {"wq": wq, "sidecar": hi}
-    # the refine codec's sidecar (REFINE1: one bit per weight) is no ggml type and has no fallback (the converter
-    # refuses rows that are not whole Q3_K super-blocks)
-    used = {part: ty if ty == REFINE_WR else fit_type(ty, n_in) for part, ty in asked.items()}
+    # the sidecar part's fallback is its codec's (the refine codec's REFINE1, one bit per weight, is no ggml type and
+    # has none: the converter refuses rows that are not whole Q3_K super-blocks)
+    used = {"wq": fit_type(wq, n_in), "sidecar": codec_of(preset).fit_sidecar(hi, n_in)}
     fallbacks = tuple((part, asked[part], used[part]) for part in asked if used[part] != asked[part])
     return ExpertPlan(name, role, used["wq"], used["sidecar"], fallbacks)
 

@@ -18,9 +18,13 @@ from arch_sweep import make_models, sweep_one
 from gguf import GGUFValueType, GGUFWriter
 
 from rapidmoe import Llama, ModelFileError
+from rapidmoe.calibration.measure import calibrate_latency
 from rapidmoe.ggufio import GGUFFile, copy_metadata
+from rapidmoe.placement.cache.config import CachePolicyError
+from rapidmoe.placement.cache.moepic import moepic_for_cache, moepic_layers, wq_expert_bytes
 from rapidmoe.resplit import convert, get_preset
 from rapidmoe.synthetic import spec_for, write_model
+from rapidmoe.trace import read_trace
 
 pytestmark = [pytest.mark.native, pytest.mark.stock]
 
@@ -185,3 +189,45 @@ def test_a_layer_the_split_cannot_reach_is_refused_at_load(vocab_dir: Path, tmp_
             llm.eval(llm.tokenize(b"hello world"))
             assert sum(c.critical_slots for c in llm.moe_counters()) > 0
             llm.close()
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "hy_v3"])
+def test_merged_gate_up_layers_are_seen_by_trace_calibration_and_moepic(arch_models: dict[str, Path], arch: str,
+                                                                        tmp_path: Path) -> None:
+    """Models whose MoE layers store gate and up as one ffn_gate_up_exps tensor (deepseek2: layer 0 dense, layer 1
+    MoE; hy_v3: both layers MoE, so the trace's next-layer predictions too): tracing, the latency calibration's layer
+    count and the MoEpic planner see every MoE layer, as conversion does (they once counted ffn_up_exps tensors and
+    saw none). Not qwen35moe and its kin: their graphs name the FFN input attn_post_norm, not the ffn_norm the
+    trace's predictions read."""
+    src = arch_models[arch]
+    names = [t.name for t in GGUFFile(src).tensors]
+    assert any(n.endswith(".ffn_gate_up_exps.weight") for n in names)
+    assert not any(n.endswith(".ffn_up_exps.weight") for n in names)
+    # the reference, apart from the expert tensors' names: the layers with a router
+    want = sorted(int(n.split(".")[1]) for n in names if n.endswith(".ffn_gate_inp.weight"))
+    assert want
+    out = tmp_path / "r.trace"
+    llm = Llama(src, n_ctx=64, n_batch=16, n_ubatch=16, logits_all=True, verbose=False, n_threads=2, trace=out)
+    try:
+        llm.eval(list(range(1, 9)))
+    finally:
+        llm.close()
+    tr = read_trace(out)
+    assert list(tr.header.moe_layers) == want and tr.n_tokens == 8
+    ids, _ = tr.token_matrix()
+    assert ids.shape == (8, len(want), tr.header.k) and (ids >= 0).all()  # every layer routed every token
+    res = convert(src, tmp_path / "conv", get_preset("cpu"), progress=False)
+    lat = calibrate_latency(res.wq_path, res.wr_path, threads=2, r_values=[0, 1, 2], drop_r_values=[1],
+                            decode_tokens=2, prefill_batch=8, repeats=1, progress=False)
+    assert lat.n_moe_layers == len(want)
+    # one expert's bytes per layer, as stored: every routed-expert tensor of the layer (gate_up and down)
+    wq = GGUFFile(res.wq_path)
+    per_expert = {il: sum(int(t.n_bytes) // int(t.shape[2]) for t in wq.tensors
+                          if t.name.startswith(f"blk.{il}.") and t.name.endswith("_exps.weight")) for il in want}
+    assert wq_expert_bytes(res.wq_path, want) == per_expert
+    settings = moepic_for_cache(res.wq_path, {il: [0] for il in want})
+    splits, caps = settings.per_layer(len(want))
+    assert len(splits) == len(caps) == len(want)
+    # the run-time split of a layer into top and bottom rows does not take merged gate_up (nor does the C++ cache)
+    with pytest.raises(CachePolicyError, match="merged gate_up"):
+        moepic_layers(res.wq_path, want, splits, caps, 1)

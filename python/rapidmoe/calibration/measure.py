@@ -18,7 +18,6 @@ from typing import Any
 from tqdm import tqdm
 
 from ..errors import RapidMoEError
-from ..ggufio import GGUFFile
 from ..modelfile import read_model_info
 from ..placement.cache.config import ExpertCacheConfig
 from ..placement.cache.moepic import moe_layers_of
@@ -106,7 +105,7 @@ def calibrate_latency(wq_path: str | os.PathLike[str], wr_path: str | os.PathLik
     info = read_model_info(wq_path)
     k = info.n_expert_used
 
-    n_moe = len({t.name.split(".")[1] for t in GGUFFile(wq_path).tensors if t.name.endswith("ffn_up_exps.weight")})
+    n_moe = len(moe_layers_of(wq_path))
     d_wq, d_drop = default_r_values(k)
     wq_r = sorted(set(r_values if r_values is not None else d_wq))
     drop_r = sorted(set(drop_r_values if drop_r_values is not None else d_drop))

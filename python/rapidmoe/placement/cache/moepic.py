@@ -12,6 +12,7 @@ import numpy as np
 
 from ...ggml_types import block_bytes, block_size
 from ...ggufio import GGUFFile
+from ...moe_tensors import DOWN, GATE, GATE_UP, UP, expert_name, moe_layers, parse_expert
 from ..cost import CostModel, ModelCosts
 from ..frequency import load_frequency
 from ..machine import MACHINES
@@ -159,19 +160,18 @@ def top_rows(split: float, n_ff: int, block: int) -> int:
 # --- the cache on a model file -----------------------------------------------------------------------------------
 
 def moe_layers_of(model_path: str | os.PathLike[str]) -> list[int]:
-    """Layers with routed experts (a stacked `ffn_up_exps` tensor) in the file."""
-    names = (t.name for t in GGUFFile(model_path).tensors)
-    return sorted(int(n.split(".")[1]) for n in names if n.startswith("blk.") and n.endswith(".ffn_up_exps.weight"))
+    """Layers with routed experts (gate, up and down, or merged gate_up and down) in the file."""
+    return moe_layers(t.name for t in GGUFFile(model_path).tensors)
 
 
 def wq_expert_bytes(model_path: str | os.PathLike[str], layers: Sequence[int]) -> dict[int, int]:
-    """Bytes of one expert's gate + up + down slices per layer, as stored in the file (what a swap copies)."""
-    tensors = {t.name: t for t in GGUFFile(model_path).tensors}
-    out = {}
-    for il in layers:
-        ts = [tensors[f"blk.{il}.ffn_{r}_exps.weight"] for r in ("gate", "up", "down")]
-        out[il] = sum(int(t.n_bytes) // int(t.shape[2]) for t in ts)
-    return out
+    """Bytes of one expert's gate + up + down (or gate_up + down) slices per layer, as stored in the file (what a
+    swap copies)."""
+    per_layer: dict[int, int] = {}
+    for t in GGUFFile(model_path).tensors:
+        if (e := parse_expert(t.name)) is not None:
+            per_layer[e.layer] = per_layer.get(e.layer, 0) + int(t.n_bytes) // int(t.shape[2])
+    return {il: per_layer[il] for il in layers}
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ def moepic_for_cache(model_path: str | os.PathLike[str], cache: Mapping[int, Seq
     layers = moe_layers_of(model_path)
     eb = wq_expert_bytes(model_path, layers)
     gf = GGUFFile(model_path)
-    n_expert = int(gf.tensor(f"blk.{layers[0]}.ffn_up_exps.weight").shape[2])
+    n_expert = int(gf.tensor(expert_name(layers[0], DOWN)).shape[2])  # down: in every layout
     n_layer = int(gf.get(f"{gf.get('general.architecture')}.block_count"))
     share = load_frequency(frequency_path, layers, n_layer, n_expert).share
     freq = np.stack([share[il] for il in layers])
@@ -221,7 +221,10 @@ def moepic_layers(model_path: str | os.PathLike[str], layers: Sequence[int], spl
     tensors = {t.name: t for t in GGUFFile(model_path).tensors}
     out = []
     for il, split, cap in zip(layers, splits, capacities, strict=True):
-        up, gate, down = (tensors[f"blk.{il}.ffn_{r}_exps.weight"] for r in ("up", "gate", "down"))
+        if expert_name(il, GATE_UP) in tensors:
+            raise CachePolicyError(f"layer {il} has merged gate_up experts: the moepic policy splits gate and up as "
+                                   "separate tensors (the expert cache does not take merged gate_up yet)")
+        up, gate, down = (tensors[expert_name(il, r)] for r in (UP, GATE, DOWN))
         n_embd, n_ff = int(up.shape[0]), int(up.shape[1])
         block, tsize = block_size(down.tensor_type.name), block_bytes(down.tensor_type.name)
         n_top = top_rows(split, n_ff, block)

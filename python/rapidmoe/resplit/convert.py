@@ -27,7 +27,7 @@ from ..errors import ModelFileError, RapidMoEError
 from ..ggml_types import ggml_type
 from ..ggufio import GGUFFile, Tensor, abandon_writer, copy_metadata, n_rows, plan_files, tensor_rows
 from ..modelfile import require_moe
-from ..moe_tensors import GATE_UP, SCALE, is_expert, moe_layers, parse_expert
+from ..moe_tensors import DOWN, GATE, GATE_UP, SCALE, UP, is_expert, moe_layers, parse_expert
 from . import sidecar
 from .codecs import DEFAULT, codec_of
 from .fingerprint import sample_digests
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 # llama.cpp's shared MoE builder reads it (blk.N.ffn_{gate,up,down}_exps.weight, or the merged
 # ffn_gate_up_exps.weight, each [n_in, n_out, n_expert]) is split; every other tensor (attention, shared experts,
 # biases, per-expert scales, norms, chunk experts, ...) goes through the preset's non-expert rule.
-LAYER_ROLE_SETS = (frozenset({"gate", "up", "down"}), frozenset({"gate_up", "down"}))
+LAYER_ROLE_SETS = (frozenset({GATE, UP, DOWN}), frozenset({GATE_UP, DOWN}))
 INPUT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
                GGMLQuantizationType.Q8_0)
 
@@ -207,7 +207,7 @@ class _Converter:
     def validate_mix(self, layers: dict[int, dict[str, Tensor]]) -> None:
         """Every mix entry names an MoE layer of this model, and none an up of a merged gate_up layer (gate's entry
         types it): an entry that would change nothing is refused rather than recorded."""
-        merged = {il for il, roles in layers.items() if "gate_up" in roles}
+        merged = {il for il, roles in layers.items() if GATE_UP in roles}
         for e in parse_mix(self.preset.mix):
             if e.layer is not None and e.layer not in layers:
                 raise ModelFileError(f"mix entry {e}: {self.src.name} has no routed experts in layer {e.layer} "

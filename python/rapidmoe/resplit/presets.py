@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 from ..ggml_types import bits_per_weight
+from ..moe_tensors import GATE, GATE_UP
 from .codecs import codec_of, down_modes, named_by, wq_types
 from .codecs.refine import BASE as REFINE_WQ
 from .codecs.refine import BITS as REFINE_WR
@@ -123,7 +124,7 @@ class Preset:
         """(WQ, sidecar) types asked for a routed-expert tensor of `role` in `layer`: the mix's entry for that
         layer and role, else its role-wide entry, else the preset's own (merged gate_up: gate's entry). A layer's
         entry without a sidecar type takes the role-wide entry's, else the preset's."""
-        role = "gate" if role == "gate_up" else role
+        role = GATE if role == GATE_UP else role
         hi = (self.down_hi if role == "down" else self.wr).upper()
         wq = self.wq.upper()
         if not self.mix:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from ...moe_tensors import GATE_UP
 from ..refine import BLOCK_BYTES, QK_K, decode_refine, encode_refine
 from .base import ENCODE_REFINE, Compiled, Encoded, Shape, TensorTable
 
@@ -76,7 +77,7 @@ class RefineCodec:
     def obstacle(self, experts: Sequence[tuple[str, str, Shape]], scaled: Sequence[str], preset: str) -> str | None:
         """Merged gate_up experts, per-expert scales, rows that are not whole Q3_K super-blocks (no fallback)."""
         for name, role, shape in experts:
-            if role == "gate_up":
+            if role == GATE_UP:
                 return (f"tensor {name}: preset {preset} (the refine codec) does not take merged gate_up experts "
                         "(its kernels refine gate, up and down as separate tensors); use a residual preset (cpu, "
                         "dense, ...) for this model")

@@ -191,3 +191,15 @@ def test_flash_attn_modes_reach_the_context(tiny_qwen: Path) -> None:
     assert not np.array_equal(logits["False"], logits["on"])  # the flash attention kernel really ran
     with pytest.raises(RapidMoEError, match="flash_attn must be"):
         Llama(tiny_qwen, flash_attn="sometimes")
+
+
+def test_c_api_handles(tiny_qwen: Path) -> None:
+    """The handles that callers of llama.cpp's C API take from Llama (the server does): the model's vocabulary, as
+    llama.cpp's own llama_model_get_vocab gives it, and the output embedding width the file declares."""
+    llm = Llama(tiny_qwen, n_ctx=64, verbose=False)
+    try:
+        assert llm.vocab == llama_cpp.llama_model_get_vocab(llm.model) and llm.vocab
+        assert int(llama_cpp.llama_vocab_n_tokens(llm.vocab)) == llm.n_vocab()
+        assert llm.n_embd_out() == int(llm.metadata["qwen3moe.embedding_length"])
+    finally:
+        llm.close()

@@ -167,7 +167,8 @@ def kernels_key() -> str:
     """A short hash of our patches and CPU kernels: what a cached latency measurement depends on besides the files."""
     src = ROOT / "src" / "rapidmoe_ggml"
     h = hashlib.sha256()
-    for f in sorted([*(src / "patches").glob("*.patch"), *(src / "ggml_ext").glob("*")]):
+    kernels = [f for d in ("ops", "backend") for f in (src / d).rglob("*") if f.is_file()]
+    for f in sorted([*(src / "patches").glob("*.patch"), *kernels]):
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:10]
 

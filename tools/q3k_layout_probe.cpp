@@ -7,8 +7,8 @@
 // against our plain-row kernel (patch 0010), one thread, rows in L2 and from memory:
 //
 //   L=$(python -c "from rapidmoe._runtime import LIB_DIR; print(LIB_DIR)"); G=vendor/llama.cpp/ggml
-//   g++ -O3 -march=native -std=c++17 -I$G/include -I$G/src -I$G/src/ggml-cpu -Isrc/rapidmoe_ggml/ggml_ext
-//       tools/q3k_layout_probe.cpp src/rapidmoe_ggml/ggml_ext/rapidmoe-vecdot-q3k.cpp -o /tmp/q3k_probe
+//   g++ -O3 -march=native -std=c++17 -I$G/include -I$G/src -I$G/src/ggml-cpu -Isrc/rapidmoe_ggml/ops/mul-mat/cpu
+//       tools/q3k_layout_probe.cpp src/rapidmoe_ggml/ops/mul-mat/cpu/rapidmoe-vecdot-q3k.cpp -o /tmp/q3k_probe
 //       -L$L -lggml-cpu -lggml-base -Wl,-rpath,$L      (one command)
 //   RAPIDMOE_VEC_DOT_Q3_K=0 /tmp/q3k_probe
 //

@@ -1,5 +1,5 @@
 """What Python knows about an attached residual sidecar: its pairing check, per-expert byte costs, and the
-per-layer counters turned into a readable form. The graph work itself is C++ (src/rapidmoe_ggml/llama_ext).
+per-layer counters turned into a readable form. The graph work itself is C++ (src/rapidmoe_ggml/hooks).
 """
 from __future__ import annotations
 

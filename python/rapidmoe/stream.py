@@ -2,7 +2,7 @@
 
 A ubatch of at least `min_batch` tokens computes every WQ slot of a cached layer on the cache's device, from the
 stacked host experts that ggml's scheduler copies there for the split (stock llama.cpp's op offload does the same
-for CPU-resident experts and batches of 32+), instead of the misses on the CPU (llama_ext/rapidmoe-stream.h). Where
+for CPU-resident experts and batches of 32+), instead of the misses on the CPU (hooks/rapidmoe-stream.h). Where
 the threshold comes from: `rapidmoe.umia.device.stream_threshold` (the latency model). Nothing here decides it.
 """
 from __future__ import annotations

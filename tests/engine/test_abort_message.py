@@ -1,7 +1,7 @@
 """A file whose contents reach one of llama.cpp's asserts: two tokenizer entries made equal, which llama.cpp's vocab
 loader asserts against (GGML_ASSERT(id_to_token.size() == token_to_id.size()) in llama-vocab.cpp). rapidmoe refuses
 it before llama.cpp sees it (rapidmoe.modelfile); loaded by llama.cpp directly, the abort says why on the stderr the
-process started with, though llama-cpp-python silences fd 2 while a model loads (src/rapidmoe_ggml/core/
+process started with, though llama-cpp-python silences fd 2 while a model loads (src/rapidmoe_ggml/pymodule/
 abort_message.cpp). The token list is judged as llama.cpp reads it (each token up to its first NUL byte, an empty
 one named [EMPTY_<id>]); llama.cpp itself is the reference: what rapidmoe refuses, it aborts on, and what rapidmoe
 lets through, it loads."""

@@ -1,4 +1,4 @@
-"""Our CPU kernels (src/rapidmoe_ggml/ggml_ext, patches 0006-0008 and 0016-0018) against stock llama.cpp's, bit
+"""Our CPU kernels (src/rapidmoe_ggml/ops/mul-mat/cpu, patches 0006-0008 and 0016-0018) against stock llama.cpp's, bit
 for bit, in the same run, and our repacked gemms against the gemvs."""
 from __future__ import annotations
 

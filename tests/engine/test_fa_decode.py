@@ -1,4 +1,4 @@
-"""Our flash attention for one decode token (patch 0011, ggml_ext/rapidmoe-fa-decode.cpp) against a float64
+"""Our flash attention for one decode token (patch 0011, ops/flash-attn/cpu/rapidmoe-fa-decode.cpp) against a float64
 reference: a small program (native/fa_decode_check.cpp) runs GGML_OP_FLASH_ATTN_EXT through the library's CPU
 backend on decode-shaped inputs (Qwen3-MoE's 16 query heads on 4 KV heads, groupings of 1 to 16, masked positions,
 700 cache positions; F16 and Q8_0 caches) and reports each case's largest error relative to the output's

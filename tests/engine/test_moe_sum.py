@@ -1,5 +1,6 @@
-"""Fewer CPU graph nodes, the same bits: the MoE expert sum as one node (patch 0012, ggml_ext/rapidmoe-moe-sum.cpp)
-and runs of small nodes on one thread (patch 0013, ggml_ext/rapidmoe-tiny-run.cpp). A small program
+"""Fewer CPU graph nodes, the same bits: the MoE expert sum as one node (patch 0012,
+ops/moe-sum/cpu/rapidmoe-moe-sum.cpp) and runs of small nodes on one thread (patch 0013,
+backend/cpu/rapidmoe-tiny-run.cpp). A small program
 (native/moe_sum_check.cpp) builds build_moe_ffn's tail with ggml and runs it through the CPU backend fused and with
 RAPIDMOE_MOE_SUM=0, against a scalar reference of the nodes' float operations; then whole models (split routing at
 r = 0 and r = 1, qwen3moe and deepseek2 with its shared expert) give the same logits with each switched on and off,

@@ -1,6 +1,6 @@
-"""Per-node times of the CPU graph loop (patch 0019, ggml_ext/rapidmoe-node-times.cpp) through tools/profile_nodes.py:
-the kinds of node a split-routing decode step computes, how many of each a token, and the weight bytes each matmul
-reads, against the model file's own tensor sizes (gguf-py); the file format's errors."""
+"""Per-node times of the CPU graph loop (patch 0019, backend/cpu/rapidmoe-node-times.cpp) through
+tools/profile_nodes.py: the kinds of node a split-routing decode step computes, how many of each a token, and the
+weight bytes each matmul reads, against the model file's own tensor sizes (gguf-py); the file format's errors."""
 from __future__ import annotations
 
 import importlib.util

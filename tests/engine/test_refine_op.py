@@ -1,4 +1,4 @@
-"""The refine codec's matmul (sidecar codec "q3k-refine1"; llama_ext/rapidmoe-refine.cpp) against numpy.
+"""The refine codec's matmul (sidecar codec "q3k-refine1"; ops/refine/cpu/rapidmoe-refine.cpp) against numpy.
 
 The weights are stock ggml Q3_K blocks (ggml's own quantizer; their base values from ggml's own dequantization) with a
 random refinement bit per weight; numpy decodes the sub-block scales itself and adds s_j/4 * (2t - 1). The activation

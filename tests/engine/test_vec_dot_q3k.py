@@ -1,4 +1,4 @@
-"""Our Q3_K dot product (patch 0010, ggml_ext/rapidmoe-vecdot-q3k.cpp) against upstream's kernel bit for bit, in
+"""Our Q3_K dot product (patch 0010, ops/mul-mat/cpu/rapidmoe-vecdot-q3k.cpp) against upstream's kernel bit for bit, in
 both of its SIMD paths: the file is compiled into a small program twice, for this CPU (its AVX-512 path where the
 CPU has AVX-512 BW/VL) and for AVX2 alone (x86-64-v3), and each is compared with the ggml-cpu library's
 ggml_vec_dot_q3_K_q8_K run with RAPIDMOE_VEC_DOT_Q3_K=0 (upstream's AVX2 kernel). tools/kernel_cost.py --check
@@ -17,7 +17,7 @@ from rapidmoe import _core
 from rapidmoe._runtime import LIB_DIR
 
 GGML = ROOT / "vendor" / "llama.cpp" / "ggml"
-EXT = ROOT / "src" / "rapidmoe_ggml" / "ggml_ext"
+EXT = ROOT / "src" / "rapidmoe_ggml" / "ops" / "mul-mat" / "cpu"
 CHECK = Path(__file__).parent / "native" / "vec_dot_q3k_check.cpp"
 
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or "AVX2 = 1" not in _core.system_info(),

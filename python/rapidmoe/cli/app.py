@@ -63,6 +63,6 @@ def _global(
 
 
 def main() -> None:
-    # names the program in the line a llama.cpp abort prints (src/rapidmoe_ggml/core/abort_message.h)
+    # names the program in the line a llama.cpp abort prints (src/rapidmoe_ggml/pymodule/abort_message.h)
     os.environ.setdefault("RAPIDMOE_PROG", "rapidmoe-cli")
     app()

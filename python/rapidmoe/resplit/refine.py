@@ -54,7 +54,7 @@ def _fine_index(w: np.ndarray, s: np.ndarray) -> np.ndarray:
 def sum16(x: np.ndarray) -> np.ndarray:
     """Row sums of float32 [n, 16] in one fixed order, a tree of halves: (x[j] + x[j+8]), then (+4), (+2), (+1).
     np.einsum and np.sum leave the order to numpy's build and the CPU's SIMD width; the compiled encoder
-    (src/rapidmoe_ggml/core/encode.cpp) adds in this order, so both give the same bits everywhere."""
+    (src/rapidmoe_ggml/pymodule/encode.cpp) adds in this order, so both give the same bits everywhere."""
     x = x[:, :8] + x[:, 8:]
     x = x[:, :4] + x[:, 4:]
     x = x[:, :2] + x[:, 2:]

@@ -1,5 +1,5 @@
 // RapidMoE's additions to libllama's C API. They are compiled into libllama itself (see
-// llama_ext/), so the ctypes layer and rapidmoe._core reach them in one library instance.
+// hooks/), so the ctypes layer and rapidmoe._core reach them in one library instance.
 // Additions only: no existing llama.h signature or struct changes (llama-cpp-python mirrors those).
 #pragma once
 
@@ -23,14 +23,14 @@ LLAMA_API const char * rapidmoe_llama_build_info(void);
 // Two callers that see each other's additions share one copy of the library.
 LLAMA_API int64_t rapidmoe_llama_probe_add(int64_t delta);
 
-// The refine codec's matmul (llama_ext/rapidmoe-refine.h), for tests: the graph node (a CPU custom op) and one row's
-// dot product with x (n floats, quantized to Q8_K first) by the SIMD kernel, or by the scalar reference.
+// The refine codec's matmul (ops/refine/cpu/rapidmoe-refine.h), for tests: the graph node (a CPU custom op) and one
+// row's dot product with x (n floats, quantized to Q8_K first) by the SIMD kernel, or by the scalar reference.
 LLAMA_API struct ggml_tensor * rapidmoe_llama_refine_mul_mat_id(struct ggml_context * ctx, struct ggml_tensor * wq,
                                                                 struct ggml_tensor * bits, struct ggml_tensor * b,
                                                                 struct ggml_tensor * ids);
 LLAMA_API float rapidmoe_llama_refine_dot(int64_t n, const uint8_t * wq, const uint8_t * bits, const float * x,
                                           bool reference);
-// Whether the op runs its 8-row kernel on repacked WQ (llama_ext/rapidmoe-refine-x8.h: AVX-512 VNNI and BITALG in
+// Whether the op runs its 8-row kernel on repacked WQ (ops/refine/cpu/rapidmoe-refine-x8.h: AVX-512 VNNI and BITALG in
 // this build, RAPIDMOE_REFINE_X8 not "0"); otherwise it reads repacked rows back one at a time (the same bits)
 LLAMA_API bool rapidmoe_llama_refine_x8_enabled(void);
 
@@ -46,7 +46,7 @@ LLAMA_API int32_t rapidmoe_llama_residual_unhooked(const struct llama_model * mo
 // the ubatch computing keeps the sidecar until it ends, then it is freed, and later graphs are rebuilt without it.
 // Call before llama_model_free.
 LLAMA_API int32_t rapidmoe_llama_detach_residual(const struct llama_model * model);
-// UMIA policy (see llama_ext/rapidmoe-umia.h for the layout and docs/umia.md for the formula): n_params floats,
+// UMIA policy (see hooks/rapidmoe-umia.h for the layout and docs/umia.md for the formula): n_params floats,
 // 4 x (n_layer + 1): a header row [phase_mode, 0, 0, 0], then per layer [tau_decode, tau_prefill, r_min, r_max].
 // Read when a graph is computed, so it applies to the next decode without rebuilding anything; written only between
 // ubatches of the model (set while one computes, it applies when that one ends: a graph never sees half a change).
@@ -94,7 +94,7 @@ LLAMA_API int32_t rapidmoe_llama_r_histogram(const struct llama_model * model, i
 // ("blk.0.ffn_up_exps.cache"); NULL when there is none.
 // Where placement (-ngl, -ot) really put a weight.
 LLAMA_API const char * rapidmoe_llama_tensor_buffer(const struct llama_model * model, const char * name);
-// Per-expert WQ cache (llama_ext/rapidmoe-expert-cache.h): copy the WQ gate/up/down slices of experts ids[0..n_ids)
+// Per-expert WQ cache (hooks/rapidmoe-expert-cache.h): copy the WQ gate/up/down slices of experts ids[0..n_ids)
 // of MoE layer il into new tensors "blk.<il>.ffn_{up,gate,down}_exps.cache" [.., .., n_ids] in the buffer of
 // `device` (a device name such as "RPC0" or a buffer type name such as "RPC0[127.0.0.1:50052]"; one of the model's
 // devices, or the CPU). The layer's stacked expert tensors must be in plain host memory (-ot exps=CPU, no repack).
@@ -143,7 +143,7 @@ LLAMA_API int32_t rapidmoe_llama_expert_cache_copies(const struct llama_model * 
 // or not. Returns the layer's expert count (out = NULL: just that), 0 when the layer has no cache.
 LLAMA_API int32_t rapidmoe_llama_expert_cache_expert_counts(const struct llama_model * model, int32_t il,
                                                             int64_t * out, int32_t n_max, bool reset);
-// Prefill streaming (llama_ext/rapidmoe-stream.h): a ubatch of at least n_tokens tokens computes every WQ slot of each
+// Prefill streaming (hooks/rapidmoe-stream.h): a ubatch of at least n_tokens tokens computes every WQ slot of each
 // layer with a per-expert cache on the cache's device, the stacked host experts copied there for the split, instead
 // of the misses on the CPU; n_tokens <= 0 turns it off. Read when a graph is built (set it before a context). Layers
 // under the lru policy never stream. Returns the threshold now in force (0: off).

@@ -1,4 +1,4 @@
-// Compares RapidMoE's repacked Q2_K and Q4_K gemms (ggml_ext/rapidmoe-gemm-q2k.cpp, -q4k.cpp, compiled into this
+// Compares RapidMoE's repacked Q2_K and Q4_K gemms (ops/mul-mat/cpu/rapidmoe-gemm-q2k.cpp, -q4k.cpp, compiled into this
 // program with the flags test_gemm_paths.py chooses: their AVX-512 VNNI paths or their AVX2 ones) with the repacked
 // gemvs in the ggml-cpu library it links (ggml_gemv_q2_K_8x8_q8_K, ggml_gemv_q4_K_8x8_q8_K, run on each activation
 // row), bit for bit: random 8-column weight blocks (every byte random, super-block scales of both signs) against

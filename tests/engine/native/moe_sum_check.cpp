@@ -1,4 +1,4 @@
-// The fused MoE expert sum (patch 0012, ggml_ext/rapidmoe-moe-sum.cpp) against llama.cpp's separate nodes and a
+// The fused MoE expert sum (patch 0012, ops/moe-sum/cpu/rapidmoe-moe-sum.cpp) against llama.cpp's separate nodes and a
 // scalar reference, bit for bit: builds build_moe_ffn's tail (optional split-routing ADD, the routing-weight MUL, k
 // views, k - 1 ADDs, optional residual ADD) with ggml, computes it through the CPU backend with RAPIDMOE_MOE_SUM=0
 // and then with it unset, and prints per case whether the fused node ran (the intermediate tensors keep a sentinel

@@ -1,4 +1,4 @@
-// Compares RapidMoE's Q3_K dot product (ggml_ext/rapidmoe-vecdot-q3k.cpp, compiled into this program with the
+// Compares RapidMoE's Q3_K dot product (ops/mul-mat/cpu/rapidmoe-vecdot-q3k.cpp, compiled into this program with the
 // flags test_vec_dot_q3k.py chooses: AVX-512 or AVX2 only) with the one in the ggml-cpu library it links, called
 // with RAPIDMOE_VEC_DOT_Q3_K=0 in the environment (upstream's kernel), bit for bit, on random blocks and rows of
 // 1 to 16 blocks. Prints "rows N mismatches M" and exits 1 on a mismatch.

@@ -1,4 +1,4 @@
-// Small SIMD helpers shared by RapidMoE's CPU kernels (ggml_ext/*.cpp): activation loads, K-quant scale unpacking.
+// Small SIMD helpers shared by RapidMoE's CPU kernels (ops/*/cpu/): activation loads, K-quant scale unpacking.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// Transparent huge pages for the CPU backend's buffers (ggml_ext/rapidmoe-huge-pages.cpp), called from llama.cpp's
+// Transparent huge pages for the CPU backend's buffers (backend/cpu/rapidmoe-huge-pages.cpp), called from llama.cpp's
 // CPU buffer allocation (patches/0015-cpu-buffer-huge-pages.patch; compiled into ggml-base).
 #pragma once
 

@@ -1,5 +1,5 @@
 // Runs of small graph nodes computed by one thread, with one barrier after the run instead of one after each node
-// (ggml_ext/rapidmoe-tiny-run.cpp), asked by llama.cpp's CPU graph loop (patches/0013-cpu-tiny-run.patch; ggml-cpu.c
+// (backend/cpu/rapidmoe-tiny-run.cpp), asked by llama.cpp's CPU graph loop (patches/0013-cpu-tiny-run.patch; ggml-cpu.c
 // is C). Compiled into ggml-cpu.
 #pragma once
 

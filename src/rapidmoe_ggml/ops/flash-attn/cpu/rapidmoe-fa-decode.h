@@ -1,5 +1,5 @@
 // RapidMoE's CPU flash attention over an F16 or Q8_0 KV cache, made for the decode step at any depth
-// (ggml_ext/rapidmoe-fa-decode.cpp), called at the top of llama.cpp's CPU GGML_OP_FLASH_ATTN_EXT
+// (ops/flash-attn/cpu/rapidmoe-fa-decode.cpp), called at the top of llama.cpp's CPU GGML_OP_FLASH_ATTN_EXT
 // (patches/0011-cpu-fa-decode.patch). Compiled into ggml-cpu.
 #pragma once
 

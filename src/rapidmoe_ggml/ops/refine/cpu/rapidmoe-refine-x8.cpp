@@ -23,7 +23,7 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BITALG__)
 #define RAPIDMOE_REFINE_X8 1
-#include "../ggml_ext/rapidmoe-simd.h"
+#include "rapidmoe-simd.h"
 
 #include <immintrin.h>
 #else

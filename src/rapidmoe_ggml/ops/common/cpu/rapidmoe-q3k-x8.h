@@ -9,8 +9,8 @@
 //    bits (scales_lo: byte i holds scale i at bits 0-3 and scale 64 + i at bits 4-7) and high 2 bits (scales_hi:
 //    byte i holds those of scales i, 32 + i, 64 + i, 96 + i at bits 0, 2, 4, 6), so a few 256-bit operations decode
 //    all 128 of a block.
-// Header-only: ggml-cpu repacks with it (patch 0021), the refine codec's op (llama_ext/rapidmoe-refine.cpp) reads a
-// repacked row back through rapidmoe_q3_K_x8_unpack (bit for bit the plain bytes).
+// Header-only: ggml-cpu repacks with it (patch 0021), the refine codec's op (ops/refine/cpu/rapidmoe-refine.cpp) reads
+// a repacked row back through rapidmoe_q3_K_x8_unpack (bit for bit the plain bytes).
 #pragma once
 
 #include <cstddef>

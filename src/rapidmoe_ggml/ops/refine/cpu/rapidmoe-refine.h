@@ -6,7 +6,7 @@
 // costs 4.4375 bits per weight read, and the split's non-critical slots run llama.cpp's own Q3_K matmul (masked).
 #pragma once
 
-#include "../ggml_ext/rapidmoe-q3k-x8.h"
+#include "rapidmoe-q3k-x8.h"
 #include "ggml.h"
 
 #include <cstddef>

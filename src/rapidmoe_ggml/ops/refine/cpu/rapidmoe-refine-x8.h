@@ -3,7 +3,7 @@
 // each value in the same registers (rapidmoe-refine-x8.cpp). The bits of rapidmoe_refine_dot_ref for every row.
 #pragma once
 
-#include "../ggml_ext/rapidmoe-q3k-x8.h"
+#include "rapidmoe-q3k-x8.h"
 
 #include <cstddef>
 #include <cstdint>

@@ -1,4 +1,4 @@
-// The MoE layer's expert sum in one node on the CPU (ggml_ext/rapidmoe-moe-sum.cpp), offered each graph node by
+// The MoE layer's expert sum in one node on the CPU (ops/moe-sum/cpu/rapidmoe-moe-sum.cpp), offered each graph node by
 // llama.cpp's CPU fusion hook (patches/0012-cpu-moe-sum.patch; ggml-cpu.c is C). Compiled into ggml-cpu.
 #pragma once
 

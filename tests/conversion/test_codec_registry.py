@@ -30,7 +30,6 @@ from rapidmoe.resplit import Preset, check_pair, convert, read_sidecar_meta
 from rapidmoe.resplit.codecs import REGISTRY, Compiled, Encoded, codec_of, get_codec, register
 from rapidmoe.resplit.codecs.residual import ResidualCodec
 from rapidmoe.resplit.report import format_table
-from rapidmoe.synthetic import spec_for, write_model
 
 pytestmark = pytest.mark.native
 Q8_0 = GGMLQuantizationType.Q8_0
@@ -66,16 +65,6 @@ def toy() -> Iterator[ToyCodec]:
     codec = register(ToyCodec())  # the registry line
     yield codec
     del REGISTRY[codec.name]
-
-
-@pytest.fixture(scope="module")
-def micro(model_dir: Path, vocab_dir: Path) -> Path:
-    """One layer, 4 experts of 256x256 (as test_resplit.py's)."""
-    path = model_dir / "micro-qwen3moe.gguf"
-    if not path.exists():
-        write_model(spec_for("qwen3moe", "tiny", n_layer=1, n_expert=4, n_expert_used=2, vocab="gpt-2"), path,
-                    vocab_dir)
-    return path
 
 
 def _toy_preset(codec: ToyCodec) -> Preset:

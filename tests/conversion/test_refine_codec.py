@@ -30,7 +30,6 @@ from rapidmoe.resplit.refine import (
     unpack_q3k,
 )
 from rapidmoe.resplit.report import format_table
-from rapidmoe.synthetic import spec_for, write_model
 
 TINY_MOE_A = ROOT.parent / "shared" / "models" / "tiny-moe-a" / "model-f16.gguf"
 Q3_K = int(GGMLQuantizationType.Q3_K)
@@ -216,16 +215,6 @@ def test_presets_refuse_incomplete_refine() -> None:
         assert p.codec == codec_of(p).name == codec_of(p).sidecar_id == "q3k-refine1"
     assert get_preset("dense").bits()["critical"] == 7.9375 and get_preset("dense").codec is None
     assert codec_of(get_preset("dense")).name == "residual" and codec_of(get_preset("dense")).sidecar_id is None
-
-
-@pytest.fixture(scope="module")
-def micro(model_dir: Path, vocab_dir: Path) -> Path:
-    """One layer, 4 experts of 256x256 (as test_resplit.py's)."""
-    path = model_dir / "micro-qwen3moe.gguf"
-    if not path.exists():
-        write_model(spec_for("qwen3moe", "tiny", n_layer=1, n_expert=4, n_expert_used=2, vocab="gpt-2"), path,
-                    vocab_dir)
-    return path
 
 
 def _rewrite(src: Path, dst: Path, edit: dict[str, np.ndarray | None], add: dict[str, np.ndarray]) -> Path:

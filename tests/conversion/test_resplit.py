@@ -23,21 +23,10 @@ from rapidmoe.resplit import Preset, check_pair, convert, get_preset
 from rapidmoe.resplit.convert import _Converter
 from rapidmoe.resplit.imatrix import Imatrix
 from rapidmoe.resplit.presets import WQ_TYPES, WR_TYPES
-from rapidmoe.synthetic import spec_for, write_model
 
 # Relative error of a quantized Gaussian-like tensor, per type (upper bounds with margin, measured on these
 # weights): the residual's own error ratio bounds how much WR can shrink WQ's error.
 WR_RATIO_MAX = {"Q2_K": 0.40, "Q3_K": 0.24, "Q4_K": 0.13}
-
-
-@pytest.fixture(scope="module")
-def micro(model_dir: Path, vocab_dir: Path) -> Path:
-    """One layer, 4 experts of 256x256: small enough to convert 15 times."""
-    path = model_dir / "micro-qwen3moe.gguf"
-    if not path.exists():
-        write_model(spec_for("qwen3moe", "tiny", n_layer=1, n_expert=4, n_expert_used=2, vocab="gpt-2"), path,
-                    vocab_dir)
-    return path
 
 
 def _uniform_imatrix(src: Path) -> Imatrix:

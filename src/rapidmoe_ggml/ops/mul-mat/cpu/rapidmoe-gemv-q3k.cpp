@@ -49,7 +49,7 @@ namespace {
 
 // 0: the block about to be used. On Zen 5 (2 threads) every matrix shape streamed faster so, on average over 2-3
 // runs each (24-32 GB/s against 18-31 at 2 KiB ahead, the Q2_K gemv's distance, in a noisy VM; tools/kernel_cost.py,
-// bench/results/prefetch-q3k-q6k-stop44-zen5-avx512.md)
+// bench/results/prefetch-q3k-q6k-zen5-avx512.md)
 constexpr int PREFETCH_BYTES = 0;
 
 // The scalar version: R activation rows against one run of nb x8 blocks, the SIMD path's integers and float ops

@@ -39,7 +39,7 @@ namespace {
 
 // 0: the block about to be used. On Zen 5 (2 threads) that took the head (128 MB of Q6_K) from 25 GB/s to 32-37;
 // (tools/kernel_cost.py); 0.5-4 KiB ahead, or no software prefetch at all, left the AVX-512 kernel 34-97 % slower than
-// a plain read of the same bytes (a standalone sweep: bench/results/prefetch-q3k-q6k-stop44-zen5-avx512.md)
+// a plain read of the same bytes (a standalone sweep: bench/results/prefetch-q3k-q6k-zen5-avx512.md)
 constexpr int PREFETCH_BYTES = 0;
 
 #if defined(__AVX2__)

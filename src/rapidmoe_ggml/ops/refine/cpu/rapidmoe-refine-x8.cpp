@@ -44,7 +44,7 @@ namespace {
 constexpr size_t Q8K_QS = 4, Q8K_BSUMS = 260;  // in a Q8_K block (d, qs[256], bsums[16])
 // as the Q3_K gemv: the block about to be used (its lines' misses issued at once). Against 2 KiB ahead, refine-hq
 // r = 2 on the bench model (tools/profile_nodes.py, 3 alternating pairs, Zen 5): the 3 refine ops 2.7-3.0 ms a token
-// instead of 3.3-3.4 (bench/results/prefetch-q3k-q6k-stop44-zen5-avx512.md)
+// instead of 3.3-3.4 (bench/results/prefetch-q3k-q6k-zen5-avx512.md)
 constexpr int PREFETCH_BYTES = 0;
 
 // one block's bit planes of the 8 rows (32 bytes each, bits_stride apart) -> planes[m]: 64-bit lane c = row c's

@@ -99,7 +99,8 @@ void begin_split(rapidmoe_moe_split & s, const llm_graph_context & g, const rapi
     const bool wq_on_device = up_exps->buffer != nullptr && !in_cpu_memory(up_exps); // repacked CPU is not host
     s.overlap = mode == RAPIDMOE_OVERLAP_ON || (mode == RAPIDMOE_OVERLAP_AUTO && wq_on_device);
     // the overlap ops know neither per-expert scales nor the merged gate_up: those layers add their residuals in the graph
-    s.overlap = s.overlap && !layer.scaled && layer.gate_up_wr == nullptr && !layer.refine; // refine: CPU op
+    s.overlap = s.overlap && !layer.scaled && layer.gate_up_wr == nullptr &&
+                layer.codec == RAPIDMOE_CODEC_RESIDUAL; // the overlap ops run the residual codec's matmuls
     layer.state->hooked[layer.il].store(true); // this architecture's MoE reaches the split (checked at load)
 }
 
@@ -237,7 +238,7 @@ ggml_tensor * add_residual(const rapidmoe_moe_split & s, ggml_tensor * t, ggml_t
 // it knows of, so this is a safety net.
 ggml_tensor * refine_split(const rapidmoe_moe_split & s, ggml_tensor * wq, ggml_tensor * plane, const char * name) {
     ggml_context * ctx = s.g->ctx0;
-    if (wq->op != GGML_OP_MUL_MAT_ID || wq->src[0]->type != GGML_TYPE_Q3_K || !in_cpu_memory(wq->src[0]) ||
+    if (wq->op != GGML_OP_MUL_MAT_ID || !rapidmoe_refine_takes(wq->src[0]) || !in_cpu_memory(wq->src[0]) ||
         s.cache != nullptr || s.stream != nullptr) {
         static bool warned = false;
         if (!warned) {
@@ -382,10 +383,13 @@ void rapidmoe_moe_gate_up(const rapidmoe_moe_split & s, ggml_tensor *& gate, ggm
     if (s.layer == nullptr) {
         return;
     }
-    if (s.layer->refine) {
-        up = refine_split(s, up, s.layer->up_wr, "rapidmoe_up_refine");
-        gate = refine_split(s, gate, s.layer->gate_wr, "rapidmoe_gate_refine");
-        return;
+    switch (s.layer->codec) {
+        case RAPIDMOE_CODEC_REFINE:
+            up = refine_split(s, up, s.layer->up_wr, "rapidmoe_up_refine");
+            gate = refine_split(s, gate, s.layer->gate_wr, "rapidmoe_gate_refine");
+            return;
+        case RAPIDMOE_CODEC_RESIDUAL:
+            break; // below: WQ masked to the non-critical slots, the residuals' matmuls added
     }
     wq_critical_only(s, gate);
     wq_critical_only(s, up);
@@ -417,8 +421,11 @@ ggml_tensor * rapidmoe_moe_down(const rapidmoe_moe_split & s, ggml_tensor * expe
     if (s.layer == nullptr) {
         return experts;
     }
-    if (s.layer->refine) {
-        return refine_split(s, experts, s.layer->down_hi, "rapidmoe_down_refine");
+    switch (s.layer->codec) {
+        case RAPIDMOE_CODEC_REFINE:
+            return refine_split(s, experts, s.layer->down_hi, "rapidmoe_down_refine");
+        case RAPIDMOE_CODEC_RESIDUAL:
+            break; // below: down's copy, or its residual
     }
     ggml_context * ctx = s.g->ctx0;
     if (!s.overlap && s.layer->down_is_copy && s.cache == nullptr && experts->op == GGML_OP_MUL_MAT_ID &&

@@ -6,6 +6,7 @@
 // faulted in at attach: file-backed memory, no anonymous copy (RAPIDMOE_SIDECAR_MMAP=0 reads them into one).
 #include "rapidmoe-residual.h"
 
+#include "rapidmoe-refine.h"
 #include "rapidmoe-registry.h"
 
 #include "gguf.h"
@@ -72,18 +73,11 @@ bool model_keeps_plain_layout(const ggml_tensor * base) {
     return base != nullptr && base->buffer != nullptr && ggml_backend_buffer_is_host(base->buffer); // CPU, CPU_Mapped
 }
 
-// Whether the CPU runs the masked matmul of `w` (the residual matmuls' op) from `buft`: the question llama.cpp's
-// loader asks before it places a weight in an extra buffer type (a dummy node whose weight claims that buffer).
-// A refinement bit plane (form "rf") must belong to Q3_K experts in CPU memory: [n_in/8, n_out, n_expert] bytes
+// A refinement bit plane (form "rf") must be one the refine op takes (rapidmoe-refine.h: Q3_K experts, its shape) of
+// experts in CPU memory
 std::string refine_plane_error(const ggml_tensor * base, const ggml_tensor * plane) {
-    const std::string name = ggml_get_name(plane);
-    if (plane->type != GGML_TYPE_I8 || plane->ne[0] * 8 != base->ne[0] || plane->ne[1] != base->ne[1] ||
-        plane->ne[2] != base->ne[2] || plane->ne[3] != 1) {
-        return "sidecar tensor " + name + " does not match the model's expert tensor (a bit plane of its shape)";
-    }
-    if (base->type != GGML_TYPE_Q3_K) {
-        return "sidecar tensor " + name + " refines Q3_K experts, but the model's are " + ggml_type_name(base->type) +
-               " (the sidecar belongs to another .wq.gguf)";
+    if (std::string err = rapidmoe_refine_plane_error(base, plane); !err.empty()) {
+        return err;
     }
     // CPU memory: plain (host) or repacked (our Q3_K layout, which the op reads: patch 0021)
     if (base->buffer != nullptr && !ggml_backend_buffer_is_host(base->buffer) &&
@@ -94,6 +88,58 @@ std::string refine_plane_error(const ggml_tensor * base, const ggml_tensor * pla
     return "";
 }
 
+// The sidecar's codec (rapidmoe-residual.h) from its rapidmoe.residual.codec key: absent, the residual codec; a key
+// this build does not know is refused (python/rapidmoe/resplit/codecs/ writes them)
+const struct {
+    const char * key;
+    rapidmoe_codec_id id;
+} CODEC_KEYS[] = {
+    { "q3k-refine1", RAPIDMOE_CODEC_REFINE },
+};
+
+std::string read_codec(const gguf_context * gg, rapidmoe_codec_id & codec) {
+    codec = RAPIDMOE_CODEC_RESIDUAL;
+    const int64_t k = gguf_find_key(gg, "rapidmoe.residual.codec");
+    if (k < 0) {
+        return "";
+    }
+    if (gguf_get_kv_type(gg, k) != GGUF_TYPE_STRING) {
+        return "the sidecar's rapidmoe.residual.codec is not a string";
+    }
+    const std::string key = gguf_get_val_str(gg, k);
+    for (const auto & c : CODEC_KEYS) {
+        if (key == c.key) {
+            codec = c.id;
+            return "";
+        }
+    }
+    std::string known;
+    for (const auto & c : CODEC_KEYS) {
+        known += std::string(", ") + c.key;
+    }
+    return "the sidecar's codec \"" + key + "\" is not one this build runs (none: the residual codec" + known + ")";
+}
+
+// The tensor forms a codec's sidecar holds: the residual codec's residuals (wr) and down copy (hi), the refine
+// codec's bit planes (rf)
+bool codec_has_form(rapidmoe_codec_id codec, const std::string & form) {
+    switch (codec) {
+        case RAPIDMOE_CODEC_RESIDUAL: return form == "wr" || form == "hi";
+        case RAPIDMOE_CODEC_REFINE:   return form == "rf";
+    }
+    return false;
+}
+
+const char * codec_name(rapidmoe_codec_id codec) {
+    switch (codec) {
+        case RAPIDMOE_CODEC_RESIDUAL: return "the residual codec (no rapidmoe.residual.codec key): .wr/.hi";
+        case RAPIDMOE_CODEC_REFINE:   return "the refine codec (q3k-refine1): .rf bit planes";
+    }
+    return "?";
+}
+
+// Whether the CPU runs the masked matmul of `w` (the residual matmuls' op) from `buft`: the question llama.cpp's
+// loader asks before it places a weight in an extra buffer type (a dummy node whose weight claims that buffer).
 bool cpu_runs_masked_from(ggml_backend_buffer_type_t buft, const ggml_tensor * w, int n_expert_used) {
     ggml_init_params ip = { 8 * ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
     ggml_context * ctx = ggml_init(ip);
@@ -362,6 +408,10 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
     if (std::string err = open_parts(path, parts); !err.empty()) {
         return err;
     }
+    rapidmoe_codec_id codec = RAPIDMOE_CODEC_RESIDUAL;
+    if (std::string err = read_codec(parts[0].gg, codec); !err.empty()) {
+        return err;
+    }
     auto st = std::make_unique<rapidmoe_residual_state>();
     st->model = model;
     const auto & hp = model->hparams;
@@ -398,7 +448,12 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         else if (r == "down") base = L.ffn_down_exps;
         else if (r == "gate_up") base = L.ffn_gate_up_exps;
         const ggml_tensor * src = ggml_get_tensor(parts[ip_].meta, name);
-        const bool bit_plane = f == "rf";
+        if (!codec_has_form(codec, f)) {
+            err = std::string("sidecar tensor ") + name + " is not one of " + codec_name(codec) +
+                  " (the tensors disagree with the sidecar's codec)";
+            break;
+        }
+        const bool bit_plane = codec == RAPIDMOE_CODEC_REFINE;
         if (bit_plane && base != nullptr && src != nullptr) {
             if (err = refine_plane_error(base, src); !err.empty()) {
                 break;
@@ -419,6 +474,7 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         auto & lr = st->layers[il];
         lr.state = st.get();
         lr.il = il;
+        lr.codec = codec;
         lr.base_up = L.ffn_up_exps;
         lr.base_gate = L.ffn_gate_exps;
         lr.base_down = L.ffn_down_exps;
@@ -456,7 +512,6 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         } else if (err.empty() && planes == 3 && lr.scaled) {
             err = "layer " + std::to_string(il) + " has per-expert scales, which the refine codec does not support";
         }
-        st->layers[il].refine = planes == 3;
         if (!any && (model->layers[il].ffn_up_exps != nullptr || model->layers[il].ffn_gate_up_exps != nullptr)) {
             err = "the sidecar has no residual for MoE layer " + std::to_string(il);
         }

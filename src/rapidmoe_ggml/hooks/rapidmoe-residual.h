@@ -27,6 +27,14 @@ struct llama_mmap;
 
 struct rapidmoe_residual_state;
 
+// The sidecar's codec, from its rapidmoe.residual.codec key (absent: the residual codec; python/rapidmoe/resplit/
+// codecs/ writes it): what its tensors are and which ops a layer's critical slots run (rapidmoe-graph.cpp switches on
+// it). A codec with its own kernel adds its id here, its key to the loader's table and its case to the graph's switch.
+enum rapidmoe_codec_id {
+    RAPIDMOE_CODEC_RESIDUAL, // no key: WR residuals (.wr) and down's copy (.hi) in ggml types, masked matmuls
+    RAPIDMOE_CODEC_REFINE,   // "q3k-refine1": bit planes (.rf) refining the model's own Q3_K experts, the refine op
+};
+
 struct rapidmoe_layer_residual {
     rapidmoe_residual_state * state = nullptr;
     int il = -1;
@@ -40,9 +48,9 @@ struct rapidmoe_layer_residual {
     bool scaled = false;                     // the model has per-expert scales (ffn_*_exps_s): no overlap
     ggml_tensor * down_hi = nullptr;         // copy of down (down_is_copy) or its residual
     bool down_is_copy = true;
-    // the refine codec (sidecar codec "q3k-refine1", rapidmoe-refine.h): up_wr, gate_wr and down_hi are then bit planes
+    // the sidecar's codec; RAPIDMOE_CODEC_REFINE (rapidmoe-refine.h): up_wr, gate_wr and down_hi are then bit planes
     // I8 [n_in/8, n_out, n_expert] refining the model's own Q3_K experts, computed with them in one op
-    bool refine = false;
+    rapidmoe_codec_id codec = RAPIDMOE_CODEC_RESIDUAL;
     // UMIA's op state and r histogram, one per phase (index rapidmoe_umia_phase)
     std::array<std::unique_ptr<rapidmoe_umia_site>, 2> sites = { std::make_unique<rapidmoe_umia_site>(),
                                                                  std::make_unique<rapidmoe_umia_site>() };

@@ -364,9 +364,26 @@ void refine_mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
 
 } // namespace
 
+bool rapidmoe_refine_takes(const ggml_tensor * wq) {
+    return wq->type == GGML_TYPE_Q3_K && wq->ne[0] % 256 == 0;
+}
+
+std::string rapidmoe_refine_plane_error(const ggml_tensor * wq, const ggml_tensor * plane) {
+    const std::string name = ggml_get_name(plane);
+    if (plane->type != GGML_TYPE_I8 || plane->ne[0] * 8 != wq->ne[0] || plane->ne[1] != wq->ne[1] ||
+        plane->ne[2] != wq->ne[2] || plane->ne[3] != 1) {
+        return "sidecar tensor " + name + " does not match the model's expert tensor (a bit plane of its shape)";
+    }
+    if (!rapidmoe_refine_takes(wq)) {
+        return "sidecar tensor " + name + " refines Q3_K experts, but the model's are " + ggml_type_name(wq->type) +
+               " (the sidecar belongs to another .wq.gguf)";
+    }
+    return "";
+}
+
 ggml_tensor * rapidmoe_refine_mul_mat_id(ggml_context * ctx, ggml_tensor * wq, ggml_tensor * bits, ggml_tensor * b,
                                          ggml_tensor * ids) {
-    GGML_ASSERT(wq->type == GGML_TYPE_Q3_K && wq->ne[0] % 256 == 0);
+    GGML_ASSERT(rapidmoe_refine_takes(wq));
     GGML_ASSERT(bits->ne[0] * 8 == wq->ne[0] && bits->ne[1] == wq->ne[1] && bits->ne[2] == wq->ne[2]);
     GGML_ASSERT(b->type == GGML_TYPE_F32 && b->ne[0] == wq->ne[0] && b->nb[0] == sizeof(float));
     GGML_ASSERT(ids->type == GGML_TYPE_I32 && ids->ne[1] == b->ne[2]);

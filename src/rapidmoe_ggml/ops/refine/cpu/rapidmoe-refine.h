@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 // bytes of one Q8_K block (d, qs[256], bsums[16]); a Q3_K block's layout (RAPIDMOE_Q3K_BLOCK bytes) is in
 // rapidmoe-q3k-x8.h, with the repacked one the op also reads
@@ -26,6 +27,12 @@ float rapidmoe_refine_dot(int64_t n, const uint8_t * wq, const uint8_t * bits, c
 constexpr int RAPIDMOE_REFINE_MAX_X = 8;
 void rapidmoe_refine_dot_multi(int64_t n, const uint8_t * wq, const uint8_t * bits, const void * const * xs, int nx,
                                float * out);
+
+// What the op takes, the refine codec's checks in one place (the sidecar loader and the graph ask them too): WQ
+// experts in Q3_K (rows of whole 256-weight super-blocks), and a bit plane I8 [n_in/8, n_out, n_expert] of them.
+bool rapidmoe_refine_takes(const ggml_tensor * wq);
+// "" where `plane` is a bit plane of `wq`'s experts that the op takes, else why not (naming the plane)
+std::string rapidmoe_refine_plane_error(const ggml_tensor * wq, const ggml_tensor * plane);
 
 // dst [n_out, k, T] f32 = refined(wq)[ids[j, t]] @ b[:, j % b->ne[1], t] for slots with ids >= 0, zero rows elsewhere.
 // wq: Q3_K [n_in, n_out, n_expert] in CPU memory (plain, or repacked: patch 0021's 8-row layout, whose bytes the op

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType
 if TYPE_CHECKING:
     from ..presets import MixEntry, Preset
 
-# the compiled encoder's modes (src/rapidmoe_ggml/.../encode.cpp: rapidmoe._core.encode_experts)
+# the compiled encoder's modes (src/rapidmoe_ggml/pymodule/encode.cpp: rapidmoe._core.encode_experts)
 ENCODE_RESIDUAL, ENCODE_COPY, ENCODE_REFINE = 0, 1, 2
 
 Shape = tuple[int, ...]  # a stacked routed-expert tensor's shape in ggml order: [n_in, n_out, n_expert]

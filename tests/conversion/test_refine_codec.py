@@ -16,6 +16,7 @@ from testkit import ROOT
 
 from rapidmoe import ModelFileError
 from rapidmoe.ggufio import GGUFFile, copy_metadata, tensor_rows
+from rapidmoe.placement.realize import sidecar_preset
 from rapidmoe.resplit import Preset, check_pair, convert, get_preset, read_sidecar_meta
 from rapidmoe.resplit.codecs import codec_of
 from rapidmoe.resplit.convert import codec_obstacle
@@ -213,7 +214,7 @@ def test_presets_refuse_incomplete_refine() -> None:
         assert p.bits() == {"wq": 3.4375, "wr_gate_up": 1.0, "down_sidecar": 1.0, "sidecar": 1.0,
                             "critical": 4.4375, "total_stored": 4.4375}
         assert p.codec == codec_of(p).name == codec_of(p).sidecar_id == "q3k-refine1"
-    assert get_preset("dense").bits()["critical"] == 7.9375 and get_preset("dense").codec is None
+    assert get_preset("dense").bits()["critical"] == 7.9375 and get_preset("dense").codec == "residual"
     assert codec_of(get_preset("dense")).name == "residual" and codec_of(get_preset("dense")).sidecar_id is None
 
 
@@ -278,6 +279,7 @@ def test_convert_writes_a_refine_pair(micro: Path, tmp_path: Path, preset: str) 
     meta = check_pair(res.wq_path, res.wr_path)
     assert meta["codec"] == "q3k-refine1" and meta["preset.wr"] == "REFINE1" and meta["preset.down_mode"] == "refine"
     assert read_sidecar_meta(res.wr_path)["codec"] == "q3k-refine1"
+    assert sidecar_preset(res.wr_path) == get_preset(preset)  # the planner reads the same preset back
     src, base, side = GGUFFile(micro), GGUFFile(res.wq_path), GGUFFile(res.wr_path)
     assert {t.name for t in side.tensors} == {f"blk.0.ffn_{r}_exps.rf" for r in ("gate", "up", "down")}
     reported = {t["name"]: t for t in res.report["tensors"]}  # type: ignore[attr-defined]

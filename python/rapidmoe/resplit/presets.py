@@ -96,7 +96,7 @@ class Preset:
     # what calibration.mix.choose_mix measured on calibration text; recorded in the sidecar with the other fields
     mix: str = ""
     # the sidecar's codec by its registry name (codecs/); None: the one the WR type and down mode name (the refine
-    # codec's REFINE1 or 'refine', else the residual codec)
+    # codec's REFINE1 or 'refine', else the residual codec). Set to its codec's name once made
     codec: str | None = None
 
     def __post_init__(self) -> None:
@@ -119,6 +119,7 @@ class Preset:
             if codec.no_mix is not None:
                 raise ValueError(f"{codec.title} {codec.no_mix}: it takes no mix")
             codec.check_mix(self, parse_mix(self.mix))
+        object.__setattr__(self, "codec", codec.name)  # (a frozen dataclass) the same preset, however it was named
 
     def expert_types(self, layer: int | None, role: str) -> tuple[str, str]:
         """(WQ, sidecar) types asked for a routed-expert tensor of `role` in `layer`: the mix's entry for that

@@ -21,6 +21,7 @@ from .overrides import BufferOverrides, build_overrides
 from .placement.cache.config import ExpertCacheConfig
 from .placement.cache.moepic import moe_layers_of
 from .residual import MoELayerCounters, ResidualInfo, load_residual_info
+from .resplit.codecs import get_codec
 from .rpc import RPCDevice, model_devices, register_rpc_servers
 from .stream import check_min_batch, set_stream_min_batch
 from .tokenize_stack import run_with_stack_for
@@ -186,7 +187,7 @@ class Llama(llama_cpp.Llama):
             if n_critical < 0:
                 raise RapidMoEError(f"n_critical must be >= 0, got {n_critical}")
             self.residual = load_residual_info(model_path, residual_path, verify=verify_residual)
-            if self.residual.codec != "residual" and self._cache is not None:
+            if get_codec(self.residual.codec).cpu_experts and self._cache is not None:
                 raise RapidMoEError(f"the {self.residual.codec} sidecar computes its critical experts on the CPU from "
                                     "the model's own WQ experts: it does not combine with expert_cache")
             self._n_critical_init = min(n_critical, info.n_expert_used)

@@ -12,6 +12,7 @@ import numpy as np
 from .errors import ModelFileError
 from .ggufio import GGUFFile
 from .moe_tensors import STACKED, parse_expert
+from .resplit.codecs import by_sidecar_id
 from .resplit.sidecar import check_pair, open_gguf
 
 
@@ -38,7 +39,7 @@ class ResidualInfo:
     wq_bytes_per_expert: dict[int, int]  # layer -> bytes of one expert's WQ gate+up+down
     wr_bytes_per_expert: dict[int, int]  # layer -> bytes of one expert's sidecar tensors
     wq_down_bytes_per_expert: dict[int, int] = field(default_factory=dict)  # layer -> one expert's WQ down
-    codec: str = "residual"  # "residual" (WR residuals / down copy) or "q3k-refine1" (bit planes refining WQ's Q3_K)
+    codec: str = "residual"  # the sidecar's codec by name (resplit/codecs/): "residual" or "q3k-refine1"
 
     def counters(self, raw: np.ndarray) -> list[MoELayerCounters]:
         out = []
@@ -69,9 +70,11 @@ def load_residual_info(wq_path: str | os.PathLike[str], wr_path: str | os.PathLi
     its costs. verify: also the base's tensor table and both files' sampled tensor data (check_pair)."""
     base, side = open_gguf(wq_path, "base", wr_path), open_gguf(wr_path, "sidecar", wq_path)
     meta = check_pair(base, side, verify=verify)
+    codec = by_sidecar_id(meta.get("codec"))
+    assert codec is not None  # check_pair refuses a codec this RapidMoE does not read
     arch = base.get("general.architecture")
     return ResidualInfo(path=Path(wr_path), n_expert_used=int(base.get(f"{arch}.expert_used_count", 0)),
                         down_mode=str(meta.get("preset.down_mode", "copy")),
                         wq_bytes_per_expert=_per_expert_bytes(base), wr_bytes_per_expert=_per_expert_bytes(side),
                         wq_down_bytes_per_expert=_per_expert_bytes(base, "down"),
-                        codec=str(meta.get("codec", "residual")))
+                        codec=codec.name)

@@ -12,14 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from arch_sweep import make_models, sweep_one
-from gguf import GGUFValueType, GGUFWriter
+from gguf import GGUFValueType
+from reference.gguf_copy import rewrite
 
 from rapidmoe import Llama, ModelFileError
 from rapidmoe.calibration.measure import calibrate_latency
-from rapidmoe.ggufio import GGUFFile, copy_metadata
+from rapidmoe.ggufio import GGUFFile
 from rapidmoe.placement.cache.config import CachePolicyError
 from rapidmoe.placement.cache.moepic import moepic_for_cache, moepic_layers, wq_expert_bytes
 from rapidmoe.resplit import convert, get_preset
@@ -104,21 +104,6 @@ def test_fallback_types_are_recorded_and_shown(arch_models: dict[str, Path], tmp
     assert out.returncode == 0 and "blk.0.ffn_down_exps.weight wq Q2_K->Q4_0" in out.stdout, out.stdout
 
 
-def _rewrite(src: Path, out: Path, *, drop_keys: tuple[str, ...] = (), drop_tensors: tuple[str, ...] = ()) -> Path:
-    """A copy of `src` without some keys or tensors (data copied as stored)."""
-    r = GGUFFile(src)
-    w = GGUFWriter(out, arch=str(r.get("general.architecture")))
-    copy_metadata(r, w, skip_prefixes=drop_keys)
-    for t in r.tensors:
-        if t.name not in drop_tensors:
-            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
-
-
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "rapidmoe.cli", *args], capture_output=True, text=True, timeout=300)
 
@@ -134,14 +119,14 @@ def test_diffusion_models_are_refused_in_one_line(arch_models: dict[str, Path], 
 def test_diffusion_refused_by_llama_cpp_classification(arch_models: dict[str, Path], tmp_path: Path) -> None:
     """Without the attention.causal key the header says nothing: llama.cpp's own llama_model_is_diffusion does,
     after the load and before a context exists (which for such a model stock llama-cpp-python cannot make)."""
-    src = _rewrite(arch_models["llada-moe"], tmp_path / "llada.gguf", drop_keys=("llada-moe.attention.causal",))
+    src = rewrite(arch_models["llada-moe"], tmp_path / "llada.gguf", drop_keys=("llada-moe.attention.causal",))
     with pytest.raises(ModelFileError, match="diffusion model"):
         Llama(src, n_ctx=64, verbose=False)
 
 
 def test_vocab_only_gguf_is_refused_by_every_command(arch_models: dict[str, Path], tmp_path: Path) -> None:
     src = arch_models["qwen3moe"]  # its header (MoE hyperparameters, tokenizer) without any tensor
-    vocab = _rewrite(src, tmp_path / "vocab.gguf", drop_tensors=tuple(t.name for t in GGUFFile(src).tensors))
+    vocab = rewrite(src, tmp_path / "vocab.gguf", drop_tensors=tuple(t.name for t in GGUFFile(src).tensors))
     for args in (["run", str(vocab), "-p", "hi", "-n", "2"], ["convert", str(vocab), "-o", str(tmp_path)],
                  ["serve", str(vocab), "--port", "0"]):
         res = _cli(*args)
@@ -158,7 +143,7 @@ def test_vocab_only_gguf_is_refused_by_every_command(arch_models: dict[str, Path
 
 
 def test_conversion_refuses_an_incomplete_expert_layer(arch_models: dict[str, Path], tmp_path: Path) -> None:
-    src = _rewrite(arch_models["qwen3moe"], tmp_path / "nogate.gguf", drop_tensors=("blk.1.ffn_gate_exps.weight",))
+    src = rewrite(arch_models["qwen3moe"], tmp_path / "nogate.gguf", drop_tensors=("blk.1.ffn_gate_exps.weight",))
     with pytest.raises(ModelFileError, match=r"blk\.1\.ffn_(up|down)_exps\.weight: layer 1 has routed experts down/up"):
         convert(src, tmp_path / "out", get_preset("cpu"), progress=False)
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType
 from reference.critical_model import write_with_experts
+from reference.gguf_copy import rewrite
 from reference.numpy_forward import ffn, load, route
 from reference.refine import refined
 from reference.split_logits import all_logits as _logits
@@ -18,7 +19,7 @@ from reference.split_logits import rel_error as _rel
 
 from rapidmoe import Llama, RapidMoEError, _core
 from rapidmoe.cache import ExpertCacheConfig
-from rapidmoe.ggufio import GGUFFile, copy_metadata, tensor_f32
+from rapidmoe.ggufio import GGUFFile, tensor_f32
 
 PRESET = "refine-q8"
 
@@ -131,22 +132,6 @@ def test_refine_does_not_combine_with_an_expert_cache(refine_pair) -> None:  # t
               expert_cache=ExpertCacheConfig(experts={1: [0]}, device="CPU"))
 
 
-def _with_codec_key(side: Path, out: Path, codec: str | None) -> Path:
-    """A copy of a sidecar with its rapidmoe.residual.codec key set to `codec` (None: removed), tensors as stored."""
-    r = GGUFFile(side)
-    w = GGUFWriter(out, arch=str(r.get("general.architecture")))
-    copy_metadata(r, w, skip_prefixes=("rapidmoe.residual.codec",))
-    if codec is not None:
-        w.add_string("rapidmoe.residual.codec", codec)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
-
-
 def test_the_loader_refuses_a_sidecar_its_codec_does_not_match(  # type: ignore[no-untyped-def]
         refine_pair, make_split, tmp_path: Path) -> None:
     """The C++ loader reads the sidecar's codec key into the layer's codec id (absent: the residual codec), which the
@@ -154,11 +139,12 @@ def test_the_loader_refuses_a_sidecar_its_codec_does_not_match(  # type: ignore[
     that codec's. Attached straight through the C API: the Python pair check would refuse these first."""
     src, wq, wr = refine_pair
     _, cpu_wq, cpu_wr = make_split(GGUFFile(src).get("general.architecture"), "cpu")
+    key = "rapidmoe.residual.codec"
     cases = [
-        (wq, _with_codec_key(wr, tmp_path / "other.wr.gguf", "q3k-refine2"),
+        (wq, rewrite(wr, tmp_path / "other.wr.gguf", drop_keys=(key,), strings={key: "q3k-refine2"}),
          "codec \"q3k-refine2\" is not one this build runs"),
-        (wq, _with_codec_key(wr, tmp_path / "none.wr.gguf", None), r"\.rf is not one of the residual codec"),
-        (cpu_wq, _with_codec_key(cpu_wr, tmp_path / "refine.wr.gguf", "q3k-refine1"),
+        (wq, rewrite(wr, tmp_path / "none.wr.gguf", drop_keys=(key,)), r"\.rf is not one of the residual codec"),
+        (cpu_wq, rewrite(cpu_wr, tmp_path / "refine.wr.gguf", drop_keys=(key,), strings={key: "q3k-refine1"}),
          r"\.(wr|hi) is not one of the refine codec"),
     ]
     for base, side, message in cases:

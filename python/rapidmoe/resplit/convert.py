@@ -24,12 +24,12 @@ from tqdm import tqdm
 
 from ..atomic import OutputError, make_dir, outputs, replace_all
 from ..errors import ModelFileError, RapidMoEError
-from ..ggml_types import ggml_type
+from ..ggml_types import ggml_type, tensor_bytes
 from ..ggufio import GGUFFile, Tensor, abandon_writer, copy_metadata, n_rows, plan_files, tensor_rows
 from ..modelfile import require_moe
 from ..moe_tensors import DOWN, GATE, GATE_UP, SCALE, UP, is_expert, moe_layers, parse_expert
 from . import sidecar
-from .codecs import DEFAULT, codec_of
+from .codecs import DEFAULT, codec_of, encode_measured
 from .fingerprint import sample_digests
 from .imatrix import Imatrix
 from .presets import NEEDS_IMATRIX, Preset, get_preset, parse_mix
@@ -236,13 +236,11 @@ class _Converter:
         """One routed-expert tensor, expert by expert through its codec's reference encoder: (WQ bytes [n_expert,
         n_out, WQ row], sidecar bytes [n_expert, n_out, sidecar row]). The report's "wq_only" is deq(WQ)'s error,
         "critical" the critical slot's weights', against the codec's reference types."""
-        from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
-
         plan, codec = self.plans[t.name], self.codec
         n_in, n_out, n_expert = (int(x) for x in t.shape)
         copy = codec.is_copy(plan.role, self.preset)
         imat = self.imatrix.weights_for(t.name, n_expert, n_in) if self.imatrix is not None else None
-        wq_out = np.empty((n_expert, n_out, _core.row_size(int(ggml_type(plan.wq)), n_in)), dtype=np.uint8)
+        wq_out = np.empty((n_expert, n_out, tensor_bytes(plan.wq, (n_in,))), dtype=np.uint8)
         hi_out = np.empty(codec.sidecar_tensor((n_in, n_out, n_expert), plan.hi)[1], dtype=np.uint8)
         rep = TensorReport(t.name, plan.role, plan.wq, plan.hi, copy, fallbacks=plan.describe_fallbacks())
         ref_types = codec.reference_types(n_in)
@@ -250,14 +248,8 @@ class _Converter:
         for e in range(n_expert):
             w = tensor_rows(t, e * n_out, n_out)
             im = imat[e] if imat is not None else None
-            enc = codec.encode(w, plan.wq, plan.hi, copy, im)
+            enc = encode_measured(codec, w, plan.wq, plan.hi, copy, im, ref_types if e in sample else (), rep)
             wq_out[e], hi_out[e] = enc.wq, enc.sidecar
-            refs = {}
-            if e in sample:
-                for name in ref_types:
-                    rt = int(ggml_type(name))
-                    refs[name] = _core.dequantize(_core.quantize(w, rt, im), rt, n_in)
-            rep.add(w, enc.base, enc.critical, refs)
         self.reports.append(rep)
         self.totals.merge(rep.acc)
         return wq_out, hi_out

@@ -31,10 +31,10 @@ from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from ..errors import ModelFileError, RapidMoEError
-from ..ggml_types import ggml_type
+from ..ggml_types import ggml_type, tensor_bytes
 from ..ggufio import FilePlan as Shard
 from ..ggufio import Tensor, n_rows, pad_to_alignment, write_at
-from .codecs import Codec
+from .codecs import Codec, encode_measured
 from .report import TensorReport
 
 if TYPE_CHECKING:
@@ -109,14 +109,8 @@ def _expert_job(conv: _Converter, t: Tensor) -> ExpertJob:
         return ExpertJob(c.mode, c.wq_type, c.hi_type, c.wq_row, c.hi_row, refs, sampled, imat, rep, codec, plan.wq,
                          plan.hi, copy)
     hi_row = codec.sidecar_tensor((n_in, n_out, n_expert), plan.hi)[1][-1]
-    return ExpertJob(None, int(ggml_type(plan.wq)), 0, _row_bytes(plan.wq, n_in), hi_row, refs, sampled, imat, rep,
+    return ExpertJob(None, int(ggml_type(plan.wq)), 0, tensor_bytes(plan.wq, (n_in,)), hi_row, refs, sampled, imat, rep,
                      codec, plan.wq, plan.hi, copy)
-
-
-def _row_bytes(ty: str, n: int) -> int:
-    from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
-
-    return int(_core.row_size(int(ggml_type(ty)), n))
 
 
 def _src_row(t: Tensor) -> int:
@@ -241,20 +235,16 @@ def _encode_in_python(job: ExpertJob, t: Tensor, src: np.ndarray, count: int, wq
                       im: np.ndarray | None, sampled: list[bool]) -> Stats:
     """A codec without a compiled encoder: its own encode, expert by expert, with the error sums encode_experts
     returns (report.TensorReport.add's)."""
-    from .._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
-
-    n_in, n_out = int(t.shape[0]), int(t.shape[1])
+    n_out = int(t.shape[1])
     rows = _float_rows(t, src, count * n_out)
+    refs = [GGMLQuantizationType(rt).name for rt in job.ref_types]
     sums = TensorReport(t.name, job.report.role, job.wq, job.hi, job.copy)
     for i in range(count):
         w, ei = rows[i * n_out: (i + 1) * n_out], im[i] if im is not None else None
-        enc = job.codec.encode(w, job.wq, job.hi, job.copy, ei)
+        enc = encode_measured(job.codec, w, job.wq, job.hi, job.copy, ei, refs if sampled[i] else (), sums)
         wq[i * n_out: (i + 1) * n_out], hi[i * n_out: (i + 1) * n_out] = enc.wq, enc.sidecar
-        refs = {str(rt): _core.dequantize(_core.quantize(w, rt, ei), rt, n_in) for rt in job.ref_types} \
-            if sampled[i] else {}
-        sums.add(w, enc.base, enc.critical, refs)
     a = sums.acc
-    return a.w2, a.wq2, a.crit2, a.ref_w2, [a.ref2.get(str(rt), 0.0) for rt in job.ref_types]
+    return a.w2, a.wq2, a.crit2, a.ref_w2, [a.ref2.get(name, 0.0) for name in refs]
 
 
 def _float_rows(t: Tensor, raw: np.ndarray, count: int) -> np.ndarray:

@@ -17,6 +17,7 @@ from .base import (
     Compiled,
     Encoded,
     down_modes,
+    encode_measured,
     get_codec,
     register,
     wq_types,
@@ -64,5 +65,5 @@ def sidecar_ids() -> tuple[str, ...]:
 
 
 __all__ = ["DEFAULT", "REGISTRY", "Codec", "Compiled", "Encoded", "RefineCodec", "ResidualCodec", "by_sidecar_id",
-           "codec_of", "down_modes", "get_codec", "named_by", "register", "sidecar_ids", "wq_types",
+           "codec_of", "down_modes", "encode_measured", "get_codec", "named_by", "register", "sidecar_ids", "wq_types",
            "wr_types"]

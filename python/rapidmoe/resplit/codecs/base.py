@@ -16,8 +16,11 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from ...ggml_types import ggml_type
+
 if TYPE_CHECKING:
     from ..presets import MixEntry, Preset
+    from ..report import TensorReport
 
 # the compiled encoder's modes (src/rapidmoe_ggml/pymodule/encode.cpp: rapidmoe._core.encode_experts)
 ENCODE_RESIDUAL, ENCODE_COPY, ENCODE_REFINE = 0, 1, 2
@@ -110,6 +113,21 @@ class Codec(Protocol):
     def validate(self, base: TensorTable, sidecar: TensorTable) -> str | None:
         """What is wrong with a sidecar's tensors for this codec and its base (a message to follow the sidecar's
         path), or None. Shapes and types against the loaded model are checked again at attach (C++)."""
+
+
+def encode_measured(codec: Codec, w: np.ndarray, wq: str, hi: str, copy: bool, importance: np.ndarray | None,
+                    ref_types: Sequence[str], report: TensorReport) -> Encoded:
+    """One expert through the codec's reference encoder, its errors added to `report`: against W, deq(WQ) and the
+    critical slot's weights, and each of `ref_types` (the sampled experts': empty for the others) quantized alone."""
+    from ..._runtime import _core  # noqa: PLC0415  (compiled part, loaded on first use)
+
+    enc = codec.encode(w, wq, hi, copy, importance)
+    refs = {}
+    for name in ref_types:
+        rt = int(ggml_type(name))
+        refs[name] = _core.dequantize(_core.quantize(w, rt, importance), rt, w.shape[1])
+    report.add(w, enc.base, enc.critical, refs)
+    return enc
 
 
 # -- the registry (codecs/__init__.py registers the built-in codecs; a codec's own module may register itself) ----

@@ -71,7 +71,7 @@ class Codec(Protocol):
         """ValueError where the preset's WQ, WR or down mode is not this codec's (the mix: check_mix)."""
 
     def check_mix(self, preset: Preset, entries: Sequence[MixEntry]) -> None:
-        """ValueError for a mix entry this codec does not take."""
+        """ValueError for a mix entry this codec does not take (asked only where no_mix is None)."""
 
     def sidecar_bits(self, ty: str) -> float:
         """Bits per weight of a sidecar part of type `ty` (one of its wr types, or a down copy's)."""

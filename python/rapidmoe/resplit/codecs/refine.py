@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from ...moe_tensors import GATE_UP
+from ...moe_tensors import GATE_UP, REFINE
 from ..refine import BLOCK_BYTES, QK_K, decode_refine, encode_refine
 from .base import ENCODE_REFINE, Compiled, Encoded, Shape, TensorTable
 
@@ -50,8 +50,7 @@ class RefineCodec:
                              f"cannot be refined (use WQ {BASE}, or a residual WR type)")
 
     def check_mix(self, preset: Preset, entries: Sequence[MixEntry]) -> None:
-        del preset, entries
-        raise ValueError(f"{self.title} {self.no_mix}: it takes no mix")
+        del preset, entries  # not asked: no_mix refuses every mix first (Preset)
 
     def sidecar_bits(self, ty: str) -> float:
         del ty
@@ -67,7 +66,7 @@ class RefineCodec:
 
     def sidecar_name(self, base_name: str, role: str, preset: Preset) -> str:
         del role, preset
-        return f"{base_name.removesuffix('.weight')}.rf"
+        return f"{base_name.removesuffix('.weight')}.{REFINE}"
 
     def sidecar_tensor(self, shape: Shape, ty: str) -> tuple[GGMLQuantizationType, Shape]:
         del ty  # one bit per weight: I8 bytes, ne = [n_in/8, n_out, n_expert]
@@ -119,7 +118,7 @@ class RefineCodec:
         for name, (ty, shape) in sidecar.items():
             stem, _, form = name.rpartition(".")
             b = base.get(f"{stem}.weight")
-            if form != "rf" or ty != "I8" or b is None:
+            if form != REFINE or ty != "I8" or b is None:
                 return (f"holds tensor {name} ({ty}), which is not the I8 bit plane (.rf) of a routed expert of the "
                         f"base, as {self.title}'s sidecar (codec {self.sidecar_id}) holds")
             b_ty, b_shape = b

@@ -14,6 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from ...ggml_types import bits_per_weight, fit_type, fits_rows, ggml_type, tensor_bytes
+from ...moe_tensors import COPY, RESIDUAL
 from .base import ENCODE_COPY, ENCODE_RESIDUAL, Compiled, Encoded, Shape, TensorTable, wr_types
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ class ResidualCodec:
 
     def sidecar_name(self, base_name: str, role: str, preset: Preset) -> str:
         stem = base_name.removesuffix(".weight")
-        return f"{stem}.hi" if self.is_copy(role, preset) else f"{stem}.wr"
+        return f"{stem}.{COPY}" if self.is_copy(role, preset) else f"{stem}.{RESIDUAL}"
 
     def sidecar_tensor(self, shape: Shape, ty: str) -> tuple[GGMLQuantizationType, Shape]:
         n_in, n_out, n_expert = shape
@@ -121,7 +122,7 @@ class ResidualCodec:
     def validate(self, base: TensorTable, sidecar: TensorTable) -> str | None:
         for name in sidecar:
             stem, _, form = name.rpartition(".")
-            if form not in ("wr", "hi") or f"{stem}.weight" not in base:
+            if form not in (RESIDUAL, COPY) or f"{stem}.weight" not in base:
                 return (f"holds tensor {name}, which is neither the residual (.wr) nor the copy (.hi) of a routed "
                         f"expert of the base, as {self.title}'s sidecar holds (it names no other codec)")
         return None

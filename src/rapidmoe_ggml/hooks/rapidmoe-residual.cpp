@@ -88,15 +88,31 @@ std::string refine_plane_error(const ggml_tensor * base, const ggml_tensor * pla
     return "";
 }
 
-// The sidecar's codec (rapidmoe-residual.h) from its rapidmoe.residual.codec key: absent, the residual codec; a key
-// this build does not know is refused (python/rapidmoe/resplit/codecs/ writes them)
-const struct {
-    const char * key;
+// The codecs this build runs (rapidmoe-residual.h), one row each: the sidecar's rapidmoe.residual.codec key (nullptr:
+// the key is absent), the tensor forms its sidecar holds, and how messages name it (python/rapidmoe/resplit/codecs/
+// writes the sidecars)
+struct codec_info {
     rapidmoe_codec_id id;
-} CODEC_KEYS[] = {
-    { "q3k-refine1", RAPIDMOE_CODEC_REFINE },
+    const char * key;
+    const char * forms[2];
+    const char * title;
+};
+const codec_info CODECS[] = {
+    { RAPIDMOE_CODEC_RESIDUAL, nullptr, { "wr", "hi" }, "the residual codec (no rapidmoe.residual.codec key): .wr/.hi" },
+    { RAPIDMOE_CODEC_REFINE, "q3k-refine1", { "rf", nullptr }, "the refine codec (q3k-refine1): .rf bit planes" },
 };
 
+const codec_info & codec_of(rapidmoe_codec_id id) {
+    for (const auto & c : CODECS) {
+        if (c.id == id) {
+            return c;
+        }
+    }
+    GGML_ABORT("rapidmoe: codec id %d has no row in CODECS", (int) id);
+}
+
+// The sidecar's codec from its rapidmoe.residual.codec key: absent, the residual codec; a key this build does not
+// know is refused
 std::string read_codec(const gguf_context * gg, rapidmoe_codec_id & codec) {
     codec = RAPIDMOE_CODEC_RESIDUAL;
     const int64_t k = gguf_find_key(gg, "rapidmoe.residual.codec");
@@ -107,35 +123,24 @@ std::string read_codec(const gguf_context * gg, rapidmoe_codec_id & codec) {
         return "the sidecar's rapidmoe.residual.codec is not a string";
     }
     const std::string key = gguf_get_val_str(gg, k);
-    for (const auto & c : CODEC_KEYS) {
-        if (key == c.key) {
+    std::string known;
+    for (const auto & c : CODECS) {
+        if (c.key != nullptr && key == c.key) {
             codec = c.id;
             return "";
         }
-    }
-    std::string known;
-    for (const auto & c : CODEC_KEYS) {
-        known += std::string(", ") + c.key;
+        known += c.key != nullptr ? std::string(", ") + c.key : "";
     }
     return "the sidecar's codec \"" + key + "\" is not one this build runs (none: the residual codec" + known + ")";
 }
 
-// The tensor forms a codec's sidecar holds: the residual codec's residuals (wr) and down copy (hi), the refine
-// codec's bit planes (rf)
-bool codec_has_form(rapidmoe_codec_id codec, const std::string & form) {
-    switch (codec) {
-        case RAPIDMOE_CODEC_RESIDUAL: return form == "wr" || form == "hi";
-        case RAPIDMOE_CODEC_REFINE:   return form == "rf";
+bool codec_has_form(const codec_info & codec, const std::string & form) {
+    for (const char * f : codec.forms) {
+        if (f != nullptr && form == f) {
+            return true;
+        }
     }
     return false;
-}
-
-const char * codec_name(rapidmoe_codec_id codec) {
-    switch (codec) {
-        case RAPIDMOE_CODEC_RESIDUAL: return "the residual codec (no rapidmoe.residual.codec key): .wr/.hi";
-        case RAPIDMOE_CODEC_REFINE:   return "the refine codec (q3k-refine1): .rf bit planes";
-    }
-    return "?";
 }
 
 // Whether the CPU runs the masked matmul of `w` (the residual matmuls' op) from `buft`: the question llama.cpp's
@@ -448,8 +453,8 @@ std::string rapidmoe_residual_attach(const llama_model * model, const char * pat
         else if (r == "down") base = L.ffn_down_exps;
         else if (r == "gate_up") base = L.ffn_gate_up_exps;
         const ggml_tensor * src = ggml_get_tensor(parts[ip_].meta, name);
-        if (!codec_has_form(codec, f)) {
-            err = std::string("sidecar tensor ") + name + " is not one of " + codec_name(codec) +
+        if (!codec_has_form(codec_of(codec), f)) {
+            err = std::string("sidecar tensor ") + name + " is not one of " + codec_of(codec).title +
                   " (the tensors disagree with the sidecar's codec)";
             break;
         }

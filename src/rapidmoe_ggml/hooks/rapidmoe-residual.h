@@ -29,7 +29,8 @@ struct rapidmoe_residual_state;
 
 // The sidecar's codec, from its rapidmoe.residual.codec key (absent: the residual codec; python/rapidmoe/resplit/
 // codecs/ writes it): what its tensors are and which ops a layer's critical slots run (rapidmoe-graph.cpp switches on
-// it). A codec with its own kernel adds its id here, its key to the loader's table and its case to the graph's switch.
+// it). A codec with its own kernel adds its id here, its row to the loader's CODECS table and its case to the graph's
+// switch.
 enum rapidmoe_codec_id {
     RAPIDMOE_CODEC_RESIDUAL, // no key: WR residuals (.wr) and down's copy (.hi) in ggml types, masked matmuls
     RAPIDMOE_CODEC_REFINE,   // "q3k-refine1": bit planes (.rf) refining the model's own Q3_K experts, the refine op

@@ -337,7 +337,7 @@ class Handler(BaseHTTPRequestHandler):
                 raise ApiError(405, "invalid_request_error", f"{method} is not allowed on {path}")
             raise not_found("File Not Found")
         return handler(st, Request(method, path + ("?" + urlsplit(self.path).query if "?" in self.path
-                                                           else ""), body, self._gone))
+                                                   else ""), body, self._gone))
 
     def _read_body(self, st: AppState) -> bytes:
         """The body as its headers frame it: chunked, Content-Length or none; within --body-timeout and --max-body

@@ -33,7 +33,7 @@ from .serving import (
 
 
 def chat_prompt(st: AppState, body: dict[str, Any],
-                 add_generation_prompt: bool = True) -> tuple[str, toolcalls.ToolRequest | None]:
+                add_generation_prompt: bool = True) -> tuple[str, toolcalls.ToolRequest | None]:
     assert st.template is not None
     if not st.template.jinja:  # llama-server's legacy path has neither tools nor a tool choice
         if isinstance(body.get("tools"), list) and body["tools"]:
@@ -46,12 +46,12 @@ def chat_prompt(st: AppState, body: dict[str, Any],
     return st.template.render(check_messages(body), body, tools, add_generation_prompt), treq
 
 
-
 def prompt_tokens(st: AppState, body: dict[str, Any]) -> int:
     """How many tokens the prompt of this chat body has (the template's rendering of its messages and tools,
     tokenized as the chat route does): the routes' input-token counts."""
     prompt, _ = chat_prompt(st, body)
     return len(tokenize_text(st, prompt, add_special=True))
+
 
 @dataclass(frozen=True)
 class ChatSetup:
@@ -149,7 +149,7 @@ def _reasoning_budget(st: AppState, body: dict[str, Any], tags: tuple[str, str],
     return BudgetSpec(n, tuple(start), (tuple(end),), tuple(forced), counting=open_think, spent=spent)
 
 
-def answer_deltas(cs: ChatSetup) -> Callable[[str, bool], toolcalls.Delta]:
+def _answer_deltas(cs: ChatSetup) -> Callable[[str, bool], toolcalls.Delta]:
     """`feed(text, last)` -> the answer's parsed delta: through the chat route's parser when the request has tools
     or the template thinks, else the text as it is (as the chat route answers it)."""
     if not cs.parses:
@@ -170,10 +170,10 @@ def one_answer(st: AppState, req: Request, chat: dict[str, Any], cs: ChatSetup, 
                start: Callable[[Chunk | Finished], list[bytes]], add: Callable[[toolcalls.Delta], list[bytes]],
                end: Callable[[Finished], list[bytes]], error_event: Callable[[ApiError], bytes]) -> Reply | Stream:
     """The one answer of a route mapped onto the chat path (Anthropic Messages, OpenAI Responses), parsed as the
-    chat route parses it (answer_deltas). Whole: `whole(the answer's delta, Finished)`. Streamed (`stream` in the
+    chat route parses it (_answer_deltas). Whole: `whole(the answer's delta, Finished)`. Streamed (`stream` in the
     mapped body): `start(the first event)`, `add(delta)` for each piece, `end(Finished)` after the last; an error
     after the first event as `error_event`."""
-    feed = answer_deltas(cs)
+    feed = _answer_deltas(cs)
     ts = submit(st, jobs_for([(cs.toks, cs.prompt)], cs.params, 1))
     if not get_bool(chat, "stream", False):
         def final(got: list[tuple[str, Finished]]) -> dict[str, Any]:

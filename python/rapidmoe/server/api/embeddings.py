@@ -16,7 +16,7 @@ from .serving import AppState, Reply, Request, json_reply, next_event, one_promp
 def _embedding_tokens(st: AppState, entry: Any, name: str) -> list[int]:
     if isinstance(entry, dict) and "content" in entry:
         return tokenize_text(st, check_utf8(embeddings.content_text(entry["content"], f"{name}.content"), name),
-                         st.add_bos)
+                             st.add_bos)
     return one_prompt(st, entry, name)
 
 

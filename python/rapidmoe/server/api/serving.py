@@ -153,7 +153,7 @@ def check_ids(st: AppState, toks: list[Any], name: str) -> list[int]:
     return toks
 
 
-def is_id(x: Any) -> bool:
+def _is_id(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -168,7 +168,7 @@ def one_prompt(st: AppState, p: Any, name: str) -> list[int]:
         p, name = p["prompt_string"], f"{name}.prompt_string"
     if isinstance(p, str):
         return tokenize_text(st, check_utf8(p, name), st.add_bos)
-    if isinstance(p, list) and p and all(isinstance(x, str) or is_id(x) for x in p):
+    if isinstance(p, list) and p and all(isinstance(x, str) or _is_id(x) for x in p):
         out: list[int] = []
         for i, x in enumerate(p):
             if isinstance(x, str):
@@ -184,7 +184,7 @@ def prompt_list(st: AppState, prompt: Any) -> list[tuple[list[int], Any]]:
     (`tokenize_input_prompts`), which covers OpenAI's: an array holding any integer is ONE prompt (token ids,
     maybe mixed with strings); any other array is several prompts, each a string, token ids, mixed, or a
     `{"prompt_string"}` object."""
-    if isinstance(prompt, list) and not any(is_id(x) for x in prompt):
+    if isinstance(prompt, list) and not any(_is_id(x) for x in prompt):
         if not prompt:
             raise invalid_request("\"prompt\" must not be empty")
         return [(one_prompt(st, p, f"prompt[{i}]"), p) for i, p in enumerate(prompt)]
@@ -192,7 +192,7 @@ def prompt_list(st: AppState, prompt: Any) -> list[tuple[list[int], Any]]:
 
 
 def gen_params(st: AppState, body: dict[str, Any], route: str,
-                think: Callable[[str, str], str] | None = None) -> GenerationParams:
+               think: Callable[[str, str], str] | None = None) -> GenerationParams:
     """The request's generation parameters; `think`: structured.grammar_from's (a thinking chat template)."""
     assert st.engine is not None
     c = st.config
@@ -266,7 +266,7 @@ def submit(st: AppState, jobs: list[Job]) -> list[Ticket]:
         raise unavailable(f"server busy: {err}") from None
 
 
-def cancel(st: AppState, ts: list[Ticket]) -> None:
+def _cancel(st: AppState, ts: list[Ticket]) -> None:
     assert st.engine is not None
     for t in ts:
         st.engine.cancel(t)
@@ -286,7 +286,7 @@ def next_event(st: AppState, ts: list[Ticket], req: Request) -> tuple[int, Event
         if got is None or now - req.checked > 0.25:
             req.checked = now
             if req.gone():
-                cancel(st, ts)
+                _cancel(st, ts)
                 return None
         if got is not None:
             return got
@@ -294,11 +294,11 @@ def next_event(st: AppState, ts: list[Ticket], req: Request) -> tuple[int, Event
 
 def raise_failed(st: AppState, ts: list[Ticket], ev: Failed) -> None:
     """One choice failed: the others are cancelled and the request answers the error (llama-server's rule)."""
-    cancel(st, ts)
+    _cancel(st, ts)
     raise ApiError(ev.status, ev.type, ev.message)
 
 
-def collect(st: AppState, ts: list[Ticket], req: Request) -> list[tuple[str, Finished]] | None:
+def _collect(st: AppState, ts: list[Ticket], req: Request) -> list[tuple[str, Finished]] | None:
     """Every choice's whole text and Finished event, in index order; None when the client left first."""
     parts: list[list[str]] = [[] for _ in ts]
     done: dict[int, Finished] = {}
@@ -319,9 +319,9 @@ def collect(st: AppState, ts: list[Ticket], req: Request) -> list[tuple[str, Fin
 
 
 def whole_answer(st: AppState, ts: list[Ticket], req: Request,
-           final: Callable[[list[tuple[str, Finished]]], Any]) -> Reply:
+                 final: Callable[[list[tuple[str, Finished]]], Any]) -> Reply:
     """A non-streamed answer: every choice's text, shaped by `final`; 499 when the client left first."""
-    got = collect(st, ts, req)
+    got = _collect(st, ts, req)
     if got is None:
         return Reply(499, b"")
     return json_reply(final(got), n_tokens=sum(fin.n_decoded for _, fin in got))
@@ -332,8 +332,8 @@ def _llama_error_event(e: ApiError) -> bytes:
 
 
 def streamed_answer(st: AppState, ts: list[Ticket], req: Request, fmt: Callable[[int, Event, bool], list[bytes]],
-            done: bool, end: Callable[[list[Finished]], list[bytes]] | None = None,
-            error_event: Callable[[ApiError], bytes] = _llama_error_event) -> Reply | Stream:
+                    done: bool, end: Callable[[list[Finished]], list[bytes]] | None = None,
+                    error_event: Callable[[ApiError], bytes] = _llama_error_event) -> Reply | Stream:
     """SSE of all choices, interleaved as their tokens come (`fmt(index, event, first of this choice)`), then
     `end(every Finished)` and `[DONE]`. The first event is waited for here, so an error before any output is a
     plain error reply; one after it is an error event (`error_event`, llama-server's by default) that ends the
@@ -343,7 +343,7 @@ def streamed_answer(st: AppState, ts: list[Ticket], req: Request, fmt: Callable[
         return Reply(499, b"")
     if isinstance(first[1], Failed):
         raise_failed(st, ts, first[1])
-    out = Stream(iter(()), lambda: cancel(st, ts))
+    out = Stream(iter(()), lambda: _cancel(st, ts))
 
     def chunks() -> Iterator[bytes]:
         got: tuple[int, Event] | None = first
@@ -353,7 +353,7 @@ def streamed_answer(st: AppState, ts: list[Ticket], req: Request, fmt: Callable[
         while got is not None:
             i, ev = got
             if isinstance(ev, Failed):
-                cancel(st, ts)
+                _cancel(st, ts)
                 yield error_event(ApiError(ev.status, ev.type, ev.message))
                 return
             assert isinstance(ev, (Chunk, Finished))

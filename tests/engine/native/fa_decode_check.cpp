@@ -39,6 +39,7 @@ struct Result {
     std::vector<float> out;
     double rel_err;
     double alone_diff = 0.0;  // the largest difference between a row's outputs in the batch and computed alone
+    double rel_err_quantized = 0.0;  // against the reference on the query quantized (a Q8_0 K cache only)
 };
 
 static Result run_case(const Case & c, std::mt19937 & rng, int threads = 0) {
@@ -111,48 +112,67 @@ static Result run_case(const Case & c, std::mt19937 & rng, int threads = 0) {
         }
     }
     const int group = c.n_head / c.n_head_kv;
-    double max_err = 0.0;
-    double max_abs = 0.0;
-    for (int t = 0; t < c.n_q; t++) {
-        for (int h = 0; h < c.n_head; h++) {
-            const int g = h / group;
-            std::vector<double> s(c.n_kv);
-            double mx = -INFINITY;
-            for (int j = 0; j < c.n_kv; j++) {
-                const float mv = ggml_fp16_to_fp32(md[(size_t) t * c.n_kv + j]);
-                if (mv == -INFINITY) {
-                    s[j] = -INFINITY;
-                    continue;
+    // the reference's largest error relative to its magnitude, for the query as given or (quantized) as our kernel
+    // quantizes it for integer dot products with a Q8_0 K cache
+    auto rel_err_of = [&](bool quantized) {
+        std::vector<double> qv(qd, qd + ggml_nelements(q));
+        if (quantized) {
+            for (size_t b = 0; b < qv.size(); b += 32) {
+                float amax = 0.0f;
+                for (size_t i = b; i < b + 32; i++) {
+                    amax = std::max(amax, std::fabs(qd[i]));
                 }
-                double dot = 0.0;
-                for (int d = 0; d < c.dk; d++) {
-                    dot += (double) qd[((size_t) h * c.n_q + t) * c.dk + d] * kd[(size_t) j * n_gqa + g * c.dk + d];
+                const float d = amax / 127.0f;
+                const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+                for (size_t i = b; i < b + 32; i++) {
+                    qv[i] = std::nearbyint(qd[i] * id) * (double) d;
                 }
-                s[j] = dot * scale;
-                mx = std::max(mx, s[j]);
-            }
-            double sum = 0.0;
-            std::vector<double> acc(c.dk, 0.0);
-            for (int j = 0; j < c.n_kv; j++) {
-                if (s[j] == -INFINITY) {
-                    continue;
-                }
-                const double p = std::exp(s[j] - mx);
-                sum += p;
-                for (int d = 0; d < c.dk; d++) {
-                    acc[d] += p * vd[(size_t) j * n_gqa + g * c.dk + d];
-                }
-            }
-            const float * o = (const float *) ((const char *) out->data + h * out->nb[1] + t * out->nb[2]);
-            for (int d = 0; d < c.dk; d++) {
-                const double ref = acc[d] / sum;
-                max_abs = std::max(max_abs, std::fabs(ref));
-                max_err = std::max(max_err, std::fabs(ref - (double) o[d]));
             }
         }
-    }
+        double max_err = 0.0;
+        double max_abs = 0.0;
+        for (int t = 0; t < c.n_q; t++) {
+            for (int h = 0; h < c.n_head; h++) {
+                const int g = h / group;
+                std::vector<double> s(c.n_kv);
+                double mx = -INFINITY;
+                for (int j = 0; j < c.n_kv; j++) {
+                    const float mv = ggml_fp16_to_fp32(md[(size_t) t * c.n_kv + j]);
+                    if (mv == -INFINITY) {
+                        s[j] = -INFINITY;
+                        continue;
+                    }
+                    double dot = 0.0;
+                    for (int d = 0; d < c.dk; d++) {
+                        dot += qv[((size_t) h * c.n_q + t) * c.dk + d] * kd[(size_t) j * n_gqa + g * c.dk + d];
+                    }
+                    s[j] = dot * scale;
+                    mx = std::max(mx, s[j]);
+                }
+                double sum = 0.0;
+                std::vector<double> acc(c.dk, 0.0);
+                for (int j = 0; j < c.n_kv; j++) {
+                    if (s[j] == -INFINITY) {
+                        continue;
+                    }
+                    const double p = std::exp(s[j] - mx);
+                    sum += p;
+                    for (int d = 0; d < c.dk; d++) {
+                        acc[d] += p * vd[(size_t) j * n_gqa + g * c.dk + d];
+                    }
+                }
+                const float * o = (const float *) ((const char *) out->data + h * out->nb[1] + t * out->nb[2]);
+                for (int d = 0; d < c.dk; d++) {
+                    const double ref = acc[d] / sum;
+                    max_abs = std::max(max_abs, std::fabs(ref));
+                    max_err = std::max(max_err, std::fabs(ref - (double) o[d]));
+                }
+            }
+        }
+        return max_err / max_abs;
+    };
     Result res{std::vector<float>((const float *) out->data, (const float *) out->data + ggml_nelements(out)),
-               max_err / max_abs, alone_diff};
+               rel_err_of(false), alone_diff, c.kt == GGML_TYPE_Q8_0 ? rel_err_of(true) : 0.0};
     ggml_free(ctx);
     return res;
 }
@@ -181,6 +201,12 @@ int main() {
         {"q8k-gqa4-d128-kv300", 128, 300, 16, 4, 1, 2, 0.2f, GGML_TYPE_Q8_0, GGML_TYPE_F16},
         {"q8v-gqa4-d64-kv300", 64, 300, 8, 2, 1, 2, 0.2f, GGML_TYPE_F16, GGML_TYPE_Q8_0},
         {"q8-prompt-rows", 64, 80, 4, 2, 70, 2, 0.2f, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0},
+        // several chunks of 512 cells (a decode step's spread over the threads, folded), a prompt across them, and
+        // cells so sparse that some chunks hold none
+        {"deep-gqa4-kv1800", 128, 1800, 16, 4, 1, 2, 0.1f},
+        {"deep-q8-gqa4-kv1800", 128, 1800, 16, 4, 1, 2, 0.1f, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0},
+        {"causal-deep-q8", 128, 1300, 16, 4, 37, 2, 0.05f, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, true},
+        {"sparse-deep", 64, 2100, 8, 2, 1, 2, 0.995f},
         // shapes our kernel leaves to llama.cpp's: a group of 3, fewer sets of heads than threads
         {"gqa3", 64, 50, 6, 2, 1, 2, 0.0f},
         {"sets-below-threads", 64, 50, 4, 1, 1, 2, 0.0f},
@@ -190,6 +216,9 @@ int main() {
     for (const Case & c : cases) {
         const Result r = run_case(c, rng);
         std::printf("case %s max_rel_err %.3g\n", c.name, r.rel_err);
+        if (c.kt == GGML_TYPE_Q8_0) {
+            std::printf("qcase %s max_rel_err %.3g\n", c.name, r.rel_err_quantized);
+        }
         if (c.n_q > 1) {
             std::printf("alone %s max_abs_diff %.3g\n", c.name, r.alone_diff);
         }
@@ -199,7 +228,9 @@ int main() {
     // the same inputs with 1 to 4 threads (work items of 4, 2 or 1 KV heads, dealt out differently): the same bits
     for (const Case & c : {Case{"threads-f16", 128, 300, 16, 4, 1, 1, 0.2f},
                            Case{"threads-q8", 128, 300, 16, 4, 1, 1, 0.2f, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0},
-                           Case{"threads-rows", 64, 90, 8, 4, 9, 1, 0.3f}}) {
+                           Case{"threads-rows", 64, 90, 8, 4, 9, 1, 0.3f},
+                           Case{"threads-deep-q8", 128, 1700, 16, 4, 1, 1, 0.2f, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0},
+                           Case{"threads-sparse", 64, 2100, 16, 4, 1, 1, 0.995f}}) {
         std::vector<float> first;
         double diff = 0.0;
         for (int threads = 1; threads <= 4; threads++) {

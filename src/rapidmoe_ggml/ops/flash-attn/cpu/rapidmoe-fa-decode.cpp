@@ -54,10 +54,13 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-// Prefetches the row's bytes (a head's slice of a cache row) into L1
+// Prefetches the row's bytes (a head's slice of a cache row) into L1: every 64-byte line they touch (a Q8_0 row of
+// 544 bytes starts half-way into a line every other position)
 inline void prefetch_row(const char * row, int bytes) {
-    for (int b = 0; b < bytes; b += 64) {
-        _mm_prefetch(row + b, _MM_HINT_T0);
+    const uintptr_t first = (uintptr_t) row & ~(uintptr_t) 63;
+    const uintptr_t end = (uintptr_t) row + bytes;
+    for (uintptr_t line = first; line < end; line += 64) {
+        _mm_prefetch((const char *) line, _MM_HINT_T0);
     }
 }
 
@@ -209,6 +212,14 @@ inline __m512 load16(const char * row, int d) {
     }
 }
 
+// Values d..d+31 of a Q8_0 cache row (d a multiple of 32: one block) in F32, dequantized (exact) into lo and hi
+inline void load32_q8(const char * row, int d, __m512 & lo, __m512 & hi) {
+    const char * block = row + d / Q8_0_BLOCK * Q8_0_BYTES;
+    const __m512 scale = _mm512_set1_ps(_cvtsh_ss(*(const uint16_t *) block));
+    lo = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (block + 2)))));
+    hi = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (block + 18)))));
+}
+
 // Lane j of the result: the sum of a[j]'s 16 lanes (halves added, then a transposing tree of horizontal adds)
 inline __m256 hsum8(const __m512 a[8]) {
     __m256 s[8];
@@ -286,6 +297,124 @@ void scores_of16(const float * q, const char * k, size_t k_stride, size_t k_head
     }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// A Q8_0 K cache with integer dot products (VNNI), where converting each K value to F32 made pass 1 compute-bound
+// (at 16k positions, 2 threads, Xeon: 8.5 GB/s against an F16 cache's 13; tools/fa_cost.py). The queries are
+// quantized once per work item as llama.cpp's kernel quantizes its query for a Q8_0 K (blocks of 32, scale
+// max|x| / 127, rounded to nearest even), the scale kept in F32; a K row's 64 values (two blocks) are then one
+// 512-bit load and one vpdpbusd per query: K biased to unsigned (k + 128), the bias's share (128 times the query's
+// sum over each lane's 4 values) taken off by starting the lane's sum from minus it, so each lane's integer is the
+// exact dot product of its 4 values; the two blocks' sums go to F32 and are weighed by (K scale x query scale).
+// Each score is still one fixed chain of operations over the row (the same bits however the work is cut).
+struct QueriesQ8 {
+    static constexpr int LANES = MAX_DIM / 4;   // a query's dpbusd lanes: 16 per 64 values
+    alignas(64) int8_t q[MAX_DIM];             // the quantized values
+    alignas(64) int32_t bias[LANES];           // -128 x the sum of each lane's 4 values
+    alignas(64) float scale[LANES];            // each lane's block scale
+};
+
+// Quantizes dk values (a multiple of 64) of x into out
+inline void quantize_query(const float * x, int dk, QueriesQ8 & out) {
+    for (int b = 0; b < dk / Q8_0_BLOCK; b++) {
+        const __m512 lo = _mm512_load_ps(x + b * Q8_0_BLOCK);
+        const __m512 hi = _mm512_load_ps(x + b * Q8_0_BLOCK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float d = amax / 127.0f;
+        const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id));  // nearest even (the default rounding)
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
+        _mm_store_si128((__m128i *) (out.q + b * Q8_0_BLOCK), _mm512_cvtepi32_epi8(qlo));
+        _mm_store_si128((__m128i *) (out.q + b * Q8_0_BLOCK + 16), _mm512_cvtepi32_epi8(qhi));
+        for (int l = 0; l < Q8_0_BLOCK / 4; l++) {
+            const int8_t * v = out.q + b * Q8_0_BLOCK + 4 * l;
+            out.bias[b * 8 + l] = -128 * (v[0] + v[1] + v[2] + v[3]);
+            out.scale[b * 8 + l] = d;
+        }
+    }
+}
+
+// A K row's values c * 64 .. c * 64 + 63 (blocks 2c and 2c + 1) as unsigned bytes (k + 128)
+inline __m512i k_pair_biased(const char * row, int c) {
+    const char * b0 = row + 2 * c * Q8_0_BYTES;
+    const __m256i lo = _mm256_loadu_si256((const __m256i *) (b0 + 2));
+    const __m256i hi = _mm256_loadu_si256((const __m256i *) (b0 + Q8_0_BYTES + 2));
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8((char) 0x80));
+}
+
+// Their two blocks' scales, each in the 8 lanes that sum its values
+inline __m512 k_pair_scales(const char * row, int c) {
+    const char * b0 = row + 2 * c * Q8_0_BYTES;
+    const __m128i d0 = _mm_set1_epi16(*(const int16_t *) b0);
+    const __m128i d1 = _mm_set1_epi16(*(const int16_t *) (b0 + Q8_0_BYTES));
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(d0), d1, 1));
+}
+
+// scores_of16 over a Q8_0 K cache with the queries quantized (qs[qq]), dk a multiple of 64
+template <int G, int R, int KH, ggml_type VT>
+void scores_of16_q8(const QueriesQ8 * qs, const char * k, size_t k_stride, size_t k_head, const char * v,
+                    size_t v_stride, size_t v_head, const int32_t * pos, const float * const * masks, int64_t n,
+                    int dk, float scale, float * scores) {
+    constexpr int RG = R * G;
+    constexpr int NQ = RG * KH;
+    constexpr int P = NQ >= 8 ? 1 : 8 / NQ;
+    constexpr int NA = NQ * P;
+    static_assert(NA == 8 || NA == 16, "8 or 16 accumulators");
+    constexpr int64_t AHEAD = 32;
+    const int kbytes = (int) ((KH - 1) * k_head) + row_bytes<GGML_TYPE_Q8_0>(dk);
+    const int vbytes = (int) ((KH - 1) * v_head) + row_bytes<VT>(dk);
+    for (int64_t i = 0; i < n && i < AHEAD; i++) {
+        prefetch_row(k + pos[i] * k_stride, kbytes);
+    }
+    for (int64_t i = 0; i < n; i += P) {
+        const char * kr[P];
+        for (int j = 0; j < P; j++) {
+            const int64_t ij = std::min(i + j, n - 1);
+            kr[j] = k + pos[ij] * k_stride;
+            if (ij + AHEAD < n) {
+                prefetch_row(k + pos[ij + AHEAD] * k_stride, kbytes);
+            }
+            if (i + j < TILE && i + j < n) {
+                prefetch_row(v + pos[i + j] * v_stride, vbytes);
+            }
+        }
+        __m512 acc[NA];
+        for (auto & a : acc) {
+            a = _mm512_setzero_ps();
+        }
+        for (int c = 0; c < dk / 64; c++) {
+            for (int g = 0; g < KH; g++) {
+                __m512i kb[P];
+                __m512 kd[P];
+                for (int j = 0; j < P; j++) {
+                    kb[j] = k_pair_biased(kr[j] + g * k_head, c);
+                    kd[j] = k_pair_scales(kr[j] + g * k_head, c);
+                }
+                for (int rh = 0; rh < RG; rh++) {
+                    const int qq = g * RG + rh;
+                    const __m512i qv = _mm512_load_si512(qs[qq].q + 64 * c);
+                    const __m512i bias = _mm512_load_si512(qs[qq].bias + 16 * c);
+                    const __m512 qd = _mm512_load_ps(qs[qq].scale + 16 * c);
+                    for (int j = 0; j < P; j++) {
+                        const __m512i dot = _mm512_dpbusd_epi32(bias, kb[j], qv);
+                        acc[qq * P + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(kd[j], qd),
+                                                          acc[qq * P + j]);
+                    }
+                }
+            }
+        }
+        alignas(32) float dots[NA];
+        for (int a = 0; a < NA; a += 8) {
+            _mm256_store_ps(dots + a, hsum8(acc + a));
+        }
+        for (int j = 0; j < P && i + j < n; j++) {
+            for (int qq = 0; qq < NQ; qq++) {
+                scores[qq * n + i + j] = dots[qq * P + j] * scale + masks[qq / G % R][i + j];
+            }
+        }
+    }
+}
+#endif
+
 // Pass 3 as weighted_values for the G query heads of each of KH adjacent KV heads: tiles of TILE positions (the next
 // tile's rows prefetched, one a position), C 16-column chunks of a KV head's G accumulators at once (G * C <= 16
 // registers); out[hh * MAX_DIM + d] for query head hh = g * G + h, each output the same chain over i = 0..n-1
@@ -327,8 +456,14 @@ void weighted_values16(const float * p, const char * v, size_t v_stride, size_t 
                     }
                     const char * vr = vg + pos[i] * v_stride;
                     __m512 vv[C];
-                    for (int c = 0; c < C; c++) {
-                        vv[c] = load16<VT>(vr, d0 + 16 * c);
+                    if constexpr (VT == GGML_TYPE_Q8_0 && C % 2 == 0) {
+                        for (int c = 0; c < C; c += 2) {  // a block's two halves: its scale read once
+                            load32_q8(vr, d0 + 16 * c, vv[c], vv[c + 1]);
+                        }
+                    } else {
+                        for (int c = 0; c < C; c++) {
+                            vv[c] = load16<VT>(vr, d0 + 16 * c);
+                        }
                     }
                     for (int h = 0; h < G; h++) {
                         const __m512 w = _mm512_set1_ps(pg[h * n + i]);
@@ -365,14 +500,14 @@ void weighted_values16_any(const float * p, const char * v, size_t v_stride, siz
     }
 }
 
-// The visible positions of a mask row (!= -INFINITY, as the scalar loop) and their mask values, 16 cells at a time;
-// pos and pos_mask have room for n_kv + 16. Returns their count.
-inline int64_t visible16(const ggml_fp16_t * mp, int64_t n_kv, int32_t * pos, float * pos_mask) {
+// The visible cells c0..c1-1 of a mask row (!= -INFINITY, as the scalar loop) and their mask values, 16 cells at a
+// time; pos and pos_mask have room for c1 - c0 + 16. Returns their count.
+inline int64_t visible16(const ggml_fp16_t * mp, int64_t c0, int64_t c1, int32_t * pos, float * pos_mask) {
     int64_t count = 0;
     const __m512 drop = _mm512_set1_ps(-INFINITY);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    int64_t ic = 0;
-    for (; ic + 16 <= n_kv; ic += 16) {
+    int64_t ic = c0;
+    for (; ic + 16 <= c1; ic += 16) {
         const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (mp + ic)));
         const __mmask16 keep = _mm512_cmp_ps_mask(mv, drop, _CMP_NEQ_UQ);
         const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int32_t) ic), iota);
@@ -381,7 +516,7 @@ inline int64_t visible16(const ggml_fp16_t * mp, int64_t n_kv, int32_t * pos, fl
         _mm512_storeu_ps(pos_mask + count, _mm512_maskz_compress_ps(keep, mv));
         count += __builtin_popcount((unsigned) keep);
     }
-    for (; ic < n_kv; ic++) {
+    for (; ic < c1; ic++) {
         const float mv = _cvtsh_ss(mp[ic]);
         if (mv != -INFINITY) {
             pos[count] = (int32_t) ic;
@@ -393,30 +528,30 @@ inline int64_t visible16(const ggml_fp16_t * mp, int64_t n_kv, int32_t * pos, fl
 }
 #endif
 
-// The visible positions of query row t of stream i3 (its mask row: one for all heads; every position without a mask)
-// into pos and their mask values into pos_mask, both with room for n_kv + 16; returns their count
-inline int64_t visible_of(const ggml_tensor * mask, int64_t n_kv, int64_t i3, int64_t t, bool wide,
+// The visible cells c0..c1-1 of query row t of stream i3 (its mask row: one for all heads; every cell without a
+// mask) into pos and their mask values into pos_mask, both with room for c1 - c0 + 16; returns their count
+inline int64_t visible_of(const ggml_tensor * mask, int64_t c0, int64_t c1, int64_t i3, int64_t t, bool wide,
                           std::vector<int32_t> & pos, std::vector<float> & pos_mask) {
-    pos.resize((size_t) n_kv + 16);
-    pos_mask.resize((size_t) n_kv + 16);
+    pos.resize((size_t) (c1 - c0) + 16);
+    pos_mask.resize((size_t) (c1 - c0) + 16);
     if (mask == nullptr) {
-        for (int64_t ic = 0; ic < n_kv; ic++) {
-            pos[ic] = (int32_t) ic;
-            pos_mask[ic] = 0.0f;
+        for (int64_t ic = c0; ic < c1; ic++) {
+            pos[ic - c0] = (int32_t) ic;
+            pos_mask[ic - c0] = 0.0f;
         }
-        return n_kv;
+        return c1 - c0;
     }
     const auto * mp = (const ggml_fp16_t *) ((const char *) mask->data + t * mask->nb[1] +
                                              (i3 % mask->ne[3]) * mask->nb[3]);
 #if defined(__AVX512F__)
     if (wide) {
-        return visible16(mp, n_kv, pos.data(), pos_mask.data());
+        return visible16(mp, c0, c1, pos.data(), pos_mask.data());
     }
 #else
     (void) wide;
 #endif
     int64_t n = 0;
-    for (int64_t ic = 0; ic < n_kv; ic++) {
+    for (int64_t ic = c0; ic < c1; ic++) {
         const float mv = _cvtsh_ss(mp[ic]);  // F16C inline: ggml_fp16_to_fp32 is a call
         if (mv != -INFINITY) {
             pos[n] = (int32_t) ic;
@@ -427,17 +562,86 @@ inline int64_t visible_of(const ggml_tensor * mask, int64_t n_kv, int64_t i3, in
     return n;
 }
 
+// A row's attention is computed in chunks of CELLS cache cells, each chunk's softmax and weighted V rows on their
+// own (its largest score m, the sum s of exp(score - m), the unnormalized sum of weighted V rows), folded in order:
+// a decode step's chunks are spread over the threads (at depth each thread then reads whole cache rows, one stream,
+// where a cut by KV heads read every row in interleaved pieces: 1.4x at 16k positions, tools/fa_cost.py) and folded
+// after a barrier, a prompt tile's are folded as they are computed. The chunks are fixed cells, not a share of a
+// thread count or of the cache's size, and the fold's order is fixed: a row gets the same bits whatever the threads,
+// the batch or the cache's length around it.
+constexpr int64_t CELLS = 512;
+
+// A chunk's (or the chunks before it, folded) result for the queries of a work item: their maxima m, sums s and
+// unnormalized outputs o (MAX_DIM apart), laid out as one block of floats so a thread can hand it to another
+struct Partial {
+    static constexpr int MAX_Q = 16;
+    float m[MAX_Q];
+    float s[MAX_Q];
+    alignas(64) float o[MAX_Q * MAX_DIM];
+};
+
+// Folds query qq's chunk result `c` into the running result `run` of the chunks before it: the first chunk with a
+// visible cell is taken as it is (a row whose cells fit one chunk gets the bits of a single pass), a chunk without
+// one (s = 0) leaves it unchanged
+inline void fold(const Partial & c, int qq, int dv, Partial & run) {
+    const float s = c.s[qq];
+    if (s == 0.0f) {
+        return;
+    }
+    float * o = run.o + qq * MAX_DIM;
+    const float * co = c.o + qq * MAX_DIM;
+    if (run.s[qq] == 0.0f) {
+        run.m[qq] = c.m[qq];
+        run.s[qq] = s;
+        std::memcpy(o, co, dv * sizeof(float));
+        return;
+    }
+    const float mx = std::max(run.m[qq], c.m[qq]);
+    const float a = std::exp(run.m[qq] - mx);
+    const float b = std::exp(c.m[qq] - mx);
+    for (int d = 0; d < dv; d += 8) {
+        _mm256_store_ps(o + d, _mm256_fmadd_ps(_mm256_load_ps(o + d), _mm256_set1_ps(a),
+                                               _mm256_mul_ps(_mm256_load_ps(co + d), _mm256_set1_ps(b))));
+    }
+    run.m[qq] = mx;
+    run.s[qq] = run.s[qq] * a + s * b;
+}
+
+// dst's rows for an item's queries (as kv_heads numbers them) from their folded result: o / s (0 where no cell is
+// visible)
+template <int G, int R, int KH>
+void write_rows(const ggml_tensor * dst, int64_t i3, int64_t t0, int64_t h0, int64_t rows, const Partial & run,
+                int nq = R * G * KH) {
+    constexpr int RG = R * G;
+    const int dv = (int) dst->ne[0];
+    for (int qq = 0; qq < nq; qq++) {
+        const int64_t r = qq / G % R;
+        if (r >= rows) {
+            continue;
+        }
+        const int64_t head = h0 + qq / RG * G + qq % G;
+        const float inv = run.s[qq] == 0.0f ? 0.0f : 1.0f / run.s[qq];
+        auto * row = (float *) ((char *) dst->data + head * dst->nb[1] + (t0 + r) * dst->nb[2] + i3 * dst->nb[3]);
+        for (int d = 0; d < dv; d++) {
+            row[d] = run.o[qq * MAX_DIM + d] * inv;
+        }
+    }
+}
+
 // Query rows t0..t0+R-1 of stream i3 (a sequence's own cache when llama.cpp keeps one per sequence; rows past the
 // batch's end are computed as its last and not written), heads h0..h0+G*KH-1 of each: G on each of the KV heads
-// g0..g0+KH-1. `wide`: the AVX-512 kernel (R or KH > 1 only there). With R > 1 the rows share one pass over the
-// cache: the positions the longest row sees, which must begin with the positions every other row sees (a causal
-// batch appended to a sequence's cells); each row's softmax and weighted sum still run over its own positions
-// only, so a row gets the bits it gets alone. Returns false, computing nothing, where the rows' positions are not
-// so nested (the caller then takes them one at a time).
+// g0..g0+KH-1. `wide`: the AVX-512 kernel (R or KH > 1 only there). chunk < 0: every chunk of cells, folded, the
+// rows written to dst; chunk >= 0 (one row): that chunk's result into *part, for the caller to fold.
+// With R > 1 the rows share each pass over a chunk's cells: the cells the longest row sees, which must begin with
+// the cells every other row sees (a causal batch appended to a sequence's cells); each row's softmax and weighted
+// sum still run over its own cells only, so a row gets the bits it gets alone. Returns false, writing nothing, where
+// the rows' cells are not so nested (the caller then takes them one at a time).
 template <int G, int R, int KH, ggml_type KT, ggml_type VT>
-bool kv_heads(const ggml_tensor * dst, int64_t i3, int64_t t0, int64_t g0, int64_t h0, float scale, bool wide) {
+bool kv_heads(const ggml_tensor * dst, int64_t i3, int64_t t0, int64_t g0, int64_t h0, float scale, bool wide,
+              int64_t chunk, Partial * part) {
     constexpr int RG = R * G;
     constexpr int NQ = RG * KH;
+    static_assert(NQ <= Partial::MAX_Q, "queries of an item");
     const ggml_tensor * q = dst->src[0];
     const ggml_tensor * k = dst->src[1];
     const ggml_tensor * v = dst->src[2];
@@ -446,31 +650,7 @@ bool kv_heads(const ggml_tensor * dst, int64_t i3, int64_t t0, int64_t g0, int64
     const int dk = (int) k->ne[0];
     const int dv = (int) v->ne[0];
     const int64_t rows = std::min<int64_t>(R, q->ne[1] - t0);
-    // each row's visible positions (masked and padded cells cost nothing), the longest row's for all
-    static thread_local std::vector<int32_t> pos[R];
-    static thread_local std::vector<float> pos_mask[R];
-    int64_t n_row[R];
-    int longest = 0;
-    for (int r = 0; r < rows; r++) {
-        n_row[r] = visible_of(mask, n_kv, i3, t0 + r, wide, pos[r], pos_mask[r]);
-        longest = n_row[r] > n_row[longest] ? r : longest;
-    }
-    const int64_t n = n_row[longest];
-    const float * masks[R];
-    for (int r = 0; r < R; r++) {
-        const int rr = (int) std::min<int64_t>(r, rows - 1);
-        if (r < rows && r != longest) {
-            if (std::memcmp(pos[r].data(), pos[longest].data(), n_row[r] * sizeof(int32_t)) != 0) {
-                return false;
-            }
-            std::fill(pos_mask[r].begin() + n_row[r], pos_mask[r].begin() + n, -INFINITY); // seen by others only
-        }
-        n_row[r] = n_row[rr];
-        masks[r] = pos_mask[rr].data();
-    }
-    const int32_t * ps = pos[longest].data();
-    static thread_local std::vector<float> scores;
-    scores.resize((size_t) NQ * n);
+    GGML_ASSERT(chunk < 0 || R == 1);
     const char * kg = (const char *) k->data + g0 * k->nb[2] + i3 * k->nb[3];
     const char * vg = (const char *) v->data + g0 * v->nb[2] + i3 * v->nb[3];
     // query vector qq = (g * R + r) * G + h: row t0 + r, head h0 + g * G + h
@@ -480,61 +660,113 @@ bool kv_heads(const ggml_tensor * dst, int64_t i3, int64_t t0, int64_t g0, int64
         return (const float *) ((const char *) q->data + (t0 + r) * q->nb[1] + head * q->nb[2] + i3 * q->nb[3]);
     };
 #if defined(__AVX512F__)
+    // the queries side by side in one buffer: one base register for all of them (16 pointers would spill)
+    alignas(64) float qbuf[NQ * MAX_DIM];
     if (wide) {
-        // the queries side by side in one buffer: one base register for all of them (16 pointers would spill)
-        alignas(64) float qbuf[NQ * MAX_DIM];
         for (int qq = 0; qq < NQ; qq++) {
             std::memcpy(qbuf + qq * MAX_DIM, query(qq), dk * sizeof(float));
         }
-        scores_of16<G, R, KH, KT, VT>(qbuf, kg, k->nb[1], k->nb[2], vg, v->nb[1], v->nb[2], ps, masks, n, dk, scale,
-                                      scores.data());
-    } else
-#endif
-    if constexpr (R == 1 && KH == 1) {
-        const float * qh[G];
-        for (int h = 0; h < G; h++) {
-            qh[h] = query(h);
+    }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const bool int_dots = wide && KT == GGML_TYPE_Q8_0 && dk % 64 == 0;
+    QueriesQ8 qs[NQ];
+    if (int_dots) {
+        for (int qq = 0; qq < NQ; qq++) {
+            quantize_query(qbuf + qq * MAX_DIM, dk, qs[qq]);
         }
-        scores_of<G, KT, VT>(qh, kg, k->nb[1], vg, v->nb[1], ps, masks[0], n, dk, scale, scores.data());
-    } else {
-        GGML_ABORT("rapidmoe_flash_attn_decode: rows or KV heads taken together without the AVX-512 kernel");
     }
-    float sum[NQ];
+#endif
+#endif
+    const float * qh[G];
+    for (int h = 0; h < G; h++) {
+        qh[h] = query(h);
+    }
+    // each row's visible cells of the chunk (masked and padded cells cost nothing), the longest row's for all
+    static thread_local std::vector<int32_t> pos[R];
+    static thread_local std::vector<float> pos_mask[R];
+    static thread_local std::vector<float> scores;
+    static thread_local Partial cur;
+    static thread_local Partial run;
+    Partial & res = chunk >= 0 ? *part : cur;
     for (int qq = 0; qq < NQ; qq++) {
-        float * s = scores.data() + qq * n;
-        const int64_t nr = n_row[qq / G % R];
-        const float m = max_of(s, nr);
-        // exp(s - m) in place and its sum over the row's own positions: ggml's vectorized softmax step (llama.cpp's
-        // SOFT_MAX uses it), not a scalar std::exp per score (profiled on the bench model, pp512: a quarter of the
-        // attention's time); the positions only other rows see weigh 0 in pass 3
-        sum[qq] = (float) ggml_vec_soft_max_f32((int) nr, s, s, m);
-        std::fill(s + nr, s + n, 0.0f);
+        run.s[qq] = 0.0f;
     }
-    alignas(64) float out[NQ * MAX_DIM];
+    const int64_t n_chunks = (n_kv + CELLS - 1) / CELLS;
+    for (int64_t c = std::max<int64_t>(chunk, 0); c < (chunk >= 0 ? chunk + 1 : n_chunks); c++) {
+        const int64_t c0 = c * CELLS;
+        const int64_t c1 = std::min(n_kv, c0 + CELLS);
+        int64_t n_row[R];
+        int longest = 0;
+        for (int r = 0; r < rows; r++) {
+            n_row[r] = visible_of(mask, c0, c1, i3, t0 + r, wide, pos[r], pos_mask[r]);
+            longest = n_row[r] > n_row[longest] ? r : longest;
+        }
+        const int64_t n = n_row[longest];
+        const float * masks[R];
+        for (int r = 0; r < R; r++) {
+            const int rr = (int) std::min<int64_t>(r, rows - 1);
+            if (r < rows && r != longest) {
+                if (std::memcmp(pos[r].data(), pos[longest].data(), n_row[r] * sizeof(int32_t)) != 0) {
+                    return false;
+                }
+                std::fill(pos_mask[r].begin() + n_row[r], pos_mask[r].begin() + n, -INFINITY); // seen by others only
+            }
+            n_row[r] = n_row[rr];
+            masks[r] = pos_mask[rr].data();
+        }
+        const int32_t * ps = pos[longest].data();
+        scores.resize((size_t) NQ * CELLS);
+        if (n > 0) {
 #if defined(__AVX512F__)
-    if (wide) {
-        weighted_values16_any<RG, KH, VT>(scores.data(), vg, v->nb[1], v->nb[2], ps, n, dv, out);
-    } else
+            if (wide) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+                if (int_dots) {
+                    scores_of16_q8<G, R, KH, VT>(qs, kg, k->nb[1], k->nb[2], vg, v->nb[1], v->nb[2], ps, masks, n, dk,
+                                                 scale, scores.data());
+                } else
 #endif
-    if constexpr (R == 1 && KH == 1) {
-        weighted_values<G, VT>(scores.data(), vg, v->nb[1], ps, n, dv, out);
+                scores_of16<G, R, KH, KT, VT>(qbuf, kg, k->nb[1], k->nb[2], vg, v->nb[1], v->nb[2], ps, masks, n, dk,
+                                              scale, scores.data());
+            } else
+#endif
+            if constexpr (R == 1 && KH == 1) {
+                scores_of<G, KT, VT>(qh, kg, k->nb[1], vg, v->nb[1], ps, masks[0], n, dk, scale, scores.data());
+            } else {
+                GGML_ABORT("rapidmoe_flash_attn_decode: rows or KV heads taken together without the AVX-512 kernel");
+            }
+        }
+        for (int qq = 0; qq < NQ; qq++) {
+            float * sc = scores.data() + qq * n;
+            const int64_t nr = n_row[qq / G % R];
+            res.m[qq] = max_of(sc, nr);
+            // exp(s - m) in place and its sum over the row's own cells: ggml's vectorized softmax step (llama.cpp's
+            // SOFT_MAX uses it), not a scalar std::exp per score (profiled on the bench model, pp512: a quarter of
+            // the attention's time); the cells only other rows see weigh 0 in pass 3; a chunk without cells sums to 0
+            res.s[qq] = nr > 0 ? (float) ggml_vec_soft_max_f32((int) nr, sc, sc, res.m[qq]) : 0.0f;
+            std::fill(sc + nr, sc + n, 0.0f);
+        }
+#if defined(__AVX512F__)
+        if (wide) {
+            weighted_values16_any<RG, KH, VT>(scores.data(), vg, v->nb[1], v->nb[2], ps, n, dv, res.o);
+        } else
+#endif
+        if constexpr (R == 1 && KH == 1) {
+            weighted_values<G, VT>(scores.data(), vg, v->nb[1], ps, n, dv, res.o);
+        }
+        if (chunk < 0) {
+            for (int qq = 0; qq < NQ; qq++) {
+                fold(res, qq, dv, run);
+            }
+        }
     }
-    for (int qq = 0; qq < NQ; qq++) {
-        const int64_t r = qq / G % R;
-        if (r >= rows) {
-            continue;
-        }
-        const int64_t head = h0 + qq / RG * G + qq % G;
-        const float inv = sum[qq] == 0.0f ? 0.0f : 1.0f / sum[qq];
-        auto * row = (float *) ((char *) dst->data + head * dst->nb[1] + (t0 + r) * dst->nb[2] + i3 * dst->nb[3]);
-        for (int d = 0; d < dv; d++) {
-            row[d] = out[qq * MAX_DIM + d] * inv;
-        }
+    if (chunk < 0) {
+        write_rows<G, R, KH>(dst, i3, t0, h0, rows, run);
     }
     return true;
 }
 
-using kv_heads_fn = bool (*)(const ggml_tensor *, int64_t, int64_t, int64_t, int64_t, float, bool);
+using kv_heads_fn = bool (*)(const ggml_tensor *, int64_t, int64_t, int64_t, int64_t, float, bool, int64_t,
+                             Partial *);
 
 template <int G, ggml_type KT, ggml_type VT>
 kv_heads_fn kv_heads_of(int64_t rows, int64_t kh) {
@@ -575,14 +807,16 @@ kv_heads_fn kv_heads_for(int64_t set, int64_t rows, int64_t kh, ggml_type kt, gg
 
 // How a work item is cut, for the AVX-512 kernel (`wide`; else one query row on one KV head): a decode step's
 // adjacent KV heads read as one stream (up to 16 / G query heads' worth, as many as still leave each thread an
-// item: each thread its own KV heads), a prompt batch's query rows sharing each pass over the cache (up to 16 / G
-// of them, as many as still leave each thread an item). With more than MAX_GROUP query heads a KV head, one set.
+// item, counting a split decode step's chunks: at depth a thread then reads whole cache rows), a prompt batch's
+// query rows sharing each pass over the cache (up to 16 / G of them, as many as still leave each thread an item).
+// With more than MAX_GROUP query heads a KV head, one set.
 struct Cut {
     int64_t rows = 1;
     int64_t kh = 1;
 };
 
-Cut cut_of(const ggml_tensor * q, const ggml_tensor * k, const ggml_tensor * v, int64_t group, int nth, bool wide) {
+Cut cut_of(const ggml_tensor * q, const ggml_tensor * k, const ggml_tensor * v, int64_t group, int nth, bool wide,
+           int64_t chunks) {
     Cut c;
     const int64_t n_head_kv = k->ne[2];
     const bool side_by_side = k->nb[2] == ggml_row_size(k->type, k->ne[0]) &&
@@ -601,7 +835,7 @@ Cut cut_of(const ggml_tensor * q, const ggml_tensor * k, const ggml_tensor * v, 
         return c;
     }
     for (int64_t kh = 4; kh > 1 && side_by_side; kh /= 2) {
-        if (group * kh <= 16 && n_head_kv % kh == 0 && q->ne[3] * (n_head_kv / kh) >= nth) {
+        if (group * kh <= 16 && n_head_kv % kh == 0 && q->ne[3] * (n_head_kv / kh) * chunks >= nth) {
             c.kh = kh;
             return c;
         }
@@ -658,16 +892,51 @@ bool rapidmoe_flash_attn_decode(const ggml_compute_params * params, ggml_tensor 
 #else
     const bool wide = false;
 #endif
-    const Cut cut = cut_of(q, k, v, group, nth, wide);
+    // a decode step at depth: its chunks of cells spread over the threads, each thread's results handed over through
+    // the node's work buffer (a pointer a thread) and folded after a barrier
+    const int64_t n_chunks = (k->ne[1] + CELLS - 1) / CELLS;
+    const bool split = q->ne[1] == 1 && nth > 1 && n_chunks > 1 && params->wdata != nullptr &&
+                       params->wsize >= (size_t) nth * sizeof(Partial *);
+    const Cut cut = cut_of(q, k, v, group, nth, wide, split ? n_chunks : 1);
     const int64_t sets = n_head / (set * cut.kh);             // items per tile of query rows
-    const int64_t tiles = (q->ne[1] + cut.rows - 1) / cut.rows;
-    const int64_t per_stream = tiles * sets;
-    const int64_t n_items = q->ne[3] * per_stream;
     const kv_heads_fn kernel = kv_heads_for(set, cut.rows, cut.kh, k->type, v->type);
     const kv_heads_fn one_row = kv_heads_for(set, 1, 1, k->type, v->type);
     if (kernel == nullptr || one_row == nullptr) {
         GGML_ABORT("rapidmoe_flash_attn_decode: %d query heads per KV head not checked", (int) group);
     }
+    if (split) {
+        const int64_t n_items = q->ne[3] * sets * n_chunks;   // item: (stream, set of heads, chunk)
+        static thread_local std::vector<Partial> mine;         // this thread's items' results, in its order
+        mine.resize((size_t) ((n_items + nth - 1) / nth));
+        for (int64_t item = ith; item < n_items; item += nth) {
+            const int64_t i3 = item / (sets * n_chunks);
+            const int64_t h0 = item / n_chunks % sets * set * cut.kh;
+            kernel(dst, i3, 0, h0 / group, h0, scale, wide, item % n_chunks, &mine[item / nth]);
+        }
+        auto ** handed = (Partial **) params->wdata;
+        handed[ith] = mine.data();
+        ggml_barrier(params->threadpool);
+        static thread_local Partial run;
+        const int nq = (int) (set * cut.kh);
+        for (int64_t task = ith; task < q->ne[3] * sets; task += nth) {  // task: (stream, set of heads)
+            for (int qq = 0; qq < nq; qq++) {
+                run.s[qq] = 0.0f;
+            }
+            for (int64_t c = 0; c < n_chunks; c++) {
+                const int64_t item = task * n_chunks + c;
+                const Partial & part = handed[item % nth][item / nth];
+                for (int qq = 0; qq < nq; qq++) {
+                    fold(part, qq, (int) v->ne[0], run);
+                }
+            }
+            // a decode row's queries are numbered head by head (qq = g * set + h: head h0 + qq)
+            write_rows<1, 1, 1>(dst, task / sets, 0, task % sets * nq, 1, run, nq);
+        }
+        return true;
+    }
+    const int64_t tiles = (q->ne[1] + cut.rows - 1) / cut.rows;
+    const int64_t per_stream = tiles * sets;
+    const int64_t n_items = q->ne[3] * per_stream;
     // work items (a tile of query rows' set of heads, on one KV head or kh side by side): a decode step's few are
     // dealt out, every nth to a thread; a prompt batch's are claimed as the threads go (the threadpool's chunk
     // counter, set before the threads meet), from the last tile back (the longest first), so a thread slowed by the
@@ -685,9 +954,9 @@ bool rapidmoe_flash_attn_decode(const ggml_compute_params * params, ggml_tensor 
         const int64_t i3 = item / per_stream;
         const int64_t t0 = item % per_stream / sets * cut.rows;
         const int64_t h0 = item % sets * set * cut.kh;
-        if (!kernel(dst, i3, t0, h0 / group, h0, scale, wide)) {
+        if (!kernel(dst, i3, t0, h0 / group, h0, scale, wide, -1, nullptr)) {
             for (int64_t t = t0; t < std::min(t0 + cut.rows, q->ne[1]); t++) { // rows not nested: one at a time
-                one_row(dst, i3, t, h0 / group, h0, scale, wide);
+                one_row(dst, i3, t, h0 / group, h0, scale, wide, -1, nullptr);
             }
         }
     }

@@ -39,7 +39,7 @@ def run_once(exe: Path, depth: int, rows: int, kv: str, threads: int, heads: lis
     env = {k: v for k, v in os.environ.items() if k != "RAPIDMOE_FA_DECODE"}
     if not ours:
         env["RAPIDMOE_FA_DECODE"] = "0"
-    reps = "3" if rows == 1 else "1"
+    reps = "3"
     out = subprocess.run([str(exe), str(depth), str(rows), kv, kv, str(threads), reps, *heads], capture_output=True,
                          text=True, env=env, check=True).stdout.split()
     return {"us": float(out[1]), "gb_per_s": float(out[3])}

@@ -21,9 +21,14 @@
 // over the cache (up to 16 / G rows on a KV head: the K and V rows read once for all of them) where their visible
 // positions nest, as a causal prompt's do; each row's softmax and sums still cover its own positions only.
 //
-// A Q8_0 cache (llama.cpp's -ctk/-ctv q8_0, K and V each either type) is read the same way: each row's 32-value
-// blocks dequantized exactly (int8 times the block's F16 scale is exact in F32) as they are used, so the query stays
-// F32 where llama.cpp's kernel quantizes it to Q8_0 for an integer dot product, per query head.
+// A Q8_0 cache (llama.cpp's -ctk/-ctv q8_0, K and V each either type) is read the same way, a V row's 32-value blocks
+// dequantized exactly (int8 times the block's F16 scale is exact in F32) as they are used. A Q8_0 K row, where the
+// build has AVX-512 VNNI and the head size is a multiple of 64, is dotted in integers with the query quantized once
+// per work item as llama.cpp's kernel quantizes it for a Q8_0 K (scores_of16_q8); elsewhere its blocks are dequantized
+// and the query stays F32.
+//
+// At depth a decode step's cells are cut into fixed chunks of CELLS, spread over the threads and folded in order
+// (each chunk's own softmax, rescaled to the running maximum): a thread then reads whole cache rows, one stream.
 #include "rapidmoe-fa-decode.h"
 
 #include "rapidmoe-claim.h"
@@ -89,6 +94,10 @@ inline float max_of(const float * s, int64_t n) {
 }
 
 constexpr int64_t TILE = 32;                   // positions pass 3 takes at a time
+// A query's scores lie SCORES apart (a chunk's cells at most): a compile-time stride, so the V pass addresses every
+// query's weight from one base register (with the count of cells as the stride, 16 queries' pointers spilled to the
+// stack and each multiply-add waited on a reload: a prompt batch's V pass at half its speed)
+constexpr int64_t SCORES = 512;
 
 constexpr int Q8_0_BLOCK = 32;                  // values a Q8_0 block holds
 constexpr int Q8_0_BYTES = 2 + Q8_0_BLOCK;      // its F16 scale, then 32 int8 (ggml's block_q8_0)
@@ -112,7 +121,8 @@ inline __m256 load8(const char * row, int d) {
     }
 }
 
-// scores[h * n + i] = q_h . k_{pos[i]} * scale + mask, for the G heads of one KV head and the n visible positions.
+// scores[h * SCORES + i] = q_h . k_{pos[i]} * scale + mask, for the G heads of one KV head and the n visible
+// positions.
 // The cache is cold here (a decode step streams the weights through the caches between two attentions): the K rows
 // are prefetched 8 positions ahead and each V row as its K row is read, so the V pass finds them in cache.
 template <int G, ggml_type KT, ggml_type VT>
@@ -139,12 +149,12 @@ void scores_of(const float * const q[], const char * k, size_t k_stride, const c
             }
         }
         for (int h = 0; h < G; h++) {
-            scores[h * n + i] = hsum(acc[h]) * scale + mask[i];
+            scores[h * SCORES + i] = hsum(acc[h]) * scale + mask[i];
         }
     }
 }
 
-// out[h][0..dv) = sum over i of p[h * n + i] * v_{pos[i]}, in F32, 16 dimensions at a time for all G heads. The
+// out[h][0..dv) = sum over i of p[h * SCORES + i] * v_{pos[i]}, in F32, 16 dimensions at a time for all G heads. The
 // positions go in tiles of TILE: each tile's V rows are read from memory once (prefetched while the tile before is
 // computed) and used for every 16 dimensions while they are in L1; the accumulators wait in `out` between tiles
 // (stored and loaded unchanged: each output is the same chain of multiply-adds over i = 0..n-1 as without tiles).
@@ -176,7 +186,7 @@ void weighted_values(const float * p, const char * v, size_t v_stride, const int
                 const __m256 v0 = load8<VT>(vr, d);
                 const __m256 v1 = two ? load8<VT>(vr, d + 8) : _mm256_setzero_ps();
                 for (int h = 0; h < G; h++) {
-                    const __m256 w = _mm256_broadcast_ss(p + h * n + i);
+                    const __m256 w = _mm256_broadcast_ss(p + h * SCORES + i);
                     lo[h] = _mm256_fmadd_ps(w, v0, lo[h]);
                     hi[h] = _mm256_fmadd_ps(w, v1, hi[h]);
                 }
@@ -216,8 +226,10 @@ inline __m512 load16(const char * row, int d) {
 inline void load32_q8(const char * row, int d, __m512 & lo, __m512 & hi) {
     const char * block = row + d / Q8_0_BLOCK * Q8_0_BYTES;
     const __m512 scale = _mm512_set1_ps(_cvtsh_ss(*(const uint16_t *) block));
-    lo = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (block + 2)))));
-    hi = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (block + 18)))));
+    const __m128i q0 = _mm_loadu_si128((const __m128i *) (block + 2));
+    const __m128i q1 = _mm_loadu_si128((const __m128i *) (block + 2 + 16));
+    lo = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
+    hi = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
 }
 
 // Lane j of the result: the sum of a[j]'s 16 lanes (halves added, then a transposing tree of horizontal adds)
@@ -236,9 +248,9 @@ inline __m256 hsum8(const __m512 a[8]) {
 // (their slices of a cache row lie side by side: one stream of the row's bytes instead of KH strided ones), of R
 // query rows (which share every K row read: a prompt batch's), the query's values at q + qq * MAX_DIM. P positions
 // at a time, so that NA = G * R * KH * P (8 or 16) dot products are in flight; the last positions padded with the
-// last one, whose extra scores are dropped (every score is the same chain of operations wherever it sits). Scores at
-// scores[qq * n + i], row r's mask values masks[r][i]. K rows are prefetched 32 positions ahead, the V rows of pass
-// 3's first tile while K is read.
+// last one, whose extra scores are dropped (every score is the same chain of operations wherever it sits). Scores
+// at scores[qq * SCORES + i], row r's mask values masks[r][i]. K rows are prefetched 32 positions ahead, the V rows of
+// pass 3's first tile while K is read.
 template <int G, int R, int KH, ggml_type KT, ggml_type VT>
 void scores_of16(const float * q, const char * k, size_t k_stride, size_t k_head, const char * v, size_t v_stride,
                  size_t v_head, const int32_t * pos, const float * const * masks, int64_t n, int dk, float scale,
@@ -291,7 +303,7 @@ void scores_of16(const float * q, const char * k, size_t k_stride, size_t k_head
         }
         for (int j = 0; j < P && i + j < n; j++) {
             for (int qq = 0; qq < NQ; qq++) {
-                scores[qq * n + i + j] = dots[qq * P + j] * scale + masks[qq / G % R][i + j];
+                scores[qq * SCORES + i + j] = dots[qq * P + j] * scale + masks[qq / G % R][i + j];
             }
         }
     }
@@ -408,7 +420,7 @@ void scores_of16_q8(const QueriesQ8 * qs, const char * k, size_t k_stride, size_
         }
         for (int j = 0; j < P && i + j < n; j++) {
             for (int qq = 0; qq < NQ; qq++) {
-                scores[qq * n + i + j] = dots[qq * P + j] * scale + masks[qq / G % R][i + j];
+                scores[qq * SCORES + i + j] = dots[qq * P + j] * scale + masks[qq / G % R][i + j];
             }
         }
     }
@@ -436,7 +448,7 @@ void weighted_values16(const float * p, const char * v, size_t v_stride, size_t 
         int off = 0;
         for (int g = 0; g < KH; g++) {
             const char * vg = v + g * v_head;
-            const float * pg = p + g * G * n;
+            const float * pg = p + g * G * SCORES;
             float * og = out + g * G * MAX_DIM;
             for (int d0 = 0; d0 < dv; d0 += 16 * C) {
                 __m512 acc[G][C];
@@ -466,7 +478,7 @@ void weighted_values16(const float * p, const char * v, size_t v_stride, size_t 
                         }
                     }
                     for (int h = 0; h < G; h++) {
-                        const __m512 w = _mm512_set1_ps(pg[h * n + i]);
+                        const __m512 w = _mm512_set1_ps(pg[h * SCORES + i]);
                         for (int c = 0; c < C; c++) {
                             acc[h][c] = _mm512_fmadd_ps(w, vv[c], acc[h][c]);
                         }
@@ -569,7 +581,7 @@ inline int64_t visible_of(const ggml_tensor * mask, int64_t c0, int64_t c1, int6
 // after a barrier, a prompt tile's are folded as they are computed. The chunks are fixed cells, not a share of a
 // thread count or of the cache's size, and the fold's order is fixed: a row gets the same bits whatever the threads,
 // the batch or the cache's length around it.
-constexpr int64_t CELLS = 512;
+constexpr int64_t CELLS = SCORES;
 
 // A chunk's (or the chunks before it, folded) result for the queries of a work item: their maxima m, sums s and
 // unnormalized outputs o (MAX_DIM apart), laid out as one block of floats so a thread can hand it to another
@@ -715,7 +727,7 @@ bool kv_heads(const ggml_tensor * dst, int64_t i3, int64_t t0, int64_t g0, int64
             masks[r] = pos_mask[rr].data();
         }
         const int32_t * ps = pos[longest].data();
-        scores.resize((size_t) NQ * CELLS);
+        scores.resize((size_t) NQ * SCORES);
         if (n > 0) {
 #if defined(__AVX512F__)
             if (wide) {
@@ -736,7 +748,7 @@ bool kv_heads(const ggml_tensor * dst, int64_t i3, int64_t t0, int64_t g0, int64
             }
         }
         for (int qq = 0; qq < NQ; qq++) {
-            float * sc = scores.data() + qq * n;
+            float * sc = scores.data() + qq * SCORES;
             const int64_t nr = n_row[qq / G % R];
             res.m[qq] = max_of(sc, nr);
             // exp(s - m) in place and its sum over the row's own cells: ggml's vectorized softmax step (llama.cpp's

@@ -11,8 +11,9 @@
 struct ggml_compute_params;
 
 // Computes dst (every thread its share of work items: a decode step's set of heads on one KV head, or with the
-// AVX-512 kernel on up to 16 / G adjacent ones; a prompt batch's tile of up to 16 / G query rows on one KV head,
-// claimed through the threadpool's chunk counter after one barrier) and returns true when the node reads an F16 or
+// AVX-512 kernel on up to 16 / G adjacent ones, and over several chunks of 512 cells one chunk, folded after a
+// barrier; a prompt batch's tile of up to 16 / G query rows on one KV head, claimed through the threadpool's chunk
+// counter after one barrier) and returns true when the node reads an F16 or
 // Q8_0 K/V cache (each either) with F32 Q (any number of query rows and streams), an F16 mask (one for all heads) or
 // none, no sinks, no logit softcap, no ALiBi, DK = DV a multiple of 8 (Q8_0: 32) up to 256, a power of two query
 // heads per KV head (taken by sets of up to 8) and at least one set per thread; otherwise returns false and computes

@@ -24,8 +24,8 @@
 // A Q8_0 cache (llama.cpp's -ctk/-ctv q8_0, K and V each either type) is read the same way, a V row's 32-value blocks
 // dequantized exactly (int8 times the block's F16 scale is exact in F32) as they are used. A Q8_0 K row, where the
 // build has AVX-512 VNNI and the head size is a multiple of 64, is dotted in integers with the query quantized once
-// per work item as llama.cpp's kernel quantizes it for a Q8_0 K (scores_of16_q8); elsewhere its blocks are dequantized
-// and the query stays F32.
+// per work item as llama.cpp's kernel quantizes it for a Q8_0 K (scores_of16's INT_DOTS); elsewhere its blocks are
+// dequantized and the query stays F32.
 //
 // At depth a decode step's cells are cut into fixed chunks of CELLS, spread over the threads and folded in order
 // (each chunk's own softmax, rescaled to the running maximum): a thread then reads whole cache rows, one stream.
@@ -244,72 +244,6 @@ inline __m256 hsum8(const __m512 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// Pass 1 as scores_of, for query vectors qq = (g * R + r) * G + h: head h of the G on each of KH adjacent KV heads
-// (their slices of a cache row lie side by side: one stream of the row's bytes instead of KH strided ones), of R
-// query rows (which share every K row read: a prompt batch's), the query's values at q + qq * MAX_DIM. P positions
-// at a time, so that NA = G * R * KH * P (8 or 16) dot products are in flight; the last positions padded with the
-// last one, whose extra scores are dropped (every score is the same chain of operations wherever it sits). Scores
-// at scores[qq * SCORES + i], row r's mask values masks[r][i]. K rows are prefetched 32 positions ahead, the V rows of
-// pass 3's first tile while K is read.
-template <int G, int R, int KH, ggml_type KT, ggml_type VT>
-void scores_of16(const float * q, const char * k, size_t k_stride, size_t k_head, const char * v, size_t v_stride,
-                 size_t v_head, const int32_t * pos, const float * const * masks, int64_t n, int dk, float scale,
-                 float * scores) {
-    constexpr int RG = R * G;  // queries a KV head
-    constexpr int NQ = RG * KH;
-    constexpr int P = NQ >= 8 ? 1 : 8 / NQ;
-    constexpr int NA = NQ * P;
-    static_assert(NA == 8 || NA == 16, "8 or 16 accumulators");
-    constexpr int64_t AHEAD = 32;
-    const int kbytes = (int) ((KH - 1) * k_head) + row_bytes<KT>(dk);  // a position's bytes of the KH heads
-    const int vbytes = (int) ((KH - 1) * v_head) + row_bytes<VT>(dk);
-    for (int64_t i = 0; i < n && i < AHEAD; i++) {
-        prefetch_row(k + pos[i] * k_stride, kbytes);
-    }
-    for (int64_t i = 0; i < n; i += P) {
-        const char * kr[P];
-        for (int j = 0; j < P; j++) {
-            const int64_t ij = std::min(i + j, n - 1);
-            kr[j] = k + pos[ij] * k_stride;
-            if (ij + AHEAD < n) {
-                prefetch_row(k + pos[ij + AHEAD] * k_stride, kbytes);
-            }
-            if (i + j < TILE && i + j < n) { // pass 3's first tile
-                prefetch_row(v + pos[i + j] * v_stride, vbytes);
-            }
-        }
-        __m512 acc[NA];
-        for (auto & a : acc) {
-            a = _mm512_setzero_ps();
-        }
-        for (int d = 0; d < dk; d += 16) {
-            for (int g = 0; g < KH; g++) {
-                __m512 kf[P];
-                for (int j = 0; j < P; j++) {
-                    kf[j] = load16<KT>(kr[j] + g * k_head, d);
-                }
-                for (int rh = 0; rh < RG; rh++) {
-                    const int qq = g * RG + rh;
-                    const __m512 qv = _mm512_load_ps(q + qq * MAX_DIM + d);
-                    for (int j = 0; j < P; j++) {
-                        acc[qq * P + j] = _mm512_fmadd_ps(kf[j], qv, acc[qq * P + j]);
-                    }
-                }
-            }
-        }
-        alignas(32) float dots[NA];
-        for (int a = 0; a < NA; a += 8) {
-            _mm256_store_ps(dots + a, hsum8(acc + a));
-        }
-        for (int j = 0; j < P && i + j < n; j++) {
-            for (int qq = 0; qq < NQ; qq++) {
-                scores[qq * SCORES + i + j] = dots[qq * P + j] * scale + masks[qq / G % R][i + j];
-            }
-        }
-    }
-}
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // A Q8_0 K cache with integer dot products (VNNI), where converting each K value to F32 made pass 1 compute-bound
 // (at 16k positions, 2 threads, Xeon: 8.5 GB/s against an F16 cache's 13; tools/fa_cost.py). The queries are
 // quantized once per work item as llama.cpp's kernel quantizes its query for a Q8_0 K (blocks of 32, scale
@@ -325,6 +259,7 @@ struct QueriesQ8 {
     alignas(64) float scale[LANES];            // each lane's block scale
 };
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Quantizes dk values (a multiple of 64) of x into out
 inline void quantize_query(const float * x, int dk, QueriesQ8 & out) {
     for (int b = 0; b < dk / Q8_0_BLOCK; b++) {
@@ -361,18 +296,26 @@ inline __m512 k_pair_scales(const char * row, int c) {
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(d0), d1, 1));
 }
 
-// scores_of16 over a Q8_0 K cache with the queries quantized (qs[qq]), dk a multiple of 64
-template <int G, int R, int KH, ggml_type VT>
-void scores_of16_q8(const QueriesQ8 * qs, const char * k, size_t k_stride, size_t k_head, const char * v,
-                    size_t v_stride, size_t v_head, const int32_t * pos, const float * const * masks, int64_t n,
-                    int dk, float scale, float * scores) {
-    constexpr int RG = R * G;
+#endif
+
+// Pass 1 as scores_of, for query vectors qq = (g * R + r) * G + h: head h of the G on each of KH adjacent KV heads
+// (their slices of a cache row lie side by side: one stream of the row's bytes instead of KH strided ones), of R
+// query rows (which share every K row read: a prompt batch's), the query's values at q + qq * MAX_DIM. P positions
+// at a time, so that NA = G * R * KH * P (8 or 16) dot products are in flight; the last positions padded with the
+// last one, whose extra scores are dropped (every score is the same chain of operations wherever it sits). Scores
+// at scores[qq * SCORES + i], row r's mask values masks[r][i]. K rows are prefetched 32 positions ahead, the V rows of
+// pass 3's first tile while K is read.
+template <int G, int R, int KH, ggml_type KT, ggml_type VT, bool INT_DOTS = false>
+void scores_of16(const float * q, const QueriesQ8 * qs, const char * k, size_t k_stride, size_t k_head,
+                 const char * v, size_t v_stride, size_t v_head, const int32_t * pos, const float * const * masks,
+                 int64_t n, int dk, float scale, float * scores) {
+    constexpr int RG = R * G;  // queries a KV head
     constexpr int NQ = RG * KH;
     constexpr int P = NQ >= 8 ? 1 : 8 / NQ;
     constexpr int NA = NQ * P;
     static_assert(NA == 8 || NA == 16, "8 or 16 accumulators");
     constexpr int64_t AHEAD = 32;
-    const int kbytes = (int) ((KH - 1) * k_head) + row_bytes<GGML_TYPE_Q8_0>(dk);
+    const int kbytes = (int) ((KH - 1) * k_head) + row_bytes<KT>(dk);  // a position's bytes of the KH heads
     const int vbytes = (int) ((KH - 1) * v_head) + row_bytes<VT>(dk);
     for (int64_t i = 0; i < n && i < AHEAD; i++) {
         prefetch_row(k + pos[i] * k_stride, kbytes);
@@ -385,7 +328,7 @@ void scores_of16_q8(const QueriesQ8 * qs, const char * k, size_t k_stride, size_
             if (ij + AHEAD < n) {
                 prefetch_row(k + pos[ij + AHEAD] * k_stride, kbytes);
             }
-            if (i + j < TILE && i + j < n) {
+            if (i + j < TILE && i + j < n) { // pass 3's first tile
                 prefetch_row(v + pos[i + j] * v_stride, vbytes);
             }
         }
@@ -393,23 +336,43 @@ void scores_of16_q8(const QueriesQ8 * qs, const char * k, size_t k_stride, size_
         for (auto & a : acc) {
             a = _mm512_setzero_ps();
         }
-        for (int c = 0; c < dk / 64; c++) {
-            for (int g = 0; g < KH; g++) {
-                __m512i kb[P];
-                __m512 kd[P];
-                for (int j = 0; j < P; j++) {
-                    kb[j] = k_pair_biased(kr[j] + g * k_head, c);
-                    kd[j] = k_pair_scales(kr[j] + g * k_head, c);
-                }
-                for (int rh = 0; rh < RG; rh++) {
-                    const int qq = g * RG + rh;
-                    const __m512i qv = _mm512_load_si512(qs[qq].q + 64 * c);
-                    const __m512i bias = _mm512_load_si512(qs[qq].bias + 16 * c);
-                    const __m512 qd = _mm512_load_ps(qs[qq].scale + 16 * c);
+        if constexpr (INT_DOTS) {  // a Q8_0 K, the queries quantized (qs): 64 values a step
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+            for (int c = 0; c < dk / 64; c++) {
+                for (int g = 0; g < KH; g++) {
+                    __m512i kb[P];
+                    __m512 kd[P];
                     for (int j = 0; j < P; j++) {
-                        const __m512i dot = _mm512_dpbusd_epi32(bias, kb[j], qv);
-                        acc[qq * P + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(kd[j], qd),
-                                                          acc[qq * P + j]);
+                        kb[j] = k_pair_biased(kr[j] + g * k_head, c);
+                        kd[j] = k_pair_scales(kr[j] + g * k_head, c);
+                    }
+                    for (int rh = 0; rh < RG; rh++) {
+                        const int qq = g * RG + rh;
+                        const __m512i qv = _mm512_load_si512(qs[qq].q + 64 * c);
+                        const __m512i bias = _mm512_load_si512(qs[qq].bias + 16 * c);
+                        const __m512 qd = _mm512_load_ps(qs[qq].scale + 16 * c);
+                        for (int j = 0; j < P; j++) {
+                            const __m512i dot = _mm512_dpbusd_epi32(bias, kb[j], qv);
+                            acc[qq * P + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(kd[j], qd),
+                                                              acc[qq * P + j]);
+                        }
+                    }
+                }
+            }
+#endif
+        } else {
+            for (int d = 0; d < dk; d += 16) {
+                for (int g = 0; g < KH; g++) {
+                    __m512 kf[P];
+                    for (int j = 0; j < P; j++) {
+                        kf[j] = load16<KT>(kr[j] + g * k_head, d);
+                    }
+                    for (int rh = 0; rh < RG; rh++) {
+                        const int qq = g * RG + rh;
+                        const __m512 qv = _mm512_load_ps(q + qq * MAX_DIM + d);
+                        for (int j = 0; j < P; j++) {
+                            acc[qq * P + j] = _mm512_fmadd_ps(kf[j], qv, acc[qq * P + j]);
+                        }
                     }
                 }
             }
@@ -425,7 +388,7 @@ void scores_of16_q8(const QueriesQ8 * qs, const char * k, size_t k_stride, size_
         }
     }
 }
-#endif
+
 
 // Pass 3 as weighted_values for the G query heads of each of KH adjacent KV heads: tiles of TILE positions (the next
 // tile's rows prefetched, one a position), C 16-column chunks of a KV head's G accumulators at once (G * C <= 16
@@ -733,12 +696,12 @@ bool kv_heads(const ggml_tensor * dst, int64_t i3, int64_t t0, int64_t g0, int64
             if (wide) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
                 if (int_dots) {
-                    scores_of16_q8<G, R, KH, VT>(qs, kg, k->nb[1], k->nb[2], vg, v->nb[1], v->nb[2], ps, masks, n, dk,
-                                                 scale, scores.data());
+                    scores_of16<G, R, KH, KT, VT, true>(nullptr, qs, kg, k->nb[1], k->nb[2], vg, v->nb[1], v->nb[2],
+                                                        ps, masks, n, dk, scale, scores.data());
                 } else
 #endif
-                scores_of16<G, R, KH, KT, VT>(qbuf, kg, k->nb[1], k->nb[2], vg, v->nb[1], v->nb[2], ps, masks, n, dk,
-                                              scale, scores.data());
+                scores_of16<G, R, KH, KT, VT>(qbuf, nullptr, kg, k->nb[1], k->nb[2], vg, v->nb[1], v->nb[2], ps,
+                                              masks, n, dk, scale, scores.data());
             } else
 #endif
             if constexpr (R == 1 && KH == 1) {

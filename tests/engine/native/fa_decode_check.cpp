@@ -3,7 +3,8 @@
 // positions) and compares the output with a float64 reference computed from the same rounded inputs (the cache's
 // values as ggml dequantizes them). Run by tests/engine/test_fa_decode.py with and without RAPIDMOE_FA_DECODE=0 (our kernel,
 // patch 0011, or llama.cpp's). Prints "case NAME max_rel_err E" per case (the largest error over the case's
-// outputs, relative to the largest output magnitude) and "checked N".
+// outputs, relative to the largest output magnitude), for a Q8_0 K also "qcase NAME max_rel_err E" (against the
+// reference on the query quantized as our kernel's integer dots quantize it), and "checked N".
 #include "ggml.h"
 #include "ggml-cpu.h"
 

@@ -24,8 +24,10 @@
 // A Q8_0 cache (llama.cpp's -ctk/-ctv q8_0, K and V each either type) is read the same way, a V row's 32-value blocks
 // dequantized exactly (int8 times the block's F16 scale is exact in F32) as they are used. A Q8_0 K row, where the
 // build has AVX-512 VNNI and the head size is a multiple of 64, is dotted in integers with the query quantized once
-// per work item as llama.cpp's kernel quantizes it for a Q8_0 K (scores_of16's INT_DOTS); elsewhere its blocks are
-// dequantized and the query stays F32.
+// per work item as llama.cpp's kernel quantizes it for a Q8_0 K (QueriesQ8); elsewhere its blocks are dequantized
+// and the query stays F32. With integer dots a prompt tile takes up to 64 queries (16 rows of 4 heads): K tiles
+// transposed so that no score needs a horizontal sum (scores_int_tiles), V rows converted once for all of them
+// (weighted_values16_many); a 512-row prompt batch's attention at 4k cells took half the time it took in tiles of 16.
 //
 // At depth a decode step's cells are cut into fixed chunks of CELLS, spread over the threads and folded in order
 // (each chunk's own softmax, rescaled to the running maximum): a thread then reads whole cache rows, one stream.
@@ -45,6 +47,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -250,13 +253,17 @@ inline __m256 hsum8(const __m512 a[8]) {
 // max|x| / 127, rounded to nearest even), the scale kept in F32; a K row's 64 values (two blocks) are then one
 // 512-bit load and one vpdpbusd per query: K biased to unsigned (k + 128), the bias's share (128 times the query's
 // sum over each lane's 4 values) taken off by starting the lane's sum from minus it, so each lane's integer is the
-// exact dot product of its 4 values; the two blocks' sums go to F32 and are weighed by (K scale x query scale).
-// Each score is still one fixed chain of operations over the row (the same bits however the work is cut).
+// exact dot product of its 4 values. A block's 8 lanes are then summed in integers (its exact dot product, whatever
+// the order), and the score is one F32 chain over the blocks: s = fma(float(dot_b), K scale_b x query scale_b, s)
+// for b = 0, 1, ..., then fma(s, scale, mask). Only the blocks' integer sums depend on how the work is cut (decode
+// steps sum each dot across lanes, scores_of16; prompt tiles and 8 or more heads a KV head take 16 positions a
+// register, scores_int_tiles), so every kernel gives a score the same bits.
 struct QueriesQ8 {
     static constexpr int LANES = MAX_DIM / 4;   // a query's dpbusd lanes: 16 per 64 values
     alignas(64) int8_t q[MAX_DIM];             // the quantized values
     alignas(64) int32_t bias[LANES];           // -128 x the sum of each lane's 4 values
     alignas(64) float scale[LANES];            // each lane's block scale
+    int32_t block_bias[MAX_DIM / Q8_0_BLOCK];  // -128 x the sum of each block's 32 values
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -272,10 +279,12 @@ inline void quantize_query(const float * x, int dk, QueriesQ8 & out) {
         const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
         _mm_store_si128((__m128i *) (out.q + b * Q8_0_BLOCK), _mm512_cvtepi32_epi8(qlo));
         _mm_store_si128((__m128i *) (out.q + b * Q8_0_BLOCK + 16), _mm512_cvtepi32_epi8(qhi));
+        out.block_bias[b] = 0;
         for (int l = 0; l < Q8_0_BLOCK / 4; l++) {
             const int8_t * v = out.q + b * Q8_0_BLOCK + 4 * l;
             out.bias[b * 8 + l] = -128 * (v[0] + v[1] + v[2] + v[3]);
             out.scale[b * 8 + l] = d;
+            out.block_bias[b] += out.bias[b * 8 + l];
         }
     }
 }
@@ -288,12 +297,152 @@ inline __m512i k_pair_biased(const char * row, int c) {
     return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8((char) 0x80));
 }
 
-// Their two blocks' scales, each in the 8 lanes that sum its values
-inline __m512 k_pair_scales(const char * row, int c) {
-    const char * b0 = row + 2 * c * Q8_0_BYTES;
-    const __m128i d0 = _mm_set1_epi16(*(const int16_t *) b0);
-    const __m128i d1 = _mm_set1_epi16(*(const int16_t *) (b0 + Q8_0_BYTES));
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(d0), d1, 1));
+// The block sums of 16 vpdpbusd results (lanes 0-7 one block's partial sums, 8-15 the next block's): lane a of even
+// is the sum of x[a]'s lanes 0-7, of odd the sum of its lanes 8-15. Integer sums: exact, whatever their order.
+inline void block_sums16(const __m512i x[16], __m512i & even, __m512i & odd) {
+    __m512i y[8];
+    for (int k = 0; k < 8; k++) {  // lanes (per 128 bits): x[2k]'s 0+2, x[2k+1]'s 0+2, x[2k]'s 1+3, x[2k+1]'s 1+3
+        y[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(x[2 * k], x[2 * k + 1]),
+                                _mm512_unpackhi_epi32(x[2 * k], x[2 * k + 1]));
+    }
+    __m512i z[4];
+    for (int m = 0; m < 4; m++) {  // per 128 bits: the sums of x[4m..4m+3]'s 4 lanes there
+        z[m] = _mm512_add_epi32(_mm512_unpacklo_epi64(y[2 * m], y[2 * m + 1]),
+                                _mm512_unpackhi_epi64(y[2 * m], y[2 * m + 1]));
+    }
+    __m512i w[2];
+    for (int h = 0; h < 2; h++) {  // 128-bit lanes: even x[8h..8h+3], odd x[8h..8h+3], even x[8h+4..], odd x[8h+4..]
+        w[h] = _mm512_add_epi32(_mm512_shuffle_i32x4(z[2 * h], z[2 * h + 1], 0x88),
+                                _mm512_shuffle_i32x4(z[2 * h], z[2 * h + 1], 0xDD));
+    }
+    even = _mm512_shuffle_i32x4(w[0], w[1], 0x88);
+    odd = _mm512_shuffle_i32x4(w[0], w[1], 0xDD);
+}
+
+// block_sums16 of 8 results: lanes 0-7 the even block's sums of x[0..7], 8-15 the odd block's
+inline __m512i block_sums8(const __m512i x[8]) {
+    __m512i y[4];
+    for (int k = 0; k < 4; k++) {
+        y[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(x[2 * k], x[2 * k + 1]),
+                                _mm512_unpackhi_epi32(x[2 * k], x[2 * k + 1]));
+    }
+    __m512i z[2];
+    for (int m = 0; m < 2; m++) {
+        z[m] = _mm512_add_epi32(_mm512_unpacklo_epi64(y[2 * m], y[2 * m + 1]),
+                                _mm512_unpackhi_epi64(y[2 * m], y[2 * m + 1]));
+    }
+    const __m512i w = _mm512_add_epi32(_mm512_shuffle_i32x4(z[0], z[1], 0x88), _mm512_shuffle_i32x4(z[0], z[1], 0xDD));
+    return _mm512_shuffle_i32x4(w, w, 0xD8);  // 128-bit lanes 0, 2, 1, 3
+}
+
+// Transposes 16 rows of 16 32-bit values: x[m] lane j = x[j] lane m before
+inline void transpose16(__m512i x[16]) {
+    __m512i t[16];
+    for (int k = 0; k < 8; k++) {
+        t[2 * k] = _mm512_unpacklo_epi32(x[2 * k], x[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_epi32(x[2 * k], x[2 * k + 1]);
+    }
+    __m512i u[16];  // u[4k + e], 128-bit lane L: value 4L + e of rows 4k..4k+3
+    for (int k = 0; k < 4; k++) {
+        u[4 * k + 0] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+        u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    for (int e = 0; e < 4; e++) {  // 128-bit lanes of u[e], u[4 + e], u[8 + e], u[12 + e] transposed
+        const __m512i s0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44);
+        const __m512i s1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+        const __m512i s2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
+        const __m512i s3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+        x[0 + e] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+        x[4 + e] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+        x[8 + e] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+        x[12 + e] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+    }
+}
+
+// Pass 1 with integer dots for NQ queries on one KV head (a prompt tile's, or a decode step's 8 or more query heads):
+// 16 positions a step, their K values transposed (a 16 x 16 transposition of 4-value groups per 64 values) so that
+// a register holds one 4-value group of the 16 positions and each query's group is broadcast to it: one vpdpbusd per
+// 64 products and no horizontal sums, the 16 scores landing side by side as pass 1 stores them (scores_of16 takes
+// each score's dot across lanes and sums them after: perf of a 512-row prompt batch at 4k cells had that half of the
+// node). Each block's integer dot is exact however it is summed, and the F32 chain over blocks is scores_of16's: the
+// same bits as it, so a row's scores do not depend on the kernel that took them.
+template <int G, int R, ggml_type VT>
+void scores_int_tiles(const QueriesQ8 * qs, const char * k, size_t k_stride, const char * v, size_t v_stride,
+                      const int32_t * pos, const float * const * masks, int64_t n, int dk, float scale,
+                      float * scores) {
+    constexpr int NQ = G * R;
+    constexpr int QB = 4;  // queries at a time
+    static_assert(NQ % QB == 0, "whole groups of queries");
+    constexpr int64_t AHEAD = 32;
+    const int nb = dk / Q8_0_BLOCK;
+    const int kbytes = row_bytes<GGML_TYPE_Q8_0>(dk);
+    const int vbytes = row_bytes<VT>(dk);
+    alignas(64) int32_t kt[MAX_DIM / 4 * 16];            // [4-value group][position], K biased to unsigned
+    alignas(64) float ks[MAX_DIM / Q8_0_BLOCK * 16];     // [block][position], K's scales
+    alignas(32) uint16_t sc[16];
+    for (int64_t i = 0; i < n && i < AHEAD; i++) {
+        prefetch_row(k + pos[i] * k_stride, kbytes);
+    }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < n; i += 16) {
+        const char * kr[16];
+        for (int j = 0; j < 16; j++) {
+            const int64_t ij = std::min(i + j, n - 1);
+            kr[j] = k + pos[ij] * k_stride;
+            if (ij + AHEAD < n && i + j < n) {
+                prefetch_row(k + pos[ij + AHEAD] * k_stride, kbytes);
+            }
+            if (i + j < TILE && i + j < n) {  // pass 3's first tile
+                prefetch_row(v + pos[i + j] * v_stride, vbytes);
+            }
+        }
+        for (int c = 0; c < dk / 64; c++) {
+            __m512i x[16];
+            for (int j = 0; j < 16; j++) {
+                x[j] = k_pair_biased(kr[j], c);
+            }
+            transpose16(x);
+            for (int m = 0; m < 16; m++) {
+                _mm512_store_si512(kt + (c * 16 + m) * 16, x[m]);
+            }
+        }
+        for (int b = 0; b < nb; b++) {
+            for (int j = 0; j < 16; j++) {
+                sc[j] = *(const uint16_t *) (kr[j] + b * Q8_0_BYTES);
+            }
+            _mm512_store_ps(ks + b * 16, _mm512_cvtph_ps(_mm256_load_si256((const __m256i *) sc)));
+        }
+        const __mmask16 keep = n - i >= 16 ? (__mmask16) 0xFFFF : (__mmask16) ((1u << (n - i)) - 1);
+        for (int q0 = 0; q0 < NQ; q0 += QB) {
+            __m512 sum[QB];
+            for (auto & a : sum) {
+                a = _mm512_setzero_ps();
+            }
+            for (int b = 0; b < nb; b++) {
+                const __m512i * t = (const __m512i *) (kt + b * 8 * 16);
+                const __m512 kscale = _mm512_load_ps(ks + b * 16);
+                for (int h = 0; h < QB; h++) {
+                    const QueriesQ8 & qh = qs[q0 + h];
+                    const int32_t * qw = (const int32_t *) (qh.q + b * Q8_0_BLOCK);
+                    __m512i a0 = _mm512_set1_epi32(qh.block_bias[b]);
+                    __m512i a1 = _mm512_setzero_si512();
+                    for (int u = 0; u < 8; u += 2) {
+                        a0 = _mm512_dpbusd_epi32(a0, _mm512_load_si512(t + u), _mm512_set1_epi32(qw[u]));
+                        a1 = _mm512_dpbusd_epi32(a1, _mm512_load_si512(t + u + 1), _mm512_set1_epi32(qw[u + 1]));
+                    }
+                    sum[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)),
+                                             _mm512_mul_ps(kscale, _mm512_set1_ps(qh.scale[b * 8])), sum[h]);
+                }
+            }
+            for (int h = 0; h < QB; h++) {
+                const int qq = q0 + h;
+                const __m512 mv = _mm512_loadu_ps(masks[qq / G % R] + i);
+                _mm512_mask_storeu_ps(scores + qq * SCORES + i, keep, _mm512_fmadd_ps(sum[h], vscale, mv));
+            }
+        }
+    }
 }
 
 #endif
@@ -317,6 +466,26 @@ void scores_of16(const float * q, const QueriesQ8 * qs, const char * k, size_t k
     constexpr int64_t AHEAD = 32;
     const int kbytes = (int) ((KH - 1) * k_head) + row_bytes<KT>(dk);  // a position's bytes of the KH heads
     const int vbytes = (int) ((KH - 1) * v_head) + row_bytes<VT>(dk);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if constexpr (INT_DOTS && KH == 1 && P == 1) {  // 8 or more queries on one KV head
+        scores_int_tiles<G, R, VT>(qs, k, k_stride, v, v_stride, pos, masks, n, dk, scale, scores);
+        return;
+    }
+    // INT_DOTS: dot a = (query qq, position j) = (a / P, a % P) takes the K scale of head g = qq / RG's slice of
+    // position j: sc[g * P + j]; the query's scale of block b is qscale[b * 16 + a]
+    alignas(32) uint16_t sc[16] = {};
+    alignas(64) float qscale[MAX_DIM / Q8_0_BLOCK * 16] = {};
+    alignas(64) int32_t kidx_lanes[16] = {};
+    if constexpr (INT_DOTS) {
+        for (int a = 0; a < NA; a++) {
+            kidx_lanes[a] = a / P / RG * P + a % P;
+            for (int b = 0; b < dk / Q8_0_BLOCK; b++) {
+                qscale[b * 16 + a] = qs[a / P].scale[b * 8];
+            }
+        }
+    }
+    const __m512i kidx = _mm512_load_si512(kidx_lanes);
+#endif
     for (int64_t i = 0; i < n && i < AHEAD; i++) {
         prefetch_row(k + pos[i] * k_stride, kbytes);
     }
@@ -336,29 +505,51 @@ void scores_of16(const float * q, const QueriesQ8 * qs, const char * k, size_t k
         for (auto & a : acc) {
             a = _mm512_setzero_ps();
         }
+        alignas(64) float dots[16];
         if constexpr (INT_DOTS) {  // a Q8_0 K, the queries quantized (qs): 64 values a step
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+            __m512 sum = _mm512_setzero_ps();  // lane a: dot a (the first 8 lanes where NA = 8)
             for (int c = 0; c < dk / 64; c++) {
+                __m512i dot[NA];
                 for (int g = 0; g < KH; g++) {
                     __m512i kb[P];
-                    __m512 kd[P];
                     for (int j = 0; j < P; j++) {
                         kb[j] = k_pair_biased(kr[j] + g * k_head, c);
-                        kd[j] = k_pair_scales(kr[j] + g * k_head, c);
                     }
                     for (int rh = 0; rh < RG; rh++) {
                         const int qq = g * RG + rh;
                         const __m512i qv = _mm512_load_si512(qs[qq].q + 64 * c);
                         const __m512i bias = _mm512_load_si512(qs[qq].bias + 16 * c);
-                        const __m512 qd = _mm512_load_ps(qs[qq].scale + 16 * c);
                         for (int j = 0; j < P; j++) {
-                            const __m512i dot = _mm512_dpbusd_epi32(bias, kb[j], qv);
-                            acc[qq * P + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(kd[j], qd),
-                                                              acc[qq * P + j]);
+                            dot[qq * P + j] = _mm512_dpbusd_epi32(bias, kb[j], qv);
                         }
                     }
                 }
+                __m512 weight[2];  // each dot's (K scale x query scale) of blocks 2c and 2c + 1
+                for (int half = 0; half < 2; half++) {
+                    const int b = 2 * c + half;
+                    for (int g = 0; g < KH; g++) {
+                        for (int j = 0; j < P; j++) {
+                            sc[g * P + j] = *(const uint16_t *) (kr[j] + g * k_head + b * Q8_0_BYTES);
+                        }
+                    }
+                    const __m512 kscale = _mm512_permutexvar_ps(
+                        kidx, _mm512_cvtph_ps(_mm256_load_si256((const __m256i *) sc)));
+                    weight[half] = _mm512_mul_ps(kscale, _mm512_load_ps(qscale + b * 16));
+                }
+                if constexpr (NA == 16) {
+                    __m512i even;
+                    __m512i odd;
+                    block_sums16(dot, even, odd);
+                    sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even), weight[0], sum);
+                    sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), weight[1], sum);
+                } else {
+                    const __m512 both = _mm512_cvtepi32_ps(block_sums8(dot));  // lanes 8-15: the odd block's
+                    sum = _mm512_fmadd_ps(both, weight[0], sum);
+                    sum = _mm512_fmadd_ps(_mm512_shuffle_f32x4(both, both, 0x4E), weight[1], sum);
+                }
             }
+            _mm512_store_ps(dots, sum);
 #endif
         } else {
             for (int d = 0; d < dk; d += 16) {
@@ -377,13 +568,17 @@ void scores_of16(const float * q, const QueriesQ8 * qs, const char * k, size_t k
                 }
             }
         }
-        alignas(32) float dots[NA];
-        for (int a = 0; a < NA; a += 8) {
-            _mm256_store_ps(dots + a, hsum8(acc + a));
+        if constexpr (!INT_DOTS) {
+            for (int a = 0; a < NA; a += 8) {
+                _mm256_store_ps(dots + a, hsum8(acc + a));
+            }
         }
         for (int j = 0; j < P && i + j < n; j++) {
             for (int qq = 0; qq < NQ; qq++) {
-                scores[qq * SCORES + i + j] = dots[qq * P + j] * scale + masks[qq / G % R][i + j];
+                const float mv = masks[qq / G % R][i + j];
+                // INT_DOTS: one rounding, as scores_int_tiles' vector multiply-add
+                scores[qq * SCORES + i + j] = INT_DOTS ? std::fma(dots[qq * P + j], scale, mv)
+                                                      : dots[qq * P + j] * scale + mv;
             }
         }
     }
@@ -457,11 +652,89 @@ void weighted_values16(const float * p, const char * v, size_t v_stride, size_t 
     }
 }
 
+// Pass 3 for a prompt tile's queries on one KV head (G of them, 8 or more: sets of heads of several rows), dv a
+// multiple of 64: each tile's TILE V rows converted to F32 once, into a buffer that stays in L1, then QB queries x CB
+// 16-column chunks at a time (16 accumulators; per position QB broadcast weights and CB loads for 16 multiply-adds),
+// so that any number of queries shares each conversion (weighted_values16 holds all G queries' accumulators of a
+// chunk in registers: at most 16). Each output the same chain over i = 0..n-1 as weighted_values16's: the same bits.
+template <int G, ggml_type VT>
+void weighted_values16_many(const float * p, const char * v, size_t v_stride, const int32_t * pos, int64_t n, int dv,
+                            float * out) {
+    constexpr int QB = 4;
+    constexpr int CB = 4;
+    static_assert(G % QB == 0, "whole groups of queries");
+    const int vbytes = row_bytes<VT>(dv);
+    if (n == 0) {
+        std::fill(out, out + G * MAX_DIM, 0.0f);
+    }
+    alignas(64) float vf[TILE * MAX_DIM];
+    for (int64_t i0 = 0; i0 < n; i0 += TILE) {
+        const int64_t i1 = std::min(n, i0 + TILE);
+        for (int64_t i = i0; i < i1; i++) {
+            if (i + TILE < n) {
+                prefetch_row(v + pos[i + TILE] * v_stride, vbytes);
+            }
+            const char * vr = v + pos[i] * v_stride;
+            float * row = vf + (i - i0) * MAX_DIM;
+            for (int d = 0; d < dv; d += 32) {
+                __m512 lo;
+                __m512 hi;
+                if constexpr (VT == GGML_TYPE_Q8_0) {
+                    load32_q8(vr, d, lo, hi);
+                } else {
+                    lo = load16<VT>(vr, d);
+                    hi = load16<VT>(vr, d + 16);
+                }
+                _mm512_store_ps(row + d, lo);
+                _mm512_store_ps(row + d + 16, hi);
+            }
+        }
+        for (int h0 = 0; h0 < G; h0 += QB) {
+            const float * ph = p + h0 * SCORES;
+            for (int d0 = 0; d0 < dv; d0 += 16 * CB) {
+                __m512 acc[QB][CB];
+                for (int h = 0; h < QB; h++) {
+                    for (int c = 0; c < CB; c++) {
+                        acc[h][c] = i0 == 0 ? _mm512_setzero_ps()
+                                            : _mm512_load_ps(out + (h0 + h) * MAX_DIM + d0 + 16 * c);
+                    }
+                }
+                for (int64_t i = i0; i < i1; i++) {
+                    const float * row = vf + (i - i0) * MAX_DIM + d0;
+                    __m512 vv[CB];
+                    for (int c = 0; c < CB; c++) {
+                        vv[c] = _mm512_load_ps(row + 16 * c);
+                    }
+                    for (int h = 0; h < QB; h++) {
+                        const __m512 w = _mm512_set1_ps(ph[h * SCORES + i]);
+                        for (int c = 0; c < CB; c++) {
+                            acc[h][c] = _mm512_fmadd_ps(w, vv[c], acc[h][c]);
+                        }
+                    }
+                }
+                for (int h = 0; h < QB; h++) {
+                    for (int c = 0; c < CB; c++) {
+                        _mm512_store_ps(out + (h0 + h) * MAX_DIM + d0 + 16 * c, acc[h][c]);
+                    }
+                }
+            }
+        }
+    }
+}
+
 // weighted_values16 with the most chunks at once (up to 16 / G) that divide dv's 16-column chunks (G here: the queries
-// of one KV head, a set of heads of each of R rows)
+// of one KV head, a set of heads of each of R rows); more than 16 queries on one KV head by weighted_values16_many
 template <int G, int KH, ggml_type VT>
 void weighted_values16_any(const float * p, const char * v, size_t v_stride, size_t v_head, const int32_t * pos,
                            int64_t n, int dv, float * out) {
+    if constexpr (G > 16) {
+        static_assert(KH == 1, "more than 16 queries: on one KV head");
+        if (dv % 64 != 0) {
+            GGML_ABORT("rapidmoe_flash_attn_decode: more than 16 queries need a head size multiple of 64");
+        }
+        weighted_values16_many<G, VT>(p, v, v_stride, pos, n, dv, out);
+        return;
+    }
     constexpr int CMAX = G >= 16 ? 1 : G >= 8 ? 2 : G == 4 ? 4 : 8;
     const int chunks = dv / 16;
     if (CMAX >= 8 && chunks % 8 == 0) {
@@ -549,11 +822,19 @@ constexpr int64_t CELLS = SCORES;
 // A chunk's (or the chunks before it, folded) result for the queries of a work item: their maxima m, sums s and
 // unnormalized outputs o (MAX_DIM apart), laid out as one block of floats so a thread can hand it to another
 struct Partial {
-    static constexpr int MAX_Q = 16;
+    static constexpr int MAX_Q = 64;  // 16 with F32 dots (scores_of16's registers), 64 with scores_int_tiles
     float m[MAX_Q];
     float s[MAX_Q];
     alignas(64) float o[MAX_Q * MAX_DIM];
 };
+
+// The calling thread's Partials: [0] a chunk's result, [1] the chunks folded so far, [2] a split decode step's fold.
+// On the heap, one set a thread: a thread_local Partial in each kernel instantiation would put megabytes into the
+// library's static TLS, which glibc places on every thread's stack (an OpenMP worker's overflowed).
+inline Partial * thread_partials() {
+    static thread_local std::unique_ptr<Partial[]> partials(new Partial[3]);
+    return partials.get();
+}
 
 // Folds query qq's chunk result `c` into the running result `run` of the chunks before it: the first chunk with a
 // visible cell is taken as it is (a row whose cells fit one chunk gets the bits of a single pass), a chunk without
@@ -660,8 +941,8 @@ bool kv_heads(const ggml_tensor * dst, int64_t i3, int64_t t0, int64_t g0, int64
     static thread_local std::vector<int32_t> pos[R];
     static thread_local std::vector<float> pos_mask[R];
     static thread_local std::vector<float> scores;
-    static thread_local Partial cur;
-    static thread_local Partial run;
+    Partial & cur = thread_partials()[0];
+    Partial & run = thread_partials()[1];
     Partial & res = chunk >= 0 ? *part : cur;
     for (int qq = 0; qq < NQ; qq++) {
         run.s[qq] = 0.0f;
@@ -694,14 +975,22 @@ bool kv_heads(const ggml_tensor * dst, int64_t i3, int64_t t0, int64_t g0, int64
         if (n > 0) {
 #if defined(__AVX512F__)
             if (wide) {
+                if constexpr (NQ > 16) {  // only with integer dots (cut_of)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-                if (int_dots) {
-                    scores_of16<G, R, KH, KT, VT, true>(nullptr, qs, kg, k->nb[1], k->nb[2], vg, v->nb[1], v->nb[2],
-                                                        ps, masks, n, dk, scale, scores.data());
-                } else
+                    GGML_ASSERT(int_dots);
+                    scores_int_tiles<G, R, VT>(qs, kg, k->nb[1], vg, v->nb[1], ps, masks, n, dk, scale,
+                                               scores.data());
 #endif
-                scores_of16<G, R, KH, KT, VT>(qbuf, nullptr, kg, k->nb[1], k->nb[2], vg, v->nb[1], v->nb[2], ps,
-                                              masks, n, dk, scale, scores.data());
+                } else {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+                    if (int_dots) {
+                        scores_of16<G, R, KH, KT, VT, true>(nullptr, qs, kg, k->nb[1], k->nb[2], vg, v->nb[1],
+                                                            v->nb[2], ps, masks, n, dk, scale, scores.data());
+                    } else
+#endif
+                    scores_of16<G, R, KH, KT, VT>(qbuf, nullptr, kg, k->nb[1], k->nb[2], vg, v->nb[1], v->nb[2], ps,
+                                                  masks, n, dk, scale, scores.data());
+                }
             } else
 #endif
             if constexpr (R == 1 && KH == 1) {
@@ -743,15 +1032,29 @@ bool kv_heads(const ggml_tensor * dst, int64_t i3, int64_t t0, int64_t g0, int64
 using kv_heads_fn = bool (*)(const ggml_tensor *, int64_t, int64_t, int64_t, int64_t, float, bool, int64_t,
                              Partial *);
 
+#if defined(__AVX512F__)
+// The queries an item of R rows' sets of G heads may hold: 16 (scores_of16's accumulators), Partial::MAX_Q on one KV
+// head with a Q8_0 K where the build has integer dots (scores_int_tiles, weighted_values16_many)
+template <ggml_type KT>
+constexpr int max_queries(int kh) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return KT == GGML_TYPE_Q8_0 && kh == 1 ? Partial::MAX_Q : 16;
+#else
+    return 16;
+#endif
+}
+#endif
+
 template <int G, ggml_type KT, ggml_type VT>
 kv_heads_fn kv_heads_of(int64_t rows, int64_t kh) {
 #if defined(__AVX512F__)
-    switch (rows * 16 + kh) {
-        case 1 * 16 + 2: if constexpr (G * 2 <= 16) { return kv_heads<G, 1, 2, KT, VT>; } break;
-        case 1 * 16 + 4: if constexpr (G * 4 <= 16) { return kv_heads<G, 1, 4, KT, VT>; } break;
-        case 2 * 16 + 1: if constexpr (G * 2 <= 16) { return kv_heads<G, 2, 1, KT, VT>; } break;
-        case 4 * 16 + 1: if constexpr (G * 4 <= 16) { return kv_heads<G, 4, 1, KT, VT>; } break;
-        case 8 * 16 + 1: if constexpr (G * 8 <= 16) { return kv_heads<G, 8, 1, KT, VT>; } break;
+    switch (rows * 32 + kh) {
+        case 1 * 32 + 2: if constexpr (G * 2 <= 16) { return kv_heads<G, 1, 2, KT, VT>; } break;
+        case 1 * 32 + 4: if constexpr (G * 4 <= 16) { return kv_heads<G, 1, 4, KT, VT>; } break;
+        case 2 * 32 + 1: if constexpr (G * 2 <= max_queries<KT>(1)) { return kv_heads<G, 2, 1, KT, VT>; } break;
+        case 4 * 32 + 1: if constexpr (G * 4 <= max_queries<KT>(1)) { return kv_heads<G, 4, 1, KT, VT>; } break;
+        case 8 * 32 + 1: if constexpr (G * 8 <= max_queries<KT>(1)) { return kv_heads<G, 8, 1, KT, VT>; } break;
+        case 16 * 32 + 1: if constexpr (G * 16 <= max_queries<KT>(1)) { return kv_heads<G, 16, 1, KT, VT>; } break;
         default: break;
     }
 #endif
@@ -783,7 +1086,8 @@ kv_heads_fn kv_heads_for(int64_t set, int64_t rows, int64_t kh, ggml_type kt, gg
 // How a work item is cut, for the AVX-512 kernel (`wide`; else one query row on one KV head): a decode step's
 // adjacent KV heads read as one stream (up to 16 / G query heads' worth, as many as still leave each thread an
 // item, counting a split decode step's chunks: at depth a thread then reads whole cache rows), a prompt batch's
-// query rows sharing each pass over the cache (up to 16 / G of them, as many as still leave each thread an item).
+// query rows sharing each pass over the cache (up to 16 of them and 16 / G, 64 / G with integer dots, as many as
+// still leave each thread an item).
 // With more than MAX_GROUP query heads a KV head, one set.
 struct Cut {
     int64_t rows = 1;
@@ -800,9 +1104,12 @@ Cut cut_of(const ggml_tensor * q, const ggml_tensor * k, const ggml_tensor * v, 
         return c;
     }
     if (q->ne[1] > 1) {
-        for (int64_t rows = 8; rows > 1; rows /= 2) {
+        // up to 64 queries with integer dots (kv_heads' int_dots): each K and V row then read for 4x the queries
+        const int64_t most = k->ne[0] % 64 != 0 ? 16
+                           : k->type == GGML_TYPE_Q8_0 ? max_queries<GGML_TYPE_Q8_0>(1) : max_queries<GGML_TYPE_F16>(1);
+        for (int64_t rows = 16; rows > 1; rows /= 2) {
             const int64_t tiles = (q->ne[1] + rows - 1) / rows;
-            if (group * rows <= 16 && rows <= q->ne[1] && q->ne[3] * tiles * n_head_kv >= nth) {
+            if (group * rows <= most && rows <= q->ne[1] && q->ne[3] * tiles * n_head_kv >= nth) {
                 c.rows = rows;
                 return c;
             }
@@ -891,7 +1198,7 @@ bool rapidmoe_flash_attn_decode(const ggml_compute_params * params, ggml_tensor 
         auto ** handed = (Partial **) params->wdata;
         handed[ith] = mine.data();
         ggml_barrier(params->threadpool);
-        static thread_local Partial run;
+        Partial & run = thread_partials()[2];
         const int nq = (int) (set * cut.kh);
         for (int64_t task = ith; task < q->ne[3] * sets; task += nth) {  // task: (stream, set of heads)
             for (int qq = 0; qq < nq; qq++) {

@@ -9,7 +9,7 @@ token: how many a token, thread 0's compute and wait, the slowest thread's compu
 they streamed at (thread 0's compute time). perf (tools/profile_decode.py) says which functions take the CPU time;
 this says which nodes take the wall time, and which of them leave a thread idle (one computes, the other waits).
 
---depth N times the decode steps after a context of N tokens (llama-bench's -d: the context is computed first, in
+--depth N times the decode steps (or prompt batches) after a context of N tokens (llama-bench's -d: the context is computed first, in
 batches of 512, untimed); -ctk/-ctv pick the KV cache's types (f16, q8_0, ...), --fa flash attention (auto, as
 llama-bench). --stock-way runs MODEL the "stock way": no sidecar, llama.cpp's CPU repacking off
 (repack=False) and every RAPIDMOE_* kernel switch off (STOCK_WAY_ENV): what upstream's kernels do with the same file.
@@ -45,7 +45,7 @@ import ctypes, json, sys, time, numpy as np
 cfg = json.loads(sys.argv[1])
 from rapidmoe import Llama
 kw = dict(residual_path=cfg["residual"], n_critical=cfg["r"]) if cfg["residual"] else {}
-n_ctx = max(512, cfg["pp"] + cfg["steps"] + 64, cfg["depth"] + cfg["steps"] + 72)
+n_ctx = max(512, cfg["depth"] + cfg["pp"] + cfg["steps"] + 72)
 llm = Llama(model_path=cfg["model"], n_ctx=n_ctx, n_batch=max(512, cfg["pp"]), n_ubatch=max(512, cfg["pp"]),
             n_threads=cfg["threads"], n_threads_batch=cfg["threads"], verbose=False, flash_attn=cfg["fa"],
             type_k=cfg["type_k"], type_v=cfg["type_v"], repack=cfg["repack"], **kw)
@@ -54,10 +54,14 @@ loaded = {l.split()[-1] for l in open("/proc/self/maps").read().splitlines() if 
 assert len(loaded) == 1, loaded
 reset = ctypes.CDLL(loaded.pop()).rapidmoe_node_times_reset
 toks = llm.tokenize(b"Once upon a time there was a model that", add_bos=False)
+if cfg["depth"]:  # llama-bench's -d: a context of this many tokens first (untimed)
+    context = [(1000 + i % 4000) % llm.n_vocab() for i in range(cfg["depth"])]
+    for i in range(0, len(context), 512):
+        llm.eval(context[i:i + 512])
 if cfg["pp"]:
     batch = (toks * (cfg["pp"] // len(toks) + 1))[:cfg["pp"]]
-    def run():
-        llm.reset(); llm._ctx.kv_cache_clear(); llm.eval(batch)
+    def run():  # llama_cpp's eval drops the cache's cells from n_tokens on: each batch lands on the context alone
+        llm.n_tokens = cfg["depth"]; llm.eval(batch)
     run()
     reset()
     t0 = time.perf_counter()
@@ -65,10 +69,6 @@ if cfg["pp"]:
         run()
     per_token = (time.perf_counter() - t0) / cfg["steps"] / len(batch)
 else:
-    if cfg["depth"]:  # llama-bench's -d: a context of this many tokens first (untimed)
-        context = [(1000 + i % 4000) % llm.n_vocab() for i in range(cfg["depth"])]
-        for i in range(0, len(context), 512):
-            llm.eval(context[i:i + 512])
     llm.eval(toks)
     # random tokens, as llama-bench's tg (the logits are not read: Llama.eval keeps none without logits_all)
     rng = np.random.default_rng(0)
@@ -126,7 +126,7 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=64, help="decode steps (with --pp: prompt batches) timed")
     ap.add_argument("--pp", type=int, default=0, help="time prompt batches of this many tokens instead")
-    ap.add_argument("--depth", type=int, default=0, help="decode after a context of this many tokens")
+    ap.add_argument("--depth", type=int, default=0, help="decode (or --pp batches) after a context of this many tokens")
     ap.add_argument("-ctk", "--cache-type-k", default="f16", choices=sorted(KV_TYPES))
     ap.add_argument("-ctv", "--cache-type-v", default="f16", choices=sorted(KV_TYPES))
     ap.add_argument("--fa", default="auto", choices=["auto", "on", "off"], help="flash attention")
@@ -137,8 +137,6 @@ def main() -> int:
     args = ap.parse_args()
     if args.stock_way and args.residual:
         ap.error("--stock-way runs the file alone (no --residual)")
-    if args.depth and args.pp:
-        ap.error("--depth times decode steps; --pp prompt batches from an empty cache")
     if not args.model.is_file():
         print(f"no such model: {args.model}", file=sys.stderr)
         return 2
@@ -160,7 +158,7 @@ def main() -> int:
     per = 1.0 / tokens
     kinds.sort(key=lambda k: -(k.compute0 + k.wait0))
     total0 = sum(k.compute0 + k.wait0 for k in kinds) * per
-    what = (f"prompt batches of {args.pp}" if args.pp else
+    what = (f"prompt batches of {args.pp} after {args.depth} tokens" if args.pp else
             f"decode steps after {args.depth} tokens" if args.depth else "decode steps")
     way = " (stock way)" if args.stock_way else ""
     print(f"{args.model.name}{way} r={args.r if args.residual else '-'} threads={args.threads} "

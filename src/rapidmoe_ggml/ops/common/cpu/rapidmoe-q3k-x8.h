@@ -76,36 +76,53 @@ inline void rapidmoe_q3_K_x8_scales_simd(const rapidmoe_block_q3_Kx8 & x, uint8_
 
 // The VNNI kernels' shared steps (our Q3_K gemv, the refine op's 8-row kernel): all 8 rows in a zmm, row c's 8
 // bytes of a chunk in 64-bit lane c. acc += one 2-bit field's two sub-blocks (w: 4 chunks of unsigned values, 8 per
-// row) against the activation's 32 bytes aq, each sub-block's pair sums (16 bits) times its scales (vpdpwssd)
+// row) against the activation's 32 values at aq, each sub-block's pair sums (16 bits) times its scales (vpdpwssd).
+// STRIDE 1: a plain Q8_K row; 4: a row of block_q8_Kx4 (its runs of 8 values 32 bytes apart, aq at the first)
+template <int STRIDE = 1>
 inline __m512i rapidmoe_q3_K_x8_field_dot(__m512i acc, const __m512i w[4], const int8_t * aq, __m512i scales) {
     __m512i sums[2];
     for (int p = 0; p < 2; p++) {
-        const __m512i a0 = broadcast_8_bytes_512(aq + 16 * p);
-        const __m512i a1 = broadcast_8_bytes_512(aq + 16 * p + 8);
+        const __m512i a0 = broadcast_8_bytes_512(aq + STRIDE * 16 * p);
+        const __m512i a1 = broadcast_8_bytes_512(aq + STRIDE * (16 * p + 8));
         sums[p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2 * p], a0), w[2 * p + 1], a1);
     }
     return _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(sums[0], sums[1]), scales);
 }
 
-// the block's scales minus 32 from its decoded 128 (layout order): sc16[g] 16-bit lane 2c + p = row c's scale of
-// sub-block 2g + p
-inline void rapidmoe_q3_K_x8_scales16(const uint8_t * sc, __m256i sc16[8]) {
-    for (int g = 0; g < 8; g++) {
-        sc16[g] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *) (sc + 16 * g))),
-                                   _mm256_set1_epi16(32));
+// the block's scales minus 32 from its decoded 128 (layout order): sc32[j] 16-bit lane 2c + p = row c's scale of
+// sub-block 4j + p, lane 16 + 2c + p its scale of sub-block 4j + 2 + p
+inline void rapidmoe_q3_K_x8_scales32(const uint8_t * sc, __m512i sc32[4]) {
+    for (int j = 0; j < 4; j++) {
+        sc32[j] = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) (sc + 32 * j))),
+                                   _mm512_set1_epi16(32));
     }
 }
 
 // per row c (int32 lane c): the sum over sub-blocks of (scale - 32) x the activation's 16-value sum (bsums: Q8_K's
-// 16 int16)
-inline __m256i rapidmoe_q3_K_x8_scaled_bsums(const __m256i sc16[8], const void * bsums) {
-    __m256i offs = _mm256_setzero_si256();
-    for (int g = 0; g < 8; g++) {
-        int32_t pair;  // the sums of sub-blocks 2g, 2g + 1
-        std::memcpy(&pair, (const uint8_t *) bsums + 4 * g, sizeof(pair));
-        offs = _mm256_add_epi32(offs, _mm256_madd_epi16(sc16[g], _mm256_set1_epi32(pair)));
+// 16 int16), by one vpdpwssd per 4 sub-blocks (each 32-bit lane's pair of sums broadcast to its 8 rows); the exact
+// integers a madd per pair of sub-blocks gives (it took 24 instructions a row and block, about a tenth of the gemm)
+inline __m256i rapidmoe_q3_K_x8_scaled_bsums(const __m512i sc32[4], const void * bsums) {
+    const __m512i pairs = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) bsums));  // int32 lane g
+    __m512i offs = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) {  // lanes 0-7: the sums of sub-blocks 4j, 4j + 1; lanes 8-15: 4j + 2, 4j + 3
+        const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1);
+        offs = _mm512_dpwssd_epi32(offs, sc32[j], _mm512_permutexvar_epi32(idx, pairs));
     }
-    return offs;
+    return _mm256_add_epi32(_mm512_castsi512_si256(offs), _mm512_extracti64x4_epi64(offs, 1));
+}
+
+// rapidmoe_q3_K_x8_scaled_bsums for row r of a block_q8_Kx4 (bsums: its 64 int16, ggml_quantize_mat_q8_K_4x8's
+// order: row r's sum of values 16 g .. 16 g + 15 at 16 (g / 4) + 4 r + g % 4, so its pair of sub-blocks 2 g', 2 g' + 1
+// is int32 8 (g' / 2) + 2 r + g' % 2)
+inline __m256i rapidmoe_q3_K_x8_scaled_bsums_x4(const __m512i sc32[4], const int16_t * bsums, int r) {
+    const __m512i lo = _mm512_loadu_si512((const void *) bsums);
+    const __m512i hi = _mm512_loadu_si512((const void *) (bsums + 32));
+    __m512i offs = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) {
+        const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(8 * j + 2 * r), _mm256_set1_epi32(8 * j + 2 * r + 1), 1);
+        offs = _mm512_dpwssd_epi32(offs, sc32[j], _mm512_permutex2var_epi32(lo, idx, hi));
+    }
+    return _mm256_add_epi32(_mm512_castsi512_si256(offs), _mm512_extracti64x4_epi64(offs, 1));
 }
 #endif
 

@@ -90,8 +90,13 @@ void gemv_scalar(int nb, const rapidmoe_block_q3_Kx8 * x, const block_q8_K * con
 // its sums in 32-bit lanes 2c and 2c + 1). Per 2-bit field t of a half h: sub-blocks k = 8 h + 2 t + p (p = 0: qs
 // and hmask chunks 0, 1; p = 1: chunks 2, 3), two vpdpbusd each, vpackssdw of the pair, one vpdpwssd with the
 // scales in that order (128-bit lane j: rows 2j, 2j + 1 of sub-block p = 0, then of p = 1: Q2_K's order).
-template <int R>
-void gemv_512(int nb, const rapidmoe_block_q3_Kx8 * x, const block_q8_K * const a[R], float * const out[R]) {
+//
+// Activations: a[r] plain Q8_K rows, or (X4) a4[r / 4] groups of 4 interleaved rows (block_q8_Kx4, as the gemm gets
+// them), read in place: the same integers (a row's 8-value runs 32 bytes apart, its exact 16-value sums in the
+// group's order). De-interleaving every group first, for each call on a few columns, took a third of the gemm.
+template <int R, bool X4 = false>
+void gemv_512(int nb, const rapidmoe_block_q3_Kx8 * x, const block_q8_K * const a[R], float * const out[R],
+              const block_q8_Kx4 * const a4[R / 4 + 1] = nullptr) {
     const __m512i m3b = _mm512_set1_epi8(3);
     const __m512i four = _mm512_set1_epi8(4);
     const __m512i c32 = _mm512_set1_epi16(32);
@@ -131,18 +136,31 @@ void gemv_512(int nb, const rapidmoe_block_q3_Kx8 * x, const block_q8_K * const 
                 const __m512i scales =
                     _mm512_sub_epi16(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(group), scale_index), c32);
                 for (int r = 0; r < R; r++) {
-                    acc[r] = rapidmoe_q3_K_x8_field_dot(acc[r], w, a[r][b].qs + 128 * h + 32 * t, scales);
+                    if constexpr (X4) {
+                        acc[r] = rapidmoe_q3_K_x8_field_dot<4>(
+                            acc[r], w, a4[r / 4][b].qs + 8 * (r % 4) + 4 * (128 * h + 32 * t), scales);
+                    } else {
+                        acc[r] = rapidmoe_q3_K_x8_field_dot(acc[r], w, a[r][b].qs + 128 * h + 32 * t, scales);
+                    }
                 }
             }
         }
         // the -4 of every value: per row c, sum over sub-blocks 2g + p of (scale - 32) x bsum, 4 times
-        __m256i sc16[8];
-        rapidmoe_q3_K_x8_scales16(sc, sc16);
+        __m512i sc32[4];
+        rapidmoe_q3_K_x8_scales32(sc, sc32);
         const __m256 col_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) x[b].d));
         for (int r = 0; r < R; r++) {
-            const __m256i offs = rapidmoe_q3_K_x8_scaled_bsums(sc16, a[r][b].bsums);
+            __m256i offs;
+            float d;
+            if constexpr (X4) {
+                offs = rapidmoe_q3_K_x8_scaled_bsums_x4(sc32, a4[r / 4][b].bsums, r % 4);
+                d = a4[r / 4][b].d[r % 4];
+            } else {
+                offs = rapidmoe_q3_K_x8_scaled_bsums(sc32, a[r][b].bsums);
+                d = a[r][b].d;
+            }
             const __m256i isum = _mm256_sub_epi32(column_pairs_packed(acc[r]), _mm256_slli_epi32(offs, 2));
-            acc_f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(col_scale, _mm256_set1_ps(a[r][b].d)),
+            acc_f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(col_scale, _mm256_set1_ps(d)),
                                        acc_f[r]);
         }
     }
@@ -206,22 +224,58 @@ void rapidmoe_gemv_q3_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, c
     }
 }
 
+namespace {
+
+// Activation rows y0 .. y0 + R - 1 (R / 4 groups of block_q8_Kx4) against every run of weight rows: each weight
+// block unpacked once for the R rows
+template <int R>
+void gemm_rows(int nb, float * s, size_t bs, const void * vx, const void * vy, int y0, int nc,
+               std::vector<block_q8_K> & rows) {
+#if RAPIDMOE_Q3_K_512
+    if (!rapidmoe_gemm_avx2_only()) {  // the groups read in place
+        const block_q8_Kx4 * a4[R / 4 + 1];
+        for (int g = 0; g < R / 4; g++) {
+            a4[g] = (const block_q8_Kx4 *) vy + (int64_t) (y0 / 4 + g) * nb;
+        }
+        for (int x = 0; x < nc / 8; x++) {
+            float * out[R];
+            for (int r = 0; r < R; r++) {
+                out[r] = s + (int64_t) (y0 + r) * bs + 8 * x;
+            }
+            gemv_512<R, true>(nb, (const rapidmoe_block_q3_Kx8 *) vx + (int64_t) x * nb, nullptr, out, a4);
+        }
+        return;
+    }
+#endif
+    rows.resize((size_t) R * nb);
+    for (int g = 0; g < R / 4; g++) {
+        rapidmoe_q8_Kx4_rows((const block_q8_Kx4 *) vy + (int64_t) (y0 / 4 + g) * nb, nb, rows.data() + 4 * g * nb);
+    }
+    const block_q8_K * ra[R];
+    for (int r = 0; r < R; r++) {
+        ra[r] = rows.data() + (size_t) r * nb;
+    }
+    for (int x = 0; x < nc / 8; x++) {
+        float * out[R];
+        for (int r = 0; r < R; r++) {
+            out[r] = s + (int64_t) (y0 + r) * bs + 8 * x;
+        }
+        gemv_rows<R>(nb, (const rapidmoe_block_q3_Kx8 *) vx + (int64_t) x * nb, ra, out);
+    }
+}
+
+}  // namespace
+
+// 8 rows at a time where there are (the weights' unpacking, scales and 2-bit fields, shared by twice the rows), the
+// last 4 alone: each row's bits do not depend on the rows beside it
 void rapidmoe_gemm_q3_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc) {
     const int nb = n / QK_K;
     thread_local std::vector<block_q8_K> rows;
-    rows.resize((size_t) 4 * nb);
-    for (int y = 0; y < nr / 4; y++) {
-        rapidmoe_q8_Kx4_rows((const block_q8_Kx4 *) vy + (int64_t) y * nb, nb, rows.data());
-        const block_q8_K * ra[4];
-        for (int r = 0; r < 4; r++) {
-            ra[r] = rows.data() + (size_t) r * nb;
-        }
-        for (int x = 0; x < nc / 8; x++) {  // each weight block unpacked once for the 4 rows
-            float * out[4];
-            for (int r = 0; r < 4; r++) {
-                out[r] = s + (int64_t) (4 * y + r) * bs + 8 * x;
-            }
-            gemv_rows<4>(nb, (const rapidmoe_block_q3_Kx8 *) vx + (int64_t) x * nb, ra, out);
-        }
+    int y = 0;
+    for (; y + 8 <= nr; y += 8) {
+        gemm_rows<8>(nb, s, bs, vx, vy, y, nc, rows);
+    }
+    for (; y + 4 <= nr; y += 4) {
+        gemm_rows<4>(nb, s, bs, vx, vy, y, nc, rows);
     }
 }

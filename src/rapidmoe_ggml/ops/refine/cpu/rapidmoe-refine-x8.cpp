@@ -128,12 +128,12 @@ void dot_x8(int64_t nb, const rapidmoe_block_q3_Kx8 * x, const uint8_t * bits, s
             }
         }
         // the -17 of every 2f - 17: per row c, sum over sub-blocks 2g + p of (scale - 32) x bsum
-        __m256i sc16[8];
-        rapidmoe_q3_K_x8_scales16(sc, sc16);
+        __m512i sc32[4];
+        rapidmoe_q3_K_x8_scales32(sc, sc32);
         const __m256 row_d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) x[b].d));
         for (int r = 0; r < R; r++) {
             const uint8_t * xb = a[r] + b * RAPIDMOE_Q8K_BLOCK;
-            const __m256i offs = rapidmoe_q3_K_x8_scaled_bsums(sc16, xb + Q8K_BSUMS);
+            const __m256i offs = rapidmoe_q3_K_x8_scaled_bsums(sc32, xb + Q8K_BSUMS);
             const __m256i fx = column_pairs_packed(acc[r]);
             const __m256i isum = _mm256_sub_epi32(_mm256_add_epi32(fx, fx), _mm256_mullo_epi32(offs, _mm256_set1_epi32(17)));
             float dx;

@@ -463,6 +463,7 @@ void scores_of16(const float * q, const QueriesQ8 * qs, const char * k, size_t k
     constexpr int P = NQ >= 8 ? 1 : 8 / NQ;
     constexpr int NA = NQ * P;
     static_assert(NA == 8 || NA == 16, "8 or 16 accumulators");
+    static_assert(KH * P <= 8, "the K scales of a step: two 64-bit registers");
     constexpr int64_t AHEAD = 32;
     const int kbytes = (int) ((KH - 1) * k_head) + row_bytes<KT>(dk);  // a position's bytes of the KH heads
     const int vbytes = (int) ((KH - 1) * v_head) + row_bytes<VT>(dk);
@@ -472,8 +473,7 @@ void scores_of16(const float * q, const QueriesQ8 * qs, const char * k, size_t k
         return;
     }
     // INT_DOTS: dot a = (query qq, position j) = (a / P, a % P) takes the K scale of head g = qq / RG's slice of
-    // position j: sc[g * P + j]; the query's scale of block b is qscale[b * 16 + a]
-    alignas(32) uint16_t sc[16] = {};
+    // position j, the (g * P + j)-th gathered; the query's scale of block b is qscale[b * 16 + a]
     alignas(64) float qscale[MAX_DIM / Q8_0_BLOCK * 16] = {};
     alignas(64) int32_t kidx_lanes[16] = {};
     if constexpr (INT_DOTS) {
@@ -528,13 +528,19 @@ void scores_of16(const float * q, const QueriesQ8 * qs, const char * k, size_t k
                 __m512 weight[2];  // each dot's (K scale x query scale) of blocks 2c and 2c + 1
                 for (int half = 0; half < 2; half++) {
                     const int b = 2 * c + half;
+                    // the KH x P scales gathered in two 64-bit registers: 16-bit stores read back by one load
+                    // would wait for each store (no forwarding from several stores)
+                    uint64_t packed[2] = {0, 0};
                     for (int g = 0; g < KH; g++) {
                         for (int j = 0; j < P; j++) {
-                            sc[g * P + j] = *(const uint16_t *) (kr[j] + g * k_head + b * Q8_0_BYTES);
+                            const int at = g * P + j;
+                            packed[at / 4] |= (uint64_t) *(const uint16_t *) (kr[j] + g * k_head + b * Q8_0_BYTES)
+                                              << (16 * (at % 4));
                         }
                     }
+                    const __m128i halves = _mm_set_epi64x((int64_t) packed[1], (int64_t) packed[0]);
                     const __m512 kscale = _mm512_permutexvar_ps(
-                        kidx, _mm512_cvtph_ps(_mm256_load_si256((const __m256i *) sc)));
+                        kidx, _mm512_cvtph_ps(_mm256_castsi128_si256(halves)));
                     weight[half] = _mm512_mul_ps(kscale, _mm512_load_ps(qscale + b * 16));
                 }
                 if constexpr (NA == 16) {

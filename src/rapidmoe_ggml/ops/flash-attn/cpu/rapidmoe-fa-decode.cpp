@@ -454,8 +454,8 @@ void scores_int_tiles(const QueriesQ8 * qs, const char * k, size_t k_stride, con
 // last one, whose extra scores are dropped (every score is the same chain of operations wherever it sits). Scores
 // at scores[qq * SCORES + i], row r's mask values masks[r][i]. K rows are prefetched 32 positions ahead, the V rows of
 // pass 3's first tile while K is read.
-template <int G, int R, int KH, ggml_type KT, ggml_type VT, bool INT_DOTS = false>
-void scores_of16(const float * q, const QueriesQ8 * qs, const char * k, size_t k_stride, size_t k_head,
+template <int G, int R, int KH, ggml_type KT, ggml_type VT>
+void scores_of16(const float * q, const char * k, size_t k_stride, size_t k_head,
                  const char * v, size_t v_stride, size_t v_head, const int32_t * pos, const float * const * masks,
                  int64_t n, int dk, float scale, float * scores) {
     constexpr int RG = R * G;  // queries a KV head
@@ -463,29 +463,9 @@ void scores_of16(const float * q, const QueriesQ8 * qs, const char * k, size_t k
     constexpr int P = NQ >= 8 ? 1 : 8 / NQ;
     constexpr int NA = NQ * P;
     static_assert(NA == 8 || NA == 16, "8 or 16 accumulators");
-    static_assert(KH * P <= 8, "the K scales of a step: two 64-bit registers");
     constexpr int64_t AHEAD = 32;
     const int kbytes = (int) ((KH - 1) * k_head) + row_bytes<KT>(dk);  // a position's bytes of the KH heads
     const int vbytes = (int) ((KH - 1) * v_head) + row_bytes<VT>(dk);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if constexpr (INT_DOTS && KH == 1 && P == 1) {  // 8 or more queries on one KV head
-        scores_int_tiles<G, R, VT>(qs, k, k_stride, v, v_stride, pos, masks, n, dk, scale, scores);
-        return;
-    }
-    // INT_DOTS: dot a = (query qq, position j) = (a / P, a % P) takes the K scale of head g = qq / RG's slice of
-    // position j, the (g * P + j)-th gathered; the query's scale of block b is qscale[b * 16 + a]
-    alignas(64) float qscale[MAX_DIM / Q8_0_BLOCK * 16] = {};
-    alignas(64) int32_t kidx_lanes[16] = {};
-    if constexpr (INT_DOTS) {
-        for (int a = 0; a < NA; a++) {
-            kidx_lanes[a] = a / P / RG * P + a % P;
-            for (int b = 0; b < dk / Q8_0_BLOCK; b++) {
-                qscale[b * 16 + a] = qs[a / P].scale[b * 8];
-            }
-        }
-    }
-    const __m512i kidx = _mm512_load_si512(kidx_lanes);
-#endif
     for (int64_t i = 0; i < n && i < AHEAD; i++) {
         prefetch_row(k + pos[i] * k_stride, kbytes);
     }
@@ -505,59 +485,7 @@ void scores_of16(const float * q, const QueriesQ8 * qs, const char * k, size_t k
         for (auto & a : acc) {
             a = _mm512_setzero_ps();
         }
-        alignas(64) float dots[16];
-        if constexpr (INT_DOTS) {  // a Q8_0 K, the queries quantized (qs): 64 values a step
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-            __m512 sum = _mm512_setzero_ps();  // lane a: dot a (the first 8 lanes where NA = 8)
-            for (int c = 0; c < dk / 64; c++) {
-                __m512i dot[NA];
-                for (int g = 0; g < KH; g++) {
-                    __m512i kb[P];
-                    for (int j = 0; j < P; j++) {
-                        kb[j] = k_pair_biased(kr[j] + g * k_head, c);
-                    }
-                    for (int rh = 0; rh < RG; rh++) {
-                        const int qq = g * RG + rh;
-                        const __m512i qv = _mm512_load_si512(qs[qq].q + 64 * c);
-                        const __m512i bias = _mm512_load_si512(qs[qq].bias + 16 * c);
-                        for (int j = 0; j < P; j++) {
-                            dot[qq * P + j] = _mm512_dpbusd_epi32(bias, kb[j], qv);
-                        }
-                    }
-                }
-                __m512 weight[2];  // each dot's (K scale x query scale) of blocks 2c and 2c + 1
-                for (int half = 0; half < 2; half++) {
-                    const int b = 2 * c + half;
-                    // the KH x P scales gathered in two 64-bit registers: 16-bit stores read back by one load
-                    // would wait for each store (no forwarding from several stores)
-                    uint64_t packed[2] = {0, 0};
-                    for (int g = 0; g < KH; g++) {
-                        for (int j = 0; j < P; j++) {
-                            const int at = g * P + j;
-                            packed[at / 4] |= (uint64_t) *(const uint16_t *) (kr[j] + g * k_head + b * Q8_0_BYTES)
-                                              << (16 * (at % 4));
-                        }
-                    }
-                    const __m128i halves = _mm_set_epi64x((int64_t) packed[1], (int64_t) packed[0]);
-                    const __m512 kscale = _mm512_permutexvar_ps(
-                        kidx, _mm512_cvtph_ps(_mm256_castsi128_si256(halves)));
-                    weight[half] = _mm512_mul_ps(kscale, _mm512_load_ps(qscale + b * 16));
-                }
-                if constexpr (NA == 16) {
-                    __m512i even;
-                    __m512i odd;
-                    block_sums16(dot, even, odd);
-                    sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even), weight[0], sum);
-                    sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), weight[1], sum);
-                } else {
-                    const __m512 both = _mm512_cvtepi32_ps(block_sums8(dot));  // lanes 8-15: the odd block's
-                    sum = _mm512_fmadd_ps(both, weight[0], sum);
-                    sum = _mm512_fmadd_ps(_mm512_shuffle_f32x4(both, both, 0x4E), weight[1], sum);
-                }
-            }
-            _mm512_store_ps(dots, sum);
-#endif
-        } else {
+        {
             for (int d = 0; d < dk; d += 16) {
                 for (int g = 0; g < KH; g++) {
                     __m512 kf[P];
@@ -574,22 +502,126 @@ void scores_of16(const float * q, const QueriesQ8 * qs, const char * k, size_t k
                 }
             }
         }
-        if constexpr (!INT_DOTS) {
-            for (int a = 0; a < NA; a += 8) {
-                _mm256_store_ps(dots + a, hsum8(acc + a));
-            }
+        alignas(32) float dots[NA];
+        for (int a = 0; a < NA; a += 8) {
+            _mm256_store_ps(dots + a, hsum8(acc + a));
         }
         for (int j = 0; j < P && i + j < n; j++) {
             for (int qq = 0; qq < NQ; qq++) {
-                const float mv = masks[qq / G % R][i + j];
-                // INT_DOTS: one rounding, as scores_int_tiles' vector multiply-add
-                scores[qq * SCORES + i + j] = INT_DOTS ? std::fma(dots[qq * P + j], scale, mv)
-                                                      : dots[qq * P + j] * scale + mv;
+                scores[qq * SCORES + i + j] = dots[qq * P + j] * scale + masks[qq / G % R][i + j];
             }
         }
     }
 }
 
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// scores_of16 for a Q8_0 K with integer dots (VNNI; the queries quantized, qs): per 64 values one vpdpbusd per dot,
+// each block's 8 lanes summed in integers (block_sums16/8: exact) and the F32 chain over blocks (QueriesQ8); 8 or
+// more queries on one KV head by scores_int_tiles, the same bits.
+template <int G, int R, int KH, ggml_type VT>
+void scores_int_rows(const QueriesQ8 * qs, const char * k, size_t k_stride, size_t k_head, const char * v,
+                     size_t v_stride, size_t v_head, const int32_t * pos, const float * const * masks, int64_t n,
+                     int dk, float scale, float * scores) {
+    constexpr ggml_type KT = GGML_TYPE_Q8_0;
+    constexpr int RG = R * G;  // queries a KV head
+    constexpr int NQ = RG * KH;
+    constexpr int P = NQ >= 8 ? 1 : 8 / NQ;
+    constexpr int NA = NQ * P;
+    static_assert(NA == 8 || NA == 16, "8 or 16 accumulators");
+    static_assert(KH * P <= 8, "the K scales of a step: two 64-bit registers");
+    constexpr int64_t AHEAD = 32;
+    const int kbytes = (int) ((KH - 1) * k_head) + row_bytes<KT>(dk);  // a position's bytes of the KH heads
+    const int vbytes = (int) ((KH - 1) * v_head) + row_bytes<VT>(dk);
+    if constexpr (KH == 1 && P == 1) {  // 8 or more queries on one KV head
+        scores_int_tiles<G, R, VT>(qs, k, k_stride, v, v_stride, pos, masks, n, dk, scale, scores);
+        return;
+    }
+    // dot a = (query qq, position j) = (a / P, a % P) takes the K scale of head g = qq / RG's slice of
+    // position j, the (g * P + j)-th gathered; the query's scale of block b is qscale[b * 16 + a]
+    alignas(64) float qscale[MAX_DIM / Q8_0_BLOCK * 16] = {};
+    alignas(64) int32_t kidx_lanes[16] = {};
+    for (int a = 0; a < NA; a++) {
+        kidx_lanes[a] = a / P / RG * P + a % P;
+        for (int b = 0; b < dk / Q8_0_BLOCK; b++) {
+            qscale[b * 16 + a] = qs[a / P].scale[b * 8];
+        }
+    }
+    const __m512i kidx = _mm512_load_si512(kidx_lanes);
+    for (int64_t i = 0; i < n && i < AHEAD; i++) {
+        prefetch_row(k + pos[i] * k_stride, kbytes);
+    }
+    for (int64_t i = 0; i < n; i += P) {
+        const char * kr[P];
+        for (int j = 0; j < P; j++) {
+            const int64_t ij = std::min(i + j, n - 1);
+            kr[j] = k + pos[ij] * k_stride;
+            if (ij + AHEAD < n) {
+                prefetch_row(k + pos[ij + AHEAD] * k_stride, kbytes);
+            }
+            if (i + j < TILE && i + j < n) { // pass 3's first tile
+                prefetch_row(v + pos[i + j] * v_stride, vbytes);
+            }
+        }
+        alignas(64) float dots[16];
+        __m512 sum = _mm512_setzero_ps();  // lane a: dot a (the first 8 lanes where NA = 8)
+        for (int c = 0; c < dk / 64; c++) {
+            __m512i dot[NA];
+            for (int g = 0; g < KH; g++) {
+                __m512i kb[P];
+                for (int j = 0; j < P; j++) {
+                    kb[j] = k_pair_biased(kr[j] + g * k_head, c);
+                }
+                for (int rh = 0; rh < RG; rh++) {
+                    const int qq = g * RG + rh;
+                    const __m512i qv = _mm512_load_si512(qs[qq].q + 64 * c);
+                    const __m512i bias = _mm512_load_si512(qs[qq].bias + 16 * c);
+                    for (int j = 0; j < P; j++) {
+                        dot[qq * P + j] = _mm512_dpbusd_epi32(bias, kb[j], qv);
+                    }
+                }
+            }
+            __m512 weight[2];  // each dot's (K scale x query scale) of blocks 2c and 2c + 1
+            for (int half = 0; half < 2; half++) {
+                const int b = 2 * c + half;
+                // the KH x P scales gathered in two 64-bit registers: 16-bit stores read back by one load
+                // would wait for each store (no forwarding from several stores)
+                uint64_t packed[2] = {0, 0};
+                for (int g = 0; g < KH; g++) {
+                    for (int j = 0; j < P; j++) {
+                        const int at = g * P + j;
+                        packed[at / 4] |= (uint64_t) *(const uint16_t *) (kr[j] + g * k_head + b * Q8_0_BYTES)
+                                          << (16 * (at % 4));
+                    }
+                }
+                const __m128i halves = _mm_set_epi64x((int64_t) packed[1], (int64_t) packed[0]);
+                const __m512 kscale = _mm512_permutexvar_ps(
+                    kidx, _mm512_cvtph_ps(_mm256_castsi128_si256(halves)));
+                weight[half] = _mm512_mul_ps(kscale, _mm512_load_ps(qscale + b * 16));
+            }
+            if constexpr (NA == 16) {
+                __m512i even;
+                __m512i odd;
+                block_sums16(dot, even, odd);
+                sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even), weight[0], sum);
+                sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), weight[1], sum);
+            } else {
+                const __m512 both = _mm512_cvtepi32_ps(block_sums8(dot));  // lanes 8-15: the odd block's
+                sum = _mm512_fmadd_ps(both, weight[0], sum);
+                sum = _mm512_fmadd_ps(_mm512_shuffle_f32x4(both, both, 0x4E), weight[1], sum);
+            }
+        }
+        _mm512_store_ps(dots, sum);
+        for (int j = 0; j < P && i + j < n; j++) {
+            for (int qq = 0; qq < NQ; qq++) {
+                const float mv = masks[qq / G % R][i + j];
+                // one rounding, as scores_int_tiles' vector multiply-add
+                scores[qq * SCORES + i + j] = std::fma(dots[qq * P + j], scale, mv);
+            }
+        }
+    }
+}
+#endif
 
 // Pass 3 as weighted_values for the G query heads of each of KH adjacent KV heads: tiles of TILE positions (the next
 // tile's rows prefetched, one a position), C 16-column chunks of a KV head's G accumulators at once (G * C <= 16
@@ -990,12 +1022,12 @@ bool kv_heads(const ggml_tensor * dst, int64_t i3, int64_t t0, int64_t g0, int64
                 } else {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
                     if (int_dots) {
-                        scores_of16<G, R, KH, KT, VT, true>(nullptr, qs, kg, k->nb[1], k->nb[2], vg, v->nb[1],
-                                                            v->nb[2], ps, masks, n, dk, scale, scores.data());
+                        scores_int_rows<G, R, KH, VT>(qs, kg, k->nb[1], k->nb[2], vg, v->nb[1], v->nb[2], ps, masks,
+                                                      n, dk, scale, scores.data());
                     } else
 #endif
-                    scores_of16<G, R, KH, KT, VT>(qbuf, nullptr, kg, k->nb[1], k->nb[2], vg, v->nb[1], v->nb[2], ps,
-                                                  masks, n, dk, scale, scores.data());
+                    scores_of16<G, R, KH, KT, VT>(qbuf, kg, k->nb[1], k->nb[2], vg, v->nb[1], v->nb[2], ps, masks, n,
+                                                  dk, scale, scores.data());
                 }
             } else
 #endif

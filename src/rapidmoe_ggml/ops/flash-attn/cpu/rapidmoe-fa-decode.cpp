@@ -518,7 +518,9 @@ void scores_of16(const float * q, const char * k, size_t k_stride, size_t k_head
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // scores_of16 for a Q8_0 K with integer dots (VNNI; the queries quantized, qs): per 64 values one vpdpbusd per dot,
 // each block's 8 lanes summed in integers (block_sums16/8: exact) and the F32 chain over blocks (QueriesQ8); 8 or
-// more queries on one KV head by scores_int_tiles, the same bits.
+// more queries on one KV head by scores_int_tiles, the same bits. Its walk over the positions is scores_of16's,
+// copied: a helper shared by both made GCC keep scores_of16's accumulators on the stack (an F16 prompt node 25 %
+// slower, fa_cost pp512 at 4k).
 template <int G, int R, int KH, ggml_type VT>
 void scores_int_rows(const QueriesQ8 * qs, const char * k, size_t k_stride, size_t k_head, const char * v,
                      size_t v_stride, size_t v_head, const int32_t * pos, const float * const * masks, int64_t n,
@@ -623,6 +625,36 @@ void scores_int_rows(const QueriesQ8 * qs, const char * k, size_t k_stride, size
 }
 #endif
 
+// Pass 3's accumulators for H queries x C 16-column chunks, query h's at out + h * MAX_DIM + d0: loaded from out
+// (zero for a chunk's first tile), each output's next multiply-add (acc[h][c] += p[h * SCORES] x vv[c]), stored back
+template <int H, int C>
+inline void load_acc(__m512 (&acc)[H][C], const float * out, int d0, bool first) {
+    for (int h = 0; h < H; h++) {
+        for (int c = 0; c < C; c++) {
+            acc[h][c] = first ? _mm512_setzero_ps() : _mm512_load_ps(out + h * MAX_DIM + d0 + 16 * c);
+        }
+    }
+}
+
+template <int H, int C>
+inline void add_weighted(__m512 (&acc)[H][C], const float * p, const __m512 (&vv)[C]) {
+    for (int h = 0; h < H; h++) {
+        const __m512 w = _mm512_set1_ps(p[h * SCORES]);
+        for (int c = 0; c < C; c++) {
+            acc[h][c] = _mm512_fmadd_ps(w, vv[c], acc[h][c]);
+        }
+    }
+}
+
+template <int H, int C>
+inline void store_acc(const __m512 (&acc)[H][C], float * out, int d0) {
+    for (int h = 0; h < H; h++) {
+        for (int c = 0; c < C; c++) {
+            _mm512_store_ps(out + h * MAX_DIM + d0 + 16 * c, acc[h][c]);
+        }
+    }
+}
+
 // Pass 3 as weighted_values for the G query heads of each of KH adjacent KV heads: tiles of TILE positions (the next
 // tile's rows prefetched, one a position), C 16-column chunks of a KV head's G accumulators at once (G * C <= 16
 // registers); out[hh * MAX_DIM + d] for query head hh = g * G + h, each output the same chain over i = 0..n-1
@@ -648,11 +680,7 @@ void weighted_values16(const float * p, const char * v, size_t v_stride, size_t 
             float * og = out + g * G * MAX_DIM;
             for (int d0 = 0; d0 < dv; d0 += 16 * C) {
                 __m512 acc[G][C];
-                for (int h = 0; h < G; h++) {
-                    for (int c = 0; c < C; c++) {
-                        acc[h][c] = i0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(og + h * MAX_DIM + d0 + 16 * c);
-                    }
-                }
+                load_acc(acc, og, d0, i0 == 0);
                 for (int64_t i = i0; i < i1; i++) {
                     for (int j = 0; j < per_step && row < n && row < i1 + TILE; j++) {
                         _mm_prefetch(v + pos[row] * v_stride + off, _MM_HINT_T0);
@@ -673,18 +701,9 @@ void weighted_values16(const float * p, const char * v, size_t v_stride, size_t 
                             vv[c] = load16<VT>(vr, d0 + 16 * c);
                         }
                     }
-                    for (int h = 0; h < G; h++) {
-                        const __m512 w = _mm512_set1_ps(pg[h * SCORES + i]);
-                        for (int c = 0; c < C; c++) {
-                            acc[h][c] = _mm512_fmadd_ps(w, vv[c], acc[h][c]);
-                        }
-                    }
+                    add_weighted(acc, pg + i, vv);
                 }
-                for (int h = 0; h < G; h++) {
-                    for (int c = 0; c < C; c++) {
-                        _mm512_store_ps(og + h * MAX_DIM + d0 + 16 * c, acc[h][c]);
-                    }
-                }
+                store_acc(acc, og, d0);
             }
         }
     }
@@ -731,30 +750,16 @@ void weighted_values16_many(const float * p, const char * v, size_t v_stride, co
             const float * ph = p + h0 * SCORES;
             for (int d0 = 0; d0 < dv; d0 += 16 * CB) {
                 __m512 acc[QB][CB];
-                for (int h = 0; h < QB; h++) {
-                    for (int c = 0; c < CB; c++) {
-                        acc[h][c] = i0 == 0 ? _mm512_setzero_ps()
-                                            : _mm512_load_ps(out + (h0 + h) * MAX_DIM + d0 + 16 * c);
-                    }
-                }
+                load_acc(acc, out + h0 * MAX_DIM, d0, i0 == 0);
                 for (int64_t i = i0; i < i1; i++) {
                     const float * row = vf + (i - i0) * MAX_DIM + d0;
                     __m512 vv[CB];
                     for (int c = 0; c < CB; c++) {
                         vv[c] = _mm512_load_ps(row + 16 * c);
                     }
-                    for (int h = 0; h < QB; h++) {
-                        const __m512 w = _mm512_set1_ps(ph[h * SCORES + i]);
-                        for (int c = 0; c < CB; c++) {
-                            acc[h][c] = _mm512_fmadd_ps(w, vv[c], acc[h][c]);
-                        }
-                    }
+                    add_weighted(acc, ph + i, vv);
                 }
-                for (int h = 0; h < QB; h++) {
-                    for (int c = 0; c < CB; c++) {
-                        _mm512_store_ps(out + (h0 + h) * MAX_DIM + d0 + 16 * c, acc[h][c]);
-                    }
-                }
+                store_acc(acc, out + h0 * MAX_DIM, d0);
             }
         }
     }

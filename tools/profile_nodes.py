@@ -9,13 +9,14 @@ token: how many a token, thread 0's compute and wait, the slowest thread's compu
 they streamed at (thread 0's compute time). perf (tools/profile_decode.py) says which functions take the CPU time;
 this says which nodes take the wall time, and which of them leave a thread idle (one computes, the other waits).
 
---depth N times the decode steps (or prompt batches) after a context of N tokens (llama-bench's -d: the context is computed first, in
-batches of 512, untimed); -ctk/-ctv pick the KV cache's types (f16, q8_0, ...), --fa flash attention (auto, as
-llama-bench). --stock-way runs MODEL the "stock way": no sidecar, llama.cpp's CPU repacking off
-(repack=False) and every RAPIDMOE_* kernel switch off (STOCK_WAY_ENV): what upstream's kernels do with the same file.
+--depth N times the decode steps (or --pp prompt batches) after a context of N tokens (llama-bench's -d: the
+context is computed first, in batches of 512, untimed); -ctk/-ctv pick the KV cache's types (f16, q8_0, ...), --fa
+flash attention (auto, as llama-bench). --stock-way runs MODEL the "stock way": no sidecar, llama.cpp's CPU
+repacking off (repack=False) and every RAPIDMOE_* kernel switch off (STOCK_WAY_ENV): what upstream's kernels do with
+the same file.
 
 Usage: python tools/profile_nodes.py MODEL.wq.gguf [--residual WR.gguf -r 1 | --stock-way] [-t 2] [--steps 64]
-       [--pp 512 | --depth 4096] [-ctk f16 -ctv f16] [--fa auto] [--top 30] [--json OUT]
+       [--pp 512] [--depth 4096] [-ctk f16 -ctv f16] [--fa auto] [--top 30] [--json OUT]
 """
 from __future__ import annotations
 

@@ -97,6 +97,19 @@ def blocks(msg: Any) -> list[tuple[str, Any]]:
     return out
 
 
+# ---- bad input ----
+
+def test_non_boolean_stream_is_refused_before_it_is_queued(qwen3: ServerProc) -> None:
+    """`stream` that is not a boolean answers 400 on both routes mapped onto the chat path, and no generation runs
+    for the request (the check came after queueing: a 1500-token answer then ran for nobody)."""
+    for path, body in (("/v1/messages", {"model": "tiny", "max_tokens": 1500, "messages": MSGS, "stream": "yes"}),
+                       ("/v1/responses", {"model": "tiny", "max_output_tokens": 1500, "input": "hi", "stream": 1})):
+        status, r = qwen3.request("POST", path, body)
+        assert status == 400 and "stream" in json.dumps(r), (path, r)
+        status, slots = qwen3.request("GET", "/slots")
+        assert status == 200 and not any(x["is_processing"] for x in slots), (path, slots)
+
+
 # ---- plain answers ----
 
 def test_messages_greedy_answer_and_usage(qwen3: ServerProc) -> None:

@@ -174,8 +174,9 @@ def one_answer(st: AppState, req: Request, chat: dict[str, Any], cs: ChatSetup, 
     mapped body): `start(the first event)`, `add(delta)` for each piece, `end(Finished)` after the last; an error
     after the first event as `error_event`."""
     feed = _answer_deltas(cs)
+    stream = get_bool(chat, "stream", False)  # a bad value is a 400 before anything is queued
     ts = submit(st, jobs_for([(cs.toks, cs.prompt)], cs.params, 1))
-    if not get_bool(chat, "stream", False):
+    if not stream:
         def final(got: list[tuple[str, Finished]]) -> dict[str, Any]:
             text, fin = got[0]
             return whole(feed(text, True), fin)

@@ -98,31 +98,31 @@ inline void rapidmoe_q3_K_x8_scales32(const uint8_t * sc, __m512i sc32[4]) {
     }
 }
 
-// per row c (int32 lane c): the sum over sub-blocks of (scale - 32) x the activation's 16-value sum (bsums: Q8_K's
-// 16 int16), by one vpdpwssd per 4 sub-blocks (each 32-bit lane's pair of sums broadcast to its 8 rows); the exact
-// integers a madd per pair of sub-blocks gives (it took 24 instructions a row and block, about a tenth of the gemm)
-inline __m256i rapidmoe_q3_K_x8_scaled_bsums(const __m512i sc32[4], const void * bsums) {
-    const __m512i pairs = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) bsums));  // int32 lane g
+// per row c (int32 lane c): the sum over sub-blocks of (scale - 32) x the activation's 16-value sums, by one
+// vpdpwssd per 4 sub-blocks (each 32-bit lane's pair of sums broadcast to its 8 rows); the exact integers a madd per
+// pair of sub-blocks gives (it took 24 instructions a row and block, about a tenth of the gemm). The sums lie in the
+// 32 int32 of (lo, hi), the pair of sub-blocks 4j + 2h, 4j + 2h + 1 at first + stride j + h
+inline __m256i rapidmoe_q3_K_x8_scaled_pairs(const __m512i sc32[4], __m512i lo, __m512i hi, int first, int stride) {
     __m512i offs = _mm512_setzero_si512();
     for (int j = 0; j < 4; j++) {  // lanes 0-7: the sums of sub-blocks 4j, 4j + 1; lanes 8-15: 4j + 2, 4j + 3
-        const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1);
-        offs = _mm512_dpwssd_epi32(offs, sc32[j], _mm512_permutexvar_epi32(idx, pairs));
+        const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(first + stride * j),
+                                               _mm256_set1_epi32(first + stride * j + 1), 1);
+        offs = _mm512_dpwssd_epi32(offs, sc32[j], _mm512_permutex2var_epi32(lo, idx, hi));
     }
     return _mm256_add_epi32(_mm512_castsi512_si256(offs), _mm512_extracti64x4_epi64(offs, 1));
 }
 
-// rapidmoe_q3_K_x8_scaled_bsums for row r of a block_q8_Kx4 (bsums: its 64 int16, ggml_quantize_mat_q8_K_4x8's
-// order: row r's sum of values 16 g .. 16 g + 15 at 16 (g / 4) + 4 r + g % 4, so its pair of sub-blocks 2 g', 2 g' + 1
-// is int32 8 (g' / 2) + 2 r + g' % 2)
+// ... against a plain Q8_K row (bsums: its 16 int16, pair g at int32 g)
+inline __m256i rapidmoe_q3_K_x8_scaled_bsums(const __m512i sc32[4], const void * bsums) {
+    const __m512i pairs = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) bsums));
+    return rapidmoe_q3_K_x8_scaled_pairs(sc32, pairs, pairs, 0, 2);
+}
+
+// ... against row r of a block_q8_Kx4 (bsums: its 64 int16, ggml_quantize_mat_q8_K_4x8's order: row r's sum of
+// values 16 g .. 16 g + 15 at 16 (g / 4) + 4 r + g % 4, so its pair g' at int32 8 (g' / 2) + 2 r + g' % 2)
 inline __m256i rapidmoe_q3_K_x8_scaled_bsums_x4(const __m512i sc32[4], const int16_t * bsums, int r) {
-    const __m512i lo = _mm512_loadu_si512((const void *) bsums);
-    const __m512i hi = _mm512_loadu_si512((const void *) (bsums + 32));
-    __m512i offs = _mm512_setzero_si512();
-    for (int j = 0; j < 4; j++) {
-        const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(8 * j + 2 * r), _mm256_set1_epi32(8 * j + 2 * r + 1), 1);
-        offs = _mm512_dpwssd_epi32(offs, sc32[j], _mm512_permutex2var_epi32(lo, idx, hi));
-    }
-    return _mm256_add_epi32(_mm512_castsi512_si256(offs), _mm512_extracti64x4_epi64(offs, 1));
+    return rapidmoe_q3_K_x8_scaled_pairs(sc32, _mm512_loadu_si512((const void *) bsums),
+                                         _mm512_loadu_si512((const void *) (bsums + 32)), 2 * r, 8);
 }
 #endif
 

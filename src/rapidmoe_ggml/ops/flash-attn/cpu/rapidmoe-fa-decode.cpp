@@ -262,7 +262,7 @@ struct QueriesQ8 {
     static constexpr int LANES = MAX_DIM / 4;   // a query's dpbusd lanes: 16 per 64 values
     alignas(64) int8_t q[MAX_DIM];             // the quantized values
     alignas(64) int32_t bias[LANES];           // -128 x the sum of each lane's 4 values
-    alignas(64) float scale[LANES];            // each lane's block scale
+    float scale[MAX_DIM / Q8_0_BLOCK];         // each block's scale
     int32_t block_bias[MAX_DIM / Q8_0_BLOCK];  // -128 x the sum of each block's 32 values
 };
 
@@ -279,11 +279,11 @@ inline void quantize_query(const float * x, int dk, QueriesQ8 & out) {
         const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
         _mm_store_si128((__m128i *) (out.q + b * Q8_0_BLOCK), _mm512_cvtepi32_epi8(qlo));
         _mm_store_si128((__m128i *) (out.q + b * Q8_0_BLOCK + 16), _mm512_cvtepi32_epi8(qhi));
+        out.scale[b] = d;
         out.block_bias[b] = 0;
         for (int l = 0; l < Q8_0_BLOCK / 4; l++) {
             const int8_t * v = out.q + b * Q8_0_BLOCK + 4 * l;
             out.bias[b * 8 + l] = -128 * (v[0] + v[1] + v[2] + v[3]);
-            out.scale[b * 8 + l] = d;
             out.block_bias[b] += out.bias[b * 8 + l];
         }
     }
@@ -433,7 +433,7 @@ void scores_int_tiles(const QueriesQ8 * qs, const char * k, size_t k_stride, con
                         a1 = _mm512_dpbusd_epi32(a1, _mm512_load_si512(t + u + 1), _mm512_set1_epi32(qw[u + 1]));
                     }
                     sum[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)),
-                                             _mm512_mul_ps(kscale, _mm512_set1_ps(qh.scale[b * 8])), sum[h]);
+                                             _mm512_mul_ps(kscale, _mm512_set1_ps(qh.scale[b])), sum[h]);
                 }
             }
             for (int h = 0; h < QB; h++) {
@@ -546,7 +546,7 @@ void scores_int_rows(const QueriesQ8 * qs, const char * k, size_t k_stride, size
     for (int a = 0; a < NA; a++) {
         kidx_lanes[a] = a / P / RG * P + a % P;
         for (int b = 0; b < dk / Q8_0_BLOCK; b++) {
-            qscale[b * 16 + a] = qs[a / P].scale[b * 8];
+            qscale[b * 16 + a] = qs[a / P].scale[b];
         }
     }
     const __m512i kidx = _mm512_load_si512(kidx_lanes);

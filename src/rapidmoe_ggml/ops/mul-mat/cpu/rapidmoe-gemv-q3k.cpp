@@ -231,36 +231,34 @@ namespace {
 template <int R>
 void gemm_rows(int nb, float * s, size_t bs, const void * vx, const void * vy, int y0, int nc,
                std::vector<block_q8_K> & rows) {
-#if RAPIDMOE_Q3_K_512
-    if (!rapidmoe_gemm_avx2_only()) {  // the groups read in place
-        const block_q8_Kx4 * a4[R / 4 + 1];
-        for (int g = 0; g < R / 4; g++) {
-            a4[g] = (const block_q8_Kx4 *) vy + (int64_t) (y0 / 4 + g) * nb;
-        }
-        for (int x = 0; x < nc / 8; x++) {
-            float * out[R];
-            for (int r = 0; r < R; r++) {
-                out[r] = s + (int64_t) (y0 + r) * bs + 8 * x;
-            }
-            gemv_512<R, true>(nb, (const rapidmoe_block_q3_Kx8 *) vx + (int64_t) x * nb, nullptr, out, a4);
-        }
-        return;
-    }
-#endif
-    rows.resize((size_t) R * nb);
+    const block_q8_Kx4 * a4[R / 4 + 1];
     for (int g = 0; g < R / 4; g++) {
-        rapidmoe_q8_Kx4_rows((const block_q8_Kx4 *) vy + (int64_t) (y0 / 4 + g) * nb, nb, rows.data() + 4 * g * nb);
+        a4[g] = (const block_q8_Kx4 *) vy + (int64_t) (y0 / 4 + g) * nb;
     }
-    const block_q8_K * ra[R];
-    for (int r = 0; r < R; r++) {
-        ra[r] = rows.data() + (size_t) r * nb;
+    const bool in_place = RAPIDMOE_Q3_K_512 && !rapidmoe_gemm_avx2_only();  // the VNNI kernel reads the groups
+    const block_q8_K * ra[R] = {};
+    if (!in_place) {  // the portable code reads plain rows
+        rows.resize((size_t) R * nb);
+        for (int g = 0; g < R / 4; g++) {
+            rapidmoe_q8_Kx4_rows(a4[g], nb, rows.data() + 4 * g * nb);
+        }
+        for (int r = 0; r < R; r++) {
+            ra[r] = rows.data() + (size_t) r * nb;
+        }
     }
     for (int x = 0; x < nc / 8; x++) {
+        const auto * wx = (const rapidmoe_block_q3_Kx8 *) vx + (int64_t) x * nb;
         float * out[R];
         for (int r = 0; r < R; r++) {
             out[r] = s + (int64_t) (y0 + r) * bs + 8 * x;
         }
-        gemv_rows<R>(nb, (const rapidmoe_block_q3_Kx8 *) vx + (int64_t) x * nb, ra, out);
+#if RAPIDMOE_Q3_K_512
+        if (in_place) {
+            gemv_512<R, true>(nb, wx, nullptr, out, a4);
+            continue;
+        }
+#endif
+        gemv_rows<R>(nb, wx, ra, out);
     }
 }
 

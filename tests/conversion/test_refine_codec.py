@@ -13,8 +13,10 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as np_dequantize
 from testkit import ROOT
+from typer.testing import CliRunner
 
 from rapidmoe import ModelFileError
+from rapidmoe.cli.app import app
 from rapidmoe.ggufio import GGUFFile, copy_metadata, tensor_rows
 from rapidmoe.placement.realize import sidecar_preset
 from rapidmoe.resplit import Preset, check_pair, convert, get_preset, read_sidecar_meta
@@ -309,6 +311,13 @@ def test_convert_writes_a_refine_pair(micro: Path, tmp_path: Path, preset: str) 
         # comparison with Q4_K is made on trained weights, where it is meaningful: test_errors_against_ggml_...)
         assert rel["critical"] < rel["wq_only"] / 1.8 and rel["wq_only"] < 1.3 * rel["Q3_K"]
     assert res.report["bits"]["critical"] == 4.4375  # type: ignore[index]
+    # inspect lists the sidecar's bit planes at one bit per weight (its table once left .rf out)
+    shown = CliRunner().invoke(app, ["inspect", str(res.wr_path)])
+    assert shown.exit_code == 0, shown.output
+    for role in ("gate", "up", "down"):
+        rf = side.tensor(f"blk.0.ffn_{role}_exps.rf")
+        line = f"{role:8s} rf     I8          1  {int(rf.n_bytes) / 1e6:9.2f}  1.000"
+        assert line in shown.output, shown.output
     assert res.report["codec"] == "q3k-refine1"
     table = format_table(res.report).splitlines()
     assert table[0].split()[-3:] == ["Q3_K", "Q4_K", "Q8_0"] and "REFINE1 bits" in table[2]

@@ -7,10 +7,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..moe_tensors import COPY, RESIDUAL, WEIGHT, parse_expert
+from ..moe_tensors import REFINE, SIDECAR_FORMS, WEIGHT, parse_expert
 
-# the forms listed: a model's weights and the residual codec's sidecar tensors
-LISTED_FORMS = (WEIGHT, RESIDUAL, COPY)
+# the forms listed: a model's weights and every sidecar form (residual, down's copy, the refine codec's bit planes)
+LISTED_FORMS = (WEIGHT, *SIDECAR_FORMS)
+# model weights one tensor element holds: the refine codec's I8 .rf packs one bit of each of 8 weights
+WEIGHTS_PER_ELEMENT = {REFINE: 8}
 
 
 def inspect(
@@ -53,7 +55,7 @@ def inspect(
             key = (e.role, e.suffix, t.tensor_type.name)
             kinds[key] += 1
             n_bytes[key] += int(t.n_bytes)
-            n_elems[key] += int(t.n_elements)
+            n_elems[key] += int(t.n_elements) * WEIGHTS_PER_ELEMENT.get(e.suffix, 1)
     if kinds:
         typer.echo("  expert tensors (role, form, type): layers, MB, bits/weight")
         for key in sorted(kinds):

@@ -24,8 +24,9 @@ File layout (little-endian):
              per MoE layer: ids     [rows, k] uint8/uint16 (id_bytes), in the order llama.cpp chose them
                             weights [rows, k] float16
                             with "predicted", for every MoE layer but the last: pred [rows, k] ids, the top-k of
-                            the NEXT MoE layer's router applied to this layer's FFN input (`ffn_norm-<il>`): what
-                            MoEpic's predictor would prefetch for the next layer
+                            the NEXT MoE layer's router applied to this layer's router input (the FFN input,
+                            `ffn_norm-<il>` in most graphs): what MoEpic's predictor would prefetch for the next
+                            layer
 
 A token costs n_moe * k * (id_bytes + 2) bytes, plus (n_moe - 1) * k * id_bytes with predictions (DeepSeek-V3:
 58 * 8 * 3 = 1392). The file is written under a temporary name and renamed when the recorder closes, so a trace is
@@ -297,7 +298,9 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     return Trace(header, tuple(steps))
 
 
-INPUT_NAME = "ffn_norm"  # the normalised FFN input of a layer: what its router reads
+# what a layer's router reads (its normalised FFN input): the second source of its router matmul, whatever the
+# architecture named that tensor (ffn_norm in most graphs, attn_post_norm in qwen3next's family)
+INPUT_NAME = "ffn_moe_logits-{il}#src1"
 
 
 class NextLayerPredictor:
@@ -351,7 +354,7 @@ class TraceRecorder:
         self.predictor = predictor if len(self.moe_layers) > 1 else None
         self._names = [(f"{TOPK_NAME}-{il}", f"{WEIGHTS_NAME}-{il}") for il in self.moe_layers]
         names = [n for pair in self._names for n in pair]
-        self._inputs = [f"{INPUT_NAME}-{il}" for il in self.moe_layers[:-1]] if self.predictor else []
+        self._inputs = [INPUT_NAME.format(il=il) for il in self.moe_layers[:-1]] if self.predictor else []
         self.callback = _core.TensorCapture(names + self._inputs)
         meta = {"weights": WEIGHTS_NAME, "predicted": self.predictor is not None,
                 "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **meta}

@@ -12,14 +12,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from arch_sweep import make_models, sweep_one
 from gguf import GGUFValueType
 from reference.gguf_copy import rewrite
 
 from rapidmoe import Llama, ModelFileError
+from rapidmoe._runtime import _core
 from rapidmoe.calibration.measure import calibrate_latency
-from rapidmoe.ggufio import GGUFFile
+from rapidmoe.ggufio import GGUFFile, tensor_f32
 from rapidmoe.placement.cache.config import CachePolicyError
 from rapidmoe.placement.cache.moepic import moepic_for_cache, moepic_layers, wq_expert_bytes
 from rapidmoe.resplit import convert, get_preset
@@ -176,14 +178,19 @@ def test_a_layer_the_split_cannot_reach_is_refused_at_load(vocab_dir: Path, tmp_
             llm.close()
 
 
-@pytest.mark.parametrize("arch", ["deepseek2", "hy_v3"])
+# what each graph names a layer's normalised FFN input, the reference for the trace's next-layer predictions (the
+# recorder reads the router matmul's input, whatever its name)
+FFN_INPUT = {"deepseek2": "ffn_norm", "hy_v3": "ffn_norm", "qwen35moe": "attn_post_norm"}
+
+
+@pytest.mark.parametrize("arch", sorted(FFN_INPUT))
 def test_merged_gate_up_layers_are_seen_by_trace_calibration_and_moepic(arch_models: dict[str, Path], arch: str,
                                                                         tmp_path: Path) -> None:
     """Models whose MoE layers store gate and up as one ffn_gate_up_exps tensor (deepseek2: layer 0 dense, layer 1
-    MoE; hy_v3: both layers MoE, so the trace's next-layer predictions too): tracing, the latency calibration's layer
-    count and the MoEpic planner see every MoE layer, as conversion does (they once counted ffn_up_exps tensors and
-    saw none). Not qwen35moe and its kin: their graphs name the FFN input attn_post_norm, not the ffn_norm the
-    trace's predictions read."""
+    MoE; hy_v3 and qwen35moe: every layer MoE, so the trace's next-layer predictions too): tracing, the latency
+    calibration's layer count and the MoEpic planner see every MoE layer, as conversion does (they once counted
+    ffn_up_exps tensors and saw none). The predictions are the next layer's router applied to the FFN input, which
+    qwen35moe's graph names attn_post_norm (tracing it once failed, reading ffn_norm)."""
     src = arch_models[arch]
     names = [t.name for t in GGUFFile(src).tensors]
     assert any(n.endswith(".ffn_gate_up_exps.weight") for n in names)
@@ -199,8 +206,28 @@ def test_merged_gate_up_layers_are_seen_by_trace_calibration_and_moepic(arch_mod
         llm.close()
     tr = read_trace(out)
     assert list(tr.header.moe_layers) == want and tr.n_tokens == 8
-    ids, _ = tr.token_matrix()
+    ids, pred = tr.token_matrix()
     assert ids.shape == (8, len(want), tr.header.k) and (ids >= 0).all()  # every layer routed every token
+    assert tr.predicted == (len(want) > 1)
+    if pred is not None:  # against the next router on the named FFN input, captured by a second run
+        cap = _core.TensorCapture([f"{FFN_INPUT[arch]}-{il}" for il in want[:-1]])
+        llm = Llama(src, n_ctx=64, n_batch=16, n_ubatch=16, logits_all=True, verbose=False, n_threads=2,
+                    eval_callback=cap)
+        try:
+            llm.eval(list(range(1, 9)))
+        finally:
+            llm.close()
+        gf = GGUFFile(src)
+        for m, il in enumerate(want[:-1]):
+            x = np.concatenate([a.reshape(-1, a.shape[-1]) for a in cap.get(f"{FFN_INPUT[arch]}-{il}")])
+            score = x @ tensor_f32(gf.tensor(f"blk.{want[m + 1]}.ffn_gate_inp.weight")).T
+            if gf.get(f"{gf.get('general.architecture')}.expert_gating_func") == 2:  # sigmoid (+ selection bias)
+                score = 1.0 / (1.0 + np.exp(-score))
+                bias = f"blk.{want[m + 1]}.exp_probs_b.bias"
+                if any(t.name == bias for t in gf.tensors):
+                    score = score + tensor_f32(gf.tensor(bias))
+            top = np.argsort(-score, axis=1, kind="stable")[:, : tr.header.k]
+            assert np.array_equal(np.sort(pred[:, m + 1], axis=1), np.sort(top, axis=1)), (arch, il)
     res = convert(src, tmp_path / "conv", get_preset("cpu"), progress=False)
     lat = calibrate_latency(res.wq_path, res.wr_path, threads=2, r_values=[0, 1, 2], drop_r_values=[1],
                             decode_tokens=2, prefill_batch=8, repeats=1, progress=False)

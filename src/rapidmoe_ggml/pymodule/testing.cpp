@@ -20,6 +20,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace nb = nanobind;
@@ -191,19 +192,33 @@ float refine_dot(U8_1 wq, U8_1 bits, F32_1 x, bool reference) {
     return rapidmoe_llama_refine_dot(n, wq.data(), bits.data(), x.data(), reference);
 }
 
+// A name "NODE#src1" captures the second source of the graph node NODE (e.g. "ffn_moe_logits-3#src1": the input the
+// router of layer 3 multiplies, whatever the architecture named it), read when NODE has been computed
+constexpr const char * SRC1_SUFFIX = "#src1";
+
 struct TensorCapture {
-    std::vector<std::string> names;  // exact graph tensor names, e.g. "ffn_moe_out-0"
+    std::vector<std::string> names;  // exact graph tensor names, e.g. "ffn_moe_out-0", or "NODE#src1"
     std::map<std::string, std::vector<std::vector<float>>> data;  // name -> one entry per computation
     std::map<std::string, std::vector<std::vector<int64_t>>> shapes;  // one per computation (batches differ)
     std::mutex mutex;
 
-    bool wants(const ggml_tensor * t) const {
+    static bool readable(const ggml_tensor * t) {
+        return t != nullptr && (t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_I32);
+    }
+
+    // the tensors to copy when node t has been computed, each with the name it is kept under
+    std::vector<std::pair<std::string, const ggml_tensor *>> wanted(const ggml_tensor * t) const {
+        std::vector<std::pair<std::string, const ggml_tensor *>> out;
         for (const auto & n : names) {
-            if (n == t->name) {
-                return t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_I32;
+            if (n == t->name && readable(t)) {
+                out.emplace_back(n, t);
+            } else if (n.size() > std::strlen(SRC1_SUFFIX) && n.compare(n.size() - std::strlen(SRC1_SUFFIX),
+                       std::string::npos, SRC1_SUFFIX) == 0 &&
+                       n.compare(0, n.size() - std::strlen(SRC1_SUFFIX), t->name) == 0 && readable(t->src[1])) {
+                out.emplace_back(n, t->src[1]);
             }
         }
-        return false;
+        return out;
     }
 };
 
@@ -243,19 +258,19 @@ bool read_as_float(const ggml_tensor * t, std::vector<float> & v) {
 
 bool capture_callback(ggml_tensor * t, bool ask, void * user_data) {
     auto * c = static_cast<TensorCapture *>(user_data);
+    const auto wanted = c->wanted(t);
     if (ask) {
-        return c->wants(t);
-    }
-    if (!c->wants(t)) {
-        return true;
+        return !wanted.empty();
     }
     std::lock_guard<std::mutex> lock(c->mutex);
-    std::vector<float> v;
-    if (!read_as_float(t, v)) {
-        return true;  // only tensors with contiguous rows are captured
+    for (const auto & [name, x] : wanted) {
+        std::vector<float> v;
+        if (!read_as_float(x, v)) {
+            continue;  // only tensors with contiguous rows are captured
+        }
+        c->data[name].push_back(std::move(v));
+        c->shapes[name].push_back({ x->ne[3], x->ne[2], x->ne[1], x->ne[0] });
     }
-    c->data[t->name].push_back(std::move(v));
-    c->shapes[t->name].push_back({ t->ne[3], t->ne[2], t->ne[1], t->ne[0] });
     return true;
 }
 
@@ -316,7 +331,7 @@ void bind_testing(nb::module_ & m) {
           "mapping that holds its middle (\"\" if none): \"hg\" = huge pages advised. Frees the buffer.");
     nb::class_<TensorCapture>(m, "TensorCapture",
         "Copies the named F32 or I32 graph tensors (I32 as exact floats; views with contiguous rows too) each time\n"
-        "a llama_context computes them (eval callback).")
+        "a llama_context computes them (eval callback); a name \"NODE#src1\" copies node NODE's second source.")
         .def("__init__", [](TensorCapture * c, std::vector<std::string> names) {
             new (c) TensorCapture();
             c->names = std::move(names);

@@ -9,14 +9,20 @@ tg), pp = one --pp-token batch after the same D tokens (llama-bench's pp512 @ dD
   then times the next batch, which the context keeps (the protocol of ik_llama.cpp's sweep-bench);
 - ik_llama.cpp (bench/ik_peer.py): its llama-sweep-bench with run-time repacking (-rtr) over the same depths
   (--sweep-stride: only the windows at the depths, and those between them, are measured), the same protocol;
-- stock llama.cpp (tools/stock_llama.py): its llama-bench -d D -p PP -n TG (each test fills its own context).
+- stock llama.cpp (tools/stock_llama.py): its llama-bench -d D -p PP -n TG (each test fills its own context); or,
+  with --stock-states DIR, bench/depth_state.cpp built against stock's libllama: the same pp and tg tests, each from
+  the depth's context restored from a state file (as llama-bench restores a depth between its repetitions), the
+  file written once into DIR by the same program built against our libllama filling the same stock file. Stock's
+  own fill of 32k tokens takes over 40 minutes here; a step's time depends on the cache's size, not its values.
 Every engine runs 2 threads, one process per point and KV type, each under the cpu lock, the points in alternating
 order over --reps passes (medians). The context of the deepest runs is large: --depths 32768 fills 32k tokens once
 per point in a sweep (twice per depth for stock's llama-bench); budget its reps and tg with that in mind.
 
   python bench/bench_depth.py --ik build/ik-src [--presets refine-hq=1,cpu-fast=1] [--stock-types Q4_K_M]
       [--ik-types Q4_K_M] [--depths 0,4096,16384,32768] [--kv f16,q8_0] [--tg 16] [--pp 512] [--reps 1]
-Writes --out (JSON), its .md table and .png plot beside it.
+      [--stock-states bench/out/depth-states]
+Writes --out (JSON), its .md table and .png plot beside it. `--merge A.json B.json ...` writes one table and plot
+from earlier runs' files (their rows together, the first file's baseline; each run keeps its own command).
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ from typing import Any
 
 from common import cpu_name, pair_dir, pyplot
 from ik_peer import locate_or_build, tool
+
+from rapidmoe._runtime import LIB_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -121,6 +129,40 @@ def run_stock(bench: Path, model: Path, depths: list[int], pp: int, tg: int, kv:
     return res
 
 
+def build_depth_state(lib: Path, out: Path) -> Path:
+    """bench/depth_state.cpp linked (rpath) to the libllama in lib."""
+    inc = ROOT / "vendor" / "llama.cpp"
+    subprocess.run(_locked(["g++", "-O2", "-std=c++17", str(ROOT / "bench" / "depth_state.cpp"),
+                            f"-I{inc / 'include'}", f"-I{inc / 'ggml' / 'include'}", f"-L{lib}", "-lllama", "-lggml",
+                            "-lggml-base", f"-Wl,-rpath,{lib}", "-o", str(out)]), check=True)
+    return out
+
+
+def run_depth_state(exe: Path, model: Path, depths: list[int], pp: int, tg: int, kv: str, threads: int,
+                    *extra: str) -> dict[int, dict[str, float]]:
+    cmd = [str(exe), str(model), "--kv", kv, "--threads", str(threads), "--pp", str(pp), "--tg", str(tg),
+           "--depths", ",".join(map(str, depths)), *extra]
+    out = subprocess.run(_locked(cmd), capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    return {int(r["depth"]): {"tg": r["tg"], "pp": r["pp"], "source": r["source"]} for r in rows}
+
+
+def run_stock_restored(exes: tuple[Path, Path], model: Path, depths: list[int], pp: int, tg: int, kv: str,
+                       threads: int, states: Path) -> dict[int, dict[str, float]]:
+    """Stock's libllama at each depth restored from states[/model-kv-dD.state], written first by our libllama."""
+    ours, stock = exes
+    states.mkdir(parents=True, exist_ok=True)
+    missing = [d for d in depths if d and not (states / f"{model.name}-{kv}-d{d}.state").exists()]
+    if missing:
+        run_depth_state(ours, model, depths, pp, tg, kv, threads, "--save", str(states))
+    res = run_depth_state(stock, model, depths, pp, tg, kv, threads, "--load", str(states))
+    if any(v["source"] != "state" for d, v in res.items() if d):
+        raise RuntimeError(f"stock filled a depth it should have restored: {res}")
+    return res
+
+
 def run_ik(sweep: Path, model: Path, depths: list[int], pp: int, tg: int, kv: str,
            threads: int) -> dict[int, dict[str, float]]:
     """ik's llama-sweep-bench (-rtr): tg then pp at every measured window of pp tokens; the windows at the depths."""
@@ -157,7 +199,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     depths = sorted({r["depth"] for r in rows})
     lines = [f"`{result['command']}`", "",
              f"{result['threads']} threads, pp{result['pp']} and tg{result['tg']} at each depth, flash attention on, "
-             f"median of {result['reps']} pass(es); ik_llama.cpp {result['ik_commit']}; {result['cpu']}", ""]
+             f"median of {result['reps']} pass(es); ik_llama.cpp {result['ik_commit']}; {result['cpu']}" +
+             (f"; stock's contexts {result['stock_depths']}" if result.get("stock_depths") else ""), ""]
     for kv in result["kv"]:
         for what, key in (("decode", "tg_tps"), ("prefill", "pp_tps")):
             lines += [f"### {what} tok/s, KV cache {kv} (ratio to {result['baseline']} at the same depth)", "",
@@ -196,8 +239,39 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def merge(files: list[Path]) -> dict[str, Any]:
+    """Earlier runs' results as one: rows together (a variant, KV type and depth from one file only)."""
+    runs = [json.loads(f.read_text()) for f in files]
+    seen: set[tuple[str, str, int]] = set()
+    for run in runs:
+        for r in run["rows"]:
+            key = (r["kv"], r["variant"], r["depth"])
+            if key in seen:
+                raise SystemExit(f"{key} is in more than one of {[str(f) for f in files]}")
+            seen.add(key)
+    first = runs[0]
+    return {**first, "command": "`; `".join(r["command"] for r in runs),
+            "kv": list(dict.fromkeys(k for r in runs for k in r["kv"])),
+            "depths": sorted({d for r in runs for d in r["depths"]}),
+            "ik_commit": next((r["ik_commit"] for r in runs if r.get("ik_commit")), None),
+            "stock_depths": next((r["stock_depths"] for r in runs if r.get("stock_depths") and
+                                  any(x["variant"].startswith("stock ") for x in r["rows"])), None),
+            "baseline": next((r["baseline"] for r in runs if r["baseline"].startswith("stock ")), first["baseline"]),
+            "merged": [str(f) for f in files], "rows": [x for r in runs for x in r["rows"]]}
+
+
+def write_result(result: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    md = to_markdown(result)
+    out.with_suffix(".md").write_text(md + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(md)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, help="earlier runs' JSON files: one table")
     ap.add_argument("--ik", type=Path, default=None, help="ik_llama.cpp build folder or source (bench/ik_peer.py)")
     ap.add_argument("--model-stem", default="synthetic-qwen3moe-bench")
     ap.add_argument("--presets", default="refine-hq=1,cpu-fast=1", help="our pairs and their r: NAME=R,...")
@@ -209,8 +283,13 @@ def main() -> int:
     ap.add_argument("--tg", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--stock-states", type=Path, default=None,
+                    help="stock at each depth restored from state files in this folder (bench/depth_state.cpp)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "depth.json")
     args = ap.parse_args()
+    if args.merge:
+        write_result(merge(args.merge), args.out)
+        return 0
     depths = sorted(int(x) for x in args.depths.split(",") if x)
     if any(d % args.pp for d in depths):
         ap.error("depths must be multiples of --pp (the sweeps fill the context in whole batches)")
@@ -221,6 +300,11 @@ def main() -> int:
     ik = locate_or_build(args.ik) if args.ik is not None and args.ik_types else None
     sweep = tool(ik, "llama-sweep-bench") if ik is not None else None
     stock_bench = build_stock(["llama-bench"]) / "llama-bench" if args.stock_types else None
+    restored: tuple[Path, Path] | None = None
+    if args.stock_states is not None and stock_bench is not None:
+        args.stock_states.mkdir(parents=True, exist_ok=True)
+        restored = (build_depth_state(LIB_DIR, args.stock_states / "depth_state-ours"),
+                    build_depth_state(stock_bench.parent, args.stock_states / "depth_state-stock"))
     points: dict[str, tuple[str, Any]] = {}
     for t in (t for t in args.stock_types.split(",") if t):
         points[f"stock {t}"] = ("stock", WORK / f"{args.model_stem}.{t}.gguf")
@@ -239,7 +323,9 @@ def main() -> int:
             t0 = time.perf_counter()
             if kind == "stock":
                 assert stock_bench is not None
-                res = run_stock(stock_bench, spec, depths, args.pp, args.tg, kv, args.threads)
+                res = (run_stock_restored(restored, spec, depths, args.pp, args.tg, kv, args.threads,
+                                          args.stock_states) if restored and args.stock_states
+                       else run_stock(stock_bench, spec, depths, args.pp, args.tg, kv, args.threads))
             elif kind == "ik":
                 assert sweep is not None
                 res = run_ik(sweep, spec, depths, args.pp, args.tg, kv, args.threads)
@@ -256,14 +342,11 @@ def main() -> int:
     result = {"command": " ".join(["python", "bench/bench_depth.py", *sys.argv[1:]]), "threads": args.threads,
               "pp": args.pp, "tg": args.tg, "reps": args.reps, "kv": kvs, "depths": depths,
               "ik_commit": ik.commit if ik is not None else None, "cpu": cpu_name(),
+              "stock_depths": None if stock_bench is None else
+              "restored from states written by our libllama" if restored else "filled by llama-bench",
               "baseline": next((n for n in points if n.startswith("stock ")), next(iter(points))),
               "rows": _median_rows(times)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    md = to_markdown(result)
-    args.out.with_suffix(".md").write_text(md + "\n")
-    plot(result, args.out.with_suffix(".png"))
-    print(md)
+    write_result(result, args.out)
     return 0
 
 

@@ -13,7 +13,8 @@ tg), pp = one --pp-token batch after the same D tokens (llama-bench's pp512 @ dD
   with --stock-states DIR, bench/depth_state.cpp built against stock's libllama: the same pp and tg tests, each from
   the depth's context restored from a state file (as llama-bench restores a depth between its repetitions), the
   file written once into DIR by the same program built against our libllama filling the same stock file. Stock's
-  own fill of 32k tokens takes over 40 minutes here; a step's time depends on the cache's size, not its values.
+  own fill of 32k tokens would take about two hours here with a q8_0 cache (pp512 at 4.6 tok/s at 16k, 2.4 at
+  32k); a step's time depends on the cache's size, not its values.
 Every engine runs 2 threads, one process per point and KV type, each under the cpu lock, the points in alternating
 order over --reps passes (medians). The context of the deepest runs is large: --depths 32768 fills 32k tokens once
 per point in a sweep (twice per depth for stock's llama-bench); budget its reps and tg with that in mind.
@@ -139,7 +140,8 @@ def build_depth_state(lib: Path, out: Path) -> Path:
 
 
 def run_depth_state(exe: Path, model: Path, depths: list[int], pp: int, tg: int, kv: str, threads: int,
-                    *extra: str) -> dict[int, dict[str, float]]:
+                    *extra: str) -> dict[int, dict[str, Any]]:
+    """depth_state's JSON lines by depth: tg and pp (tok/s), source ("fill" or "state")."""
     cmd = [str(exe), str(model), "--kv", kv, "--threads", str(threads), "--pp", str(pp), "--tg", str(tg),
            "--depths", ",".join(map(str, depths)), *extra]
     out = subprocess.run(_locked(cmd), capture_output=True, text=True)
@@ -150,10 +152,10 @@ def run_depth_state(exe: Path, model: Path, depths: list[int], pp: int, tg: int,
 
 
 def run_stock_restored(exes: tuple[Path, Path], model: Path, depths: list[int], pp: int, tg: int, kv: str,
-                       threads: int, states: Path) -> dict[int, dict[str, float]]:
-    """Stock's libllama at each depth restored from states[/model-kv-dD.state], written first by our libllama."""
+                       threads: int, states: Path) -> dict[int, dict[str, Any]]:
+    """Stock's libllama at each depth restored from states/<model>-<kv>-d<D>.state (depth_state.cpp's state_path),
+    written first by our libllama."""
     ours, stock = exes
-    states.mkdir(parents=True, exist_ok=True)
     missing = [d for d in depths if d and not (states / f"{model.name}-{kv}-d{d}.state").exists()]
     if missing:
         run_depth_state(ours, model, depths, pp, tg, kv, threads, "--save", str(states))

@@ -20,6 +20,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -194,7 +195,7 @@ float refine_dot(U8_1 wq, U8_1 bits, F32_1 x, bool reference) {
 
 // A name "NODE#src1" captures the second source of the graph node NODE (e.g. "ffn_moe_logits-3#src1": the input the
 // router of layer 3 multiplies, whatever the architecture named it), read when NODE has been computed
-constexpr const char * SRC1_SUFFIX = "#src1";
+constexpr std::string_view SRC1_SUFFIX = "#src1";
 
 struct TensorCapture {
     std::vector<std::string> names;  // exact graph tensor names, e.g. "ffn_moe_out-0", or "NODE#src1"
@@ -210,11 +211,12 @@ struct TensorCapture {
     std::vector<std::pair<std::string, const ggml_tensor *>> wanted(const ggml_tensor * t) const {
         std::vector<std::pair<std::string, const ggml_tensor *>> out;
         for (const auto & n : names) {
-            if (n == t->name && readable(t)) {
+            const std::string_view name(n);
+            const size_t node_len = name.size() - SRC1_SUFFIX.size();  // meaningful only with the suffix
+            const bool of_src1 = name.size() > SRC1_SUFFIX.size() && name.substr(node_len) == SRC1_SUFFIX;
+            if (!of_src1 && name == t->name && readable(t)) {
                 out.emplace_back(n, t);
-            } else if (n.size() > std::strlen(SRC1_SUFFIX) && n.compare(n.size() - std::strlen(SRC1_SUFFIX),
-                       std::string::npos, SRC1_SUFFIX) == 0 &&
-                       n.compare(0, n.size() - std::strlen(SRC1_SUFFIX), t->name) == 0 && readable(t->src[1])) {
+            } else if (of_src1 && name.substr(0, node_len) == t->name && readable(t->src[1])) {
                 out.emplace_back(n, t->src[1]);
             }
         }

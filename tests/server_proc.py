@@ -48,9 +48,9 @@ class ServerProc:
         argv = cmd or [sys.executable, "-m", "rapidmoe.cli", "serve", str(model)]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), *args]
         self._log = open(log_path, "w")
-        # a child that ends with this process: a killed pytest leaks no server
+        # a child that ends with this process: a killed pytest leaks no server; a crash prints every thread's stack
         self.proc = _children.spawn(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
         self.wait_ready(ready_timeout)
 
     @property

@@ -5,6 +5,7 @@ resident twice (their mapped pages beside the repacked copy) and the sidecar was
 same loads measured with RAPIDMOE_KEEP_MAPPED=1 RAPIDMOE_SIDECAR_MMAP=0 (the old behaviour) miss the plan."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -48,6 +49,35 @@ llm.close()
 if srv is not None:
     srv.__exit__(None, None, None)
 print(json.dumps({"rss": b[0] + b[1] - a[0] - a[1], "file": b[1] - a[1], "plan": want, "plan_file": want_file}))
+"""
+
+# Loads a model with a progress callback that reads /proc/self/maps: the regions that map the model file, at each
+# callback before the last (the loader unmaps what it does not use in place just before that one).
+HOLES = """
+import ctypes, json, sys
+from rapidmoe._runtime import llama_cpp as lc
+from rapidmoe.rpc import RPCServer, model_devices, register_rpc_servers
+path, mode = sys.argv[1], sys.argv[2]
+seen = []
+@lc.llama_progress_callback
+def progress(value, _):
+    if value < 1.0:
+        spans = [line.split()[0] for line in open("/proc/self/maps") if line.rstrip().endswith(path)]
+        seen.append(sorted(tuple(int(x, 16) for x in s.split("-")) for s in spans))
+    return True
+p = lc.llama_model_default_params()
+p.progress_callback = progress
+srv = None
+if mode == "rpc":
+    srv = RPCServer(threads=1).__enter__()
+    devs = model_devices(register_rpc_servers([srv.endpoint]))
+    p.devices, p.n_gpu_layers = ctypes.addressof(devs), 99
+model = lc.llama_model_load_from_file(path.encode(), p)
+assert model
+lc.llama_model_free(model)
+if srv is not None:
+    srv.__exit__(None, None, None)
+print(json.dumps(seen))
 """
 
 
@@ -116,3 +146,24 @@ def test_the_fallback_rule_is_the_builds_on_this_cpu() -> None:
         for shape, op in (((2048, 768, 128), "mul_mat_id"), ((2048, 4096), "mul_mat"), ((2048, 100), "mul_mat"),
                           ((2048, 4), "mul_mat")):
             assert built(ty, shape, op, 8) == static(ty, shape, op, 8), (ty, shape, op)
+
+
+@pytest.mark.slow
+@pytest.mark.native
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc/self/maps (Linux)")
+@pytest.mark.parametrize("mode", ["rpc", "cpu"])
+def test_released_pages_leave_no_hole_in_the_mapping(pairs: dict[str, tuple[Path, Path]], tiny_qwen: Path,
+                                                     mode: str) -> None:
+    """Patch 0022 drops a copied weight's pages but keeps their addresses mapped until the loader's own final unmap.
+    That unmap covers every byte not used in place (the whole file when a model is offloaded whole): a hole unmapped
+    earlier could meanwhile hold another mapping, such as a new thread's stack, and it would be unmapped under it
+    (serve --rpc ... -ngl 99 crashed in pthread_create about one load in 13). Offloaded whole to an rpc-server, and
+    repacked on the CPU: the file's mapping stays one region while the weights are copied out of it."""
+    model = tiny_qwen if mode == "rpc" else pairs["cpu"][0]
+    out = subprocess.run([sys.executable, "-c", HOLES, str(model), mode], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(seen) > 3 and all(spans for spans in seen), seen[:3]  # the callback ran while weights were copied
+    holes = [(i, a, b) for i, spans in enumerate(seen) for (_, a), (b, _) in itertools.pairwise(spans) if b > a]
+    assert not holes, f"{len(holes)} holes, the first: {holes[0]}"

@@ -30,7 +30,6 @@ e = asan_env(Path("build/asan"))
 print(" ".join(f"{k}={e[k]}" for k in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS", "PYTHONPATH", "SKBUILD_EDITABLE_SKIP")))') \
         nice -n 15 python3 -m pytest -q -s -p no:cacheprovider "${@:-tests/fuzzing/test_fuzz_regressions.py}" \
         tests/engine/test_abort_message.py tests/engine/test_engine_safety.py tests/engine/test_long_lines.py 2>&1 | tee "$LOG" || rc=$?
-    rc=${PIPESTATUS[0]:-$rc}
     if grep -q "ERROR: AddressSanitizer\|runtime error:\|UndefinedBehaviorSanitizer" "$LOG"; then
         echo "asan_build: sanitizer reports in $LOG:" >&2
         grep "SUMMARY\|runtime error:" "$LOG" | sort | uniq -c >&2

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Under tools/asan_build.sh --test (AddressSanitizer preloaded): its shadow memory, redzones and quarantine add tens
+# of MB of RSS, so the resident-memory checks do not apply; and every program started with this environment gets the
+# preload too (chromedriver exits at once), so such programs are started without it (SANITIZER_FREE_ENV).
+SANITIZED = "libasan" in os.environ.get("LD_PRELOAD", "")
+
+
+def sanitizer_free_env() -> dict[str, str]:
+    """This process's environment without the sanitizer preload: for programs that are not ours (a browser)."""
+    return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
 
 # The prompt the engine tests tokenize (repeated_text(n) where they need more tokens).
 TEXT = b"The mixture of experts routes every token to a few experts; the rest of the network is dense."

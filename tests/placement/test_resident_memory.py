@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from testkit import SANITIZED
 
 from rapidmoe.placement.resident import _cpu_flags, _x86_rule, machine_repacks, process_memory, used_in_place
 from rapidmoe.placement.tensors import TensorShape
@@ -110,6 +111,7 @@ def _measure(wq: Path, wr: Path, mode: str, env: dict[str, str] | None = None) -
 @pytest.mark.slow
 @pytest.mark.native
 @pytest.mark.skipif(process_memory() is None, reason="needs /proc/self/status (Linux)")
+@pytest.mark.skipif(SANITIZED, reason="AddressSanitizer's shadow memory and redzones add to RSS")
 @pytest.mark.parametrize(("preset", "mode"), [("refine-hq", "cpu"), ("cpu", "cpu"), ("cpu", "cache")])
 def test_rss_after_load_is_the_plans(pairs: dict[str, tuple[Path, Path]], preset: str, mode: str) -> None:
     wq, wr = pairs[preset]

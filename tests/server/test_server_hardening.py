@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from server_proc import ServerProc, read_all, sse_json
+from testkit import SANITIZED
 
 from rapidmoe.server import app
 from rapidmoe.server.api import serving
@@ -241,7 +242,7 @@ def test_many_concurrent_streams_all_complete(tiny_qwen: Path, tmp_path: Path) -
                 texts.append(list(ex.map(client, range(n))))
             rss.append(_rss_kib(s.proc.pid))
         assert texts[0] == texts[1]  # greedy: the same answers whatever the interleaving
-        assert rss[1] - rss[0] < 16 * 1024, rss
+        assert rss[1] - rss[0] < 16 * 1024 or SANITIZED, rss  # AddressSanitizer's quarantine holds freed memory
         _, m = s.request("GET", "/metrics")
         assert f'rapidmoe:http_requests_total{{route="/v1/completions",status="200"}} {2 * n}' in m
     finally:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from server_proc import ServerProc
+from testkit import sanitizer_free_env
 
 webdriver = pytest.importorskip("selenium.webdriver")
 Image = pytest.importorskip("PIL.Image")
@@ -48,7 +49,7 @@ def browser() -> Iterator[Any]:
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                 "--window-size=1200,800"):
         opts.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    driver = webdriver.Chrome(service=Service(DRIVER, env=sanitizer_free_env()), options=opts)
     driver.set_page_load_timeout(30)
     yield driver
     driver.quit()

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Under tools/asan_build.sh --test (AddressSanitizer preloaded): its shadow memory, redzones and quarantine add tens
 # of MB of RSS, so the resident-memory checks do not apply; and every program started with this environment gets the
-# preload too (chromedriver exits at once), so such programs are started without it (SANITIZER_FREE_ENV).
+# preload too (chromedriver exits at once), so such programs are started without it
+# (sanitizer_free_env).
 SANITIZED = "libasan" in os.environ.get("LD_PRELOAD", "")
 
 

@@ -159,8 +159,8 @@ def test_released_pages_leave_no_hole_in_the_mapping(pairs: dict[str, tuple[Path
     """Patch 0022 drops a copied weight's pages but keeps their addresses mapped until the loader's own final unmap.
     That unmap covers every byte not used in place (the whole file when a model is offloaded whole): a hole unmapped
     earlier could meanwhile hold another mapping, such as a new thread's stack, and it would be unmapped under it
-    (serve --rpc ... -ngl 99 crashed in pthread_create about one load in 13). Offloaded whole to an rpc-server, and
-    repacked on the CPU: the file's mapping stays one region while the weights are copied out of it."""
+    (serve --rpc ... -ngl 99 crashed in pthread_create within 4 to 13 loads in a loop). Offloaded whole to an
+    rpc-server, and repacked on the CPU: the file's mapping stays one region while the weights are copied out of it."""
     model = tiny_qwen if mode == "rpc" else pairs["cpu"][0]
     out = subprocess.run([sys.executable, "-c", HOLES, str(model), mode], capture_output=True, text=True,
                          timeout=300)
